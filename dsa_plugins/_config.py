@@ -1,0 +1,68 @@
+"""Settings read from the environment, and the one-time warning helper.
+
+- ``DSA_PLUGINS_BACKEND``: default backend of every op, "auto" | "tilelang" | "torch" (default "auto").
+- ``DSA_PLUGINS_CHECK_INDICES=1``: check every index against its range before running (costs a
+  device->host sync per call; for debugging).
+- ``DSA_PLUGINS_DETERMINISTIC=1``: bitwise run-to-run stable backward kernels (slower; see README).
+- ``DSA_PLUGINS_AUTOLOAD=0``: do not install the framework import hooks at ``import torch``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+logger = logging.getLogger("dsa_plugins")
+
+BACKENDS = ("auto", "tilelang", "torch")
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def default_backend() -> str:
+    value = os.environ.get("DSA_PLUGINS_BACKEND", "auto").strip().lower() or "auto"
+    if value not in BACKENDS:
+        raise ValueError(f"DSA_PLUGINS_BACKEND must be one of {BACKENDS}, got {value!r}")
+    return value
+
+
+def resolve_backend(backend: str | None) -> str:
+    """``None`` -> the environment's default; otherwise validated as given."""
+    if backend is None:
+        return default_backend()
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def check_indices_enabled() -> bool:
+    return _flag("DSA_PLUGINS_CHECK_INDICES")
+
+
+def deterministic_enabled() -> bool:
+    return _flag("DSA_PLUGINS_DETERMINISTIC")
+
+
+def autoload_enabled() -> bool:
+    return os.environ.get("DSA_PLUGINS_AUTOLOAD", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def warn_once(key: str, message: str) -> None:
+    """Log ``message`` as a warning the first time ``key`` is seen in this process."""
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    logger.warning(message)
+
+
+def reset_warnings() -> None:
+    """Forget which warnings were given (tests)."""
+    with _warned_lock:
+        _warned.clear()

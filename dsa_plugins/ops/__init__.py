@@ -1,0 +1,33 @@
+"""Public ops: what users call. Every op runs the TileLang kernel or the torch reference by the
+backend rules in :mod:`dsa_plugins.ops.backend`."""
+
+from .backend import is_dsa_kernel_available, should_use_tilelang
+from .indexer import causal_key_windows, indexer_kl_loss, indexer_topk, tilelang_indexer_topk, topk_rows
+from .sparse_attention import (
+    DeepSeekV4SparseAttention,
+    DeepSeekV4SparseAttentionHeadChunked,
+    sparse_attention,
+    sparse_attention_head_chunked,
+    sparse_attn_tilelang,
+    sparse_attn_tilelang_head_chunked,
+    sparse_mla,
+    tilelang_sparse_attention,
+)
+
+__all__ = [
+    "DeepSeekV4SparseAttention",
+    "DeepSeekV4SparseAttentionHeadChunked",
+    "causal_key_windows",
+    "indexer_kl_loss",
+    "indexer_topk",
+    "is_dsa_kernel_available",
+    "should_use_tilelang",
+    "sparse_attention",
+    "sparse_attention_head_chunked",
+    "sparse_attn_tilelang",
+    "sparse_attn_tilelang_head_chunked",
+    "sparse_mla",
+    "tilelang_indexer_topk",
+    "tilelang_sparse_attention",
+    "topk_rows",
+]

@@ -1,0 +1,80 @@
+"""Backend choice: "auto" | "tilelang" | "torch".
+
+- "torch": always the reference path.
+- "tilelang": the kernel, or a RuntimeError that says why it cannot run.
+- "auto": the kernel when it can run, else the reference path with one warning per reason.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._config import resolve_backend, warn_once
+from ..kernels import KERNEL_GROUPS, KERNELS, kernel_unavailable_reason
+
+
+def is_dsa_kernel_available(name: str) -> bool:
+    """True when TileLang, the kernel code and a supported GPU are all present.
+
+    ``name``: a kernel ("sparse_attention_fwd", "sparse_attention_bwd", "indexer_topk", "topk_rows")
+    or an op group ("sparse_attention", "sparse_mla", "indexer", "topk").
+    """
+    if name not in KERNELS and name not in KERNEL_GROUPS:
+        raise ValueError(f"unknown DSA kernel {name!r}; known: {sorted(KERNELS) + sorted(KERNEL_GROUPS)}")
+    return kernel_unavailable_reason(name) is None
+
+
+def should_use_tilelang(
+    backend: str | None,
+    available: bool,
+    kernel_name: str,
+    tensors: tuple[torch.Tensor, ...] | list[torch.Tensor] = (),
+    require_bf16: bool = False,
+) -> bool:
+    """Decide kernel vs reference for one call (the NeMo AutoModel helper's contract).
+
+    ``available``: the caller's own knowledge that the kernel exists (False forces the fallback).
+    Raises RuntimeError for backend="tilelang" when the kernel cannot run on ``tensors``.
+    """
+    backend = resolve_backend(backend)
+    if backend == "torch":
+        return False
+    reason = None if available else f"the {kernel_name} kernel is not available"
+    if reason is None:
+        group = kernel_name if kernel_name in KERNELS or kernel_name in KERNEL_GROUPS else None
+        reason = kernel_unavailable_reason(group, tuple(tensors)) if group else None
+        if reason is None and not group:
+            reason = next((r for r in (_cuda_reason(t) for t in tensors) if r), None)
+    if reason is None and require_bf16:
+        bad = [t for t in tensors if t.is_floating_point() and t.dtype != torch.bfloat16]
+        if bad:
+            reason = f"the {kernel_name} kernel needs bfloat16 inputs, got {str(bad[0].dtype).replace('torch.', '')}"
+    return _decide(backend, kernel_name, reason)
+
+
+def _cuda_reason(t: torch.Tensor) -> str | None:
+    return None if t.is_cuda else f"inputs are on {t.device.type}, the kernels need CUDA tensors"
+
+
+def _decide(backend: str, kernel_name: str, reason: str | None) -> bool:
+    if reason is None:
+        return True
+    if backend == "tilelang":
+        raise RuntimeError(
+            f"dsa_plugins: backend='tilelang' was requested for {kernel_name}, but it cannot run: {reason}. "
+            "Use backend='auto' to fall back to the torch reference, or 'torch' to always use it."
+        )
+    warn_once(
+        f"fallback:{kernel_name}:{reason}",
+        f"dsa_plugins: {kernel_name} runs on the torch reference path ({reason}).",
+    )
+    return False
+
+
+def choose_kernel(backend: str | None, kernel_name: str, tensors: tuple[torch.Tensor, ...], extra_reason: str | None = None) -> bool:
+    """Internal form of should_use_tilelang: ``extra_reason`` is a shape the kernel does not support."""
+    backend = resolve_backend(backend)
+    if backend == "torch":
+        return False
+    reason = kernel_unavailable_reason(kernel_name, tensors) or extra_reason
+    return _decide(backend, kernel_name, reason)

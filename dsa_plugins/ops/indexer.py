@@ -1,0 +1,183 @@
+"""Lightning indexer + top-k, standalone top-k and the indexer KL loss: public ops.
+
+indexer_topk works on key *windows*: query t may see the global key rows
+``key_start[t] <= s < key_end[t]`` of index_k. Causality, sequence boundaries (varlen THD),
+context-parallel shards and padding all reduce to windows; ``causal_key_windows`` builds them
+from cu_seqlens (and cu_seqlens_padded / query_indices).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._config import check_indices_enabled, resolve_backend
+from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_scale, check_tensor
+from ..kernels import load_kernel
+from ..reference.indexer import causal_key_windows, indexer_topk_reference, topk_rows_reference
+from ..reference.indexer_loss import indexer_kl_loss_reference
+from .backend import choose_kernel
+
+__all__ = [
+    "causal_key_windows",
+    "indexer_kl_loss",
+    "indexer_topk",
+    "tilelang_indexer_topk",
+    "topk_rows",
+]
+
+
+def _indexer_shape_reason(index_q: Tensor, topk: int) -> str | None:
+    try:
+        fn = load_kernel("indexer_topk")
+    except Exception:
+        return None
+    import sys
+
+    check = getattr(sys.modules[fn.__module__], "unsupported_reason", None)
+    if check is None:
+        return None
+    return check(num_heads=index_q.shape[1], head_dim=index_q.shape[2], topk=topk, dtype=index_q.dtype)
+
+
+@torch.library.custom_op("dsa_plugins::indexer_topk", mutates_args=())
+def _indexer_topk_op(
+    index_q: Tensor, index_k: Tensor, weights: Tensor, key_start: Tensor, key_end: Tensor, topk: int, backend: str
+) -> Tensor:
+    if choose_kernel(backend, "indexer_topk", (index_q, index_k), _indexer_shape_reason(index_q, topk)):
+        return load_kernel("indexer_topk")(index_q, index_k, weights, key_start, key_end, topk)
+    return indexer_topk_reference(index_q, index_k, weights, topk, key_start, key_end)
+
+
+@_indexer_topk_op.register_fake
+def _(index_q, index_k, weights, key_start, key_end, topk, backend):
+    return index_q.new_empty(index_q.shape[0], topk, dtype=torch.int32)
+
+
+def _check_windows(key_start, key_end, tq: int, tk: int, device) -> tuple[Tensor, Tensor]:
+    for name, t in (("key_start", key_start), ("key_end", key_end)):
+        check_tensor(name, t, ndim=1, dtypes=INDEX_DTYPES, device=device, shape={0: tq})
+    if check_indices_enabled():
+        check_index_range("key_start", key_start, tk + 1)
+        check_index_range("key_end", key_end, tk + 1)
+    return key_start.to(torch.int32).contiguous(), key_end.to(torch.int32).contiguous()
+
+
+def indexer_topk(
+    index_q: Tensor, index_k: Tensor, weights: Tensor, topk: int, key_start: Tensor, key_end: Tensor,
+    backend: str | None = None,
+) -> Tensor:
+    """Top-k keys of the lightning indexer within each query's window.
+
+    index_q [T, Hi, Di] bf16 (rope applied); index_k [Tk, Di] same dtype; weights [T, Hi] float32 with the
+    softmax scale folded in (weights_proj(x) * Hi**-0.5 * Di**-0.5); key_start/key_end [T] int32.
+    Score I[t, s] = sum_h relu(<index_q[t,h], index_k[s]>) * weights[t,h].
+    Returns [T, topk] int32 global rows of index_k; -1 where the window has fewer than topk keys.
+    The order of the selected keys inside a row is unspecified (compare as sets).
+    """
+    check_tensor("index_q", index_q, ndim=3, dtypes=FLOAT_DTYPES)
+    device = index_q.device
+    tq, hi, di = index_q.shape
+    check_tensor("index_k", index_k, ndim=2, dtypes=(index_q.dtype,), device=device, shape={1: di})
+    check_tensor("weights", weights, ndim=2, dtypes=FLOAT_DTYPES, device=device, shape={0: tq, 1: hi})
+    topk = int(topk)
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1, got {topk}")
+    key_start, key_end = _check_windows(key_start, key_end, tq, index_k.shape[0], device)
+    weights = weights.float() if weights.dtype != torch.float64 else weights
+    return torch.ops.dsa_plugins.indexer_topk(
+        index_q.contiguous(), index_k.contiguous(), weights.contiguous(), key_start, key_end, topk,
+        resolve_backend(backend),
+    )
+
+
+def tilelang_indexer_topk(
+    index_q: Tensor,
+    index_k: Tensor,
+    head_weights: Tensor,
+    cu_seqlens: Tensor,
+    index_topk: int,
+    query_indices: Tensor | None = None,
+    cu_seqlens_padded: Tensor | None = None,
+) -> Tensor:
+    """Fused indexer top-k on packed (THD) sequences (NeMo AutoModel name).
+
+    index_q [T, Hi, Di] bf16; index_k [Tk, Di] bf16 (all tokens; with context parallelism the
+    all-gathered keys in global order); head_weights [T, Hi] fp32 (scale folded in);
+    cu_seqlens [N+1]; query_indices [T] global positions of the local query rows (CP shard);
+    cu_seqlens_padded [N+1] offsets in the padded layout (CP padding keys excluded).
+    Returns [T, 1, index_topk] int32 global rows of index_k, -1 where fewer keys are visible.
+    """
+    check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=INDEX_DTYPES)
+    tk = index_k.shape[0]
+    if query_indices is None and index_q.shape[0] != tk:
+        raise ValueError(
+            f"index_q has {index_q.shape[0]} rows and index_k {tk}: pass query_indices for a shard of queries"
+        )
+    start, end = causal_key_windows(
+        cu_seqlens.to(index_q.device), None if cu_seqlens_padded is None else cu_seqlens_padded.to(index_q.device),
+        None if query_indices is None else query_indices.to(index_q.device), num_tokens=tk,
+    )
+    return indexer_topk(index_q, index_k, head_weights, index_topk, start, end).unsqueeze(1)
+
+
+def topk_rows(scores: Tensor, lengths: Tensor | None, topk: int, backend: str | None = None) -> Tensor:
+    """Exact top-k per row: scores [R, N] float32, lengths [R] int32 (valid columns 0..len-1) or None.
+    Returns [R, topk] int32 column indices, -1 padded. Order inside a row unspecified."""
+    check_tensor("scores", scores, ndim=2, dtypes=FLOAT_DTYPES)
+    if lengths is not None:
+        check_tensor("lengths", lengths, ndim=1, dtypes=INDEX_DTYPES, device=scores.device, shape={0: scores.shape[0]})
+        lengths = lengths.to(torch.int32).contiguous()
+    topk = int(topk)
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1, got {topk}")
+    if choose_kernel(resolve_backend(backend), "topk_rows", (scores,)):
+        return load_kernel("topk_rows")(scores.contiguous(), lengths, topk)
+    return topk_rows_reference(scores, lengths, topk)
+
+
+def indexer_kl_loss(
+    index_q: Tensor, index_k: Tensor, weights: Tensor, q: Tensor, kv: Tensor, attn_lse: Tensor | None,
+    scale: float, topk_indices: Tensor | None = None, key_start: Tensor | None = None,
+    key_end: Tensor | None = None, sink: Tensor | None = None, backend: str | None = None,
+) -> Tensor:
+    """DeepSeek-V3.2 indexer loss KL(p_attn || softmax(I)), mean over query rows (packed layout).
+
+    index_q [T, Hi, Di], index_k [Tk, Di], weights [T, Hi]: the indexer's outputs (gradients flow
+    to these only). q [T, H, Dqk], kv [Tk, Dqk] (or [Tk, 1, Dqk]): the attention inputs (detached
+    here: the caller detaches the indexer's inputs from the main model). attn_lse [T, H] or None
+    (then the normaliser is recomputed over the same slots). Sparse stage: topk_indices [T, k]
+    (or [T, 1, k]) global rows, -1 = none. Dense warm-up: key_start/key_end [T] windows instead.
+    sink [H] (optional): the attention's per-head sink, included in the normaliser.
+    """
+    resolve_backend(backend)  # validated; the loss runs on the torch path in this release
+    check_tensor("index_q", index_q, ndim=3, dtypes=FLOAT_DTYPES)
+    device = index_q.device
+    t, hi, di = index_q.shape
+    check_tensor("index_k", index_k, ndim=2, dtypes=FLOAT_DTYPES, device=device, shape={1: di})
+    check_tensor("weights", weights, ndim=2, dtypes=FLOAT_DTYPES, device=device, shape={0: t, 1: hi})
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES, device=device, shape={0: t})
+    check_tensor("kv", kv, ndim=(2, 3), dtypes=FLOAT_DTYPES, device=device)
+    if kv.dim() == 3:
+        kv = kv.squeeze(1)
+    if kv.shape[0] != index_k.shape[0] or kv.shape[1] != q.shape[2]:
+        raise ValueError(f"kv must be [Tk={index_k.shape[0]}, Dqk={q.shape[2]}], got {tuple(kv.shape)}")
+    if attn_lse is not None:
+        check_tensor("attn_lse", attn_lse, ndim=2, dtypes=FLOAT_DTYPES, device=device, shape={0: t, 1: q.shape[1]})
+    if sink is not None:
+        check_tensor("sink", sink, ndim=1, dtypes=FLOAT_DTYPES, device=device, shape={0: q.shape[1]})
+    scale = check_scale(scale)
+    if topk_indices is not None:
+        check_tensor("topk_indices", topk_indices, ndim=(2, 3), dtypes=INDEX_DTYPES, device=device, shape={0: t})
+        topk_indices = topk_indices.reshape(t, -1)
+        if check_indices_enabled():
+            check_index_range("topk_indices", topk_indices, kv.shape[0])
+        # out-of-range rows are "no key", as everywhere
+        topk_indices = torch.where(topk_indices < kv.shape[0], topk_indices, -1)
+    else:
+        if key_start is None or key_end is None:
+            raise ValueError("indexer_kl_loss needs topk_indices (sparse) or key_start and key_end (dense)")
+        key_start, key_end = _check_windows(key_start, key_end, t, kv.shape[0], device)
+    return indexer_kl_loss_reference(
+        index_q, index_k, weights, q, kv, attn_lse, scale, topk_indices, key_start, key_end, sink
+    )

@@ -1,0 +1,118 @@
+"""Torch reference of the DeepSeek-V3.2 indexer KL loss (DSA.md 1.2), with its own backward.
+
+For each query row t over a slot set J(t) (sparse: the selected top-k; dense: the causal window):
+
+    p[t, j]  = sum_h exp(scale * <q[t,h], kv[j]> - lse'[t,h])  then L1-normalised over J(t)
+    I[t, j]  = sum_h relu(<index_q[t,h], index_k[j]>) * weights[t,h]
+    loss     = mean_t  sum_j p[t,j] * (log p[t,j] - log_softmax_J(I[t])[j])
+
+lse' is the attention normaliser: ``attn_lse`` (logaddexp'ed with the sink if one is given), or,
+when ``attn_lse`` is None, the log-sum-exp over J(t) itself (what the sparse attention computes
+in the sparse stage, and dense attention in the warm-up). p carries no gradient: the attention
+inputs are detached. dL/dI = (softmax_J(I) - p) / T gives d_index_q, d_index_k and d_weights.
+Rows whose set is empty contribute 0 (and count in the mean). Memory: chunks of rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_CHUNK_ELEMS = 1 << 25
+
+
+def _row_slots(t0, t1, topk_indices, key_start, key_end, device):
+    """(rows [c, n] int64 global key rows, 0 where invalid; valid [c, n]) for query rows t0..t1."""
+    if topk_indices is not None:
+        idx = topk_indices[t0:t1].long()
+        return idx.clamp_min(0), idx >= 0
+    starts, ends = key_start[t0:t1].long(), key_end[t0:t1].long()
+    lo = int(starts.min().item())
+    hi = int(ends.max().item())
+    cols = torch.arange(lo, max(hi, lo + 1), device=device)
+    valid = (cols.unsqueeze(0) >= starts.unsqueeze(1)) & (cols.unsqueeze(0) < ends.unsqueeze(1))
+    return cols.unsqueeze(0).expand_as(valid), valid
+
+
+def _chunk_terms(iq, ik_rows, w, q, kv_rows, valid, lse, sink, scale):
+    """Attention target p [c, n] (no grad), indexer logits relu part [c, Hi, n] and scores I [c, n]."""
+    s = torch.einsum("chd,cnd->chn", q, kv_rows) * scale
+    s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    norm = torch.logsumexp(s, dim=-1) if lse is None else lse
+    if sink is not None:
+        norm = torch.logaddexp(norm, sink.to(norm.dtype))
+    pa = torch.exp(s - norm.unsqueeze(-1)).nan_to_num(0.0).sum(1)  # [c, n]
+    total = pa.sum(-1, keepdim=True)
+    p = torch.where(total > 0, pa / total.clamp_min(torch.finfo(pa.dtype).tiny), torch.zeros_like(pa))
+    logits = torch.einsum("chd,cnd->chn", iq, ik_rows)
+    scores = torch.einsum("chn,ch->cn", logits.clamp_min(0), w).masked_fill(~valid, float("-inf"))
+    return p, logits, scores
+
+
+def _chunks(t_total, n_slots, heads):
+    step = max(1, _CHUNK_ELEMS // max(1, n_slots * heads))
+    for t0 in range(0, t_total, step):
+        yield t0, min(t0 + step, t_total)
+
+
+class IndexerKLLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, index_q, index_k, weights, q, kv, attn_lse, sink, topk_indices, key_start, key_end, scale):
+        cdt = torch.float64 if index_q.dtype == torch.float64 else torch.float32
+        t_total, h = q.shape[0], q.shape[1]
+        n_guess = topk_indices.shape[1] if topk_indices is not None else kv.shape[0]
+        loss = torch.zeros((), dtype=cdt, device=q.device)
+        for t0, t1 in _chunks(t_total, n_guess, max(h, index_q.shape[1])):
+            rows, valid = _row_slots(t0, t1, topk_indices, key_start, key_end, q.device)
+            lse = None if attn_lse is None else attn_lse[t0:t1].to(cdt)
+            p, _, scores = _chunk_terms(
+                index_q[t0:t1].to(cdt), index_k[rows].to(cdt), weights[t0:t1].to(cdt),
+                q[t0:t1].to(cdt), kv[rows].to(cdt), valid, lse, sink, scale,
+            )
+            logq = torch.log_softmax(scores, dim=-1)
+            term = torch.where(p > 0, p * (torch.log(p.clamp_min(torch.finfo(cdt).tiny)) - logq), torch.zeros_like(p))
+            loss = loss + term.sum()
+        ctx.save_for_backward(index_q, index_k, weights, q, kv, attn_lse, sink, topk_indices, key_start, key_end)
+        ctx.scale = scale
+        return loss / max(t_total, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        index_q, index_k, weights, q, kv, attn_lse, sink, topk_indices, key_start, key_end = ctx.saved_tensors
+        cdt = torch.float64 if index_q.dtype == torch.float64 else torch.float32
+        t_total, h = q.shape[0], q.shape[1]
+        d_iq = torch.zeros(index_q.shape, dtype=cdt, device=q.device)
+        d_ik = torch.zeros(index_k.shape, dtype=cdt, device=q.device)
+        d_w = torch.zeros(weights.shape, dtype=cdt, device=q.device)
+        coeff = grad.to(cdt) / max(t_total, 1)
+        n_guess = topk_indices.shape[1] if topk_indices is not None else kv.shape[0]
+        for t0, t1 in _chunks(t_total, n_guess, max(h, index_q.shape[1])):
+            rows, valid = _row_slots(t0, t1, topk_indices, key_start, key_end, q.device)
+            lse = None if attn_lse is None else attn_lse[t0:t1].to(cdt)
+            iq, ik_rows, w = index_q[t0:t1].to(cdt), index_k[rows].to(cdt), weights[t0:t1].to(cdt)
+            p, logits, scores = _chunk_terms(iq, ik_rows, w, q[t0:t1].to(cdt), kv[rows].to(cdt), valid, lse, sink, ctx.scale)
+            has_slot = valid.any(-1, keepdim=True)
+            d_scores = torch.where(has_slot, torch.softmax(scores, dim=-1).nan_to_num(0.0) - p, torch.zeros_like(p))
+            d_scores = d_scores.masked_fill(~valid, 0.0) * coeff  # [c, n]
+            d_w[t0:t1] = torch.einsum("cn,chn->ch", d_scores, logits.clamp_min(0))
+            d_logits = d_scores.unsqueeze(1) * w.unsqueeze(-1) * (logits > 0)  # [c, Hi, n]
+            d_iq[t0:t1] = torch.einsum("chn,cnd->chd", d_logits, ik_rows)
+            contrib = torch.einsum("chn,chd->cnd", d_logits, iq)
+            d_ik.index_add_(0, rows[valid], contrib[valid])
+        return (d_iq.to(index_q.dtype), d_ik.to(index_k.dtype), d_w.to(weights.dtype)) + (None,) * 8
+
+
+def indexer_kl_loss_reference(
+    index_q, index_k, weights, q, kv, attn_lse, scale: float,
+    topk_indices=None, key_start=None, key_end=None, sink=None,
+):
+    """Scalar loss; gradients flow to index_q [T,Hi,Di], index_k [Tk,Di], weights [T,Hi] only.
+
+    q [T,H,Dqk], kv [Tk,Dqk] (the attention's inputs, detached), attn_lse [T,H] or None,
+    topk_indices [T,k] (sparse, global rows of kv, -1 = none) or key_start/key_end [T] (dense).
+    """
+    return IndexerKLLoss.apply(
+        index_q, index_k, weights, q.detach(), kv.detach(),
+        None if attn_lse is None else attn_lse.detach(),
+        None if sink is None else sink.detach(),
+        topk_indices, key_start, key_end, scale,
+    )

@@ -1,0 +1,34 @@
+"""Shared test helpers: awkward index patterns and error measures."""
+
+from __future__ import annotations
+
+import torch
+
+
+def random_indices(b, s, k, skv, *, generator=None, invalid_frac=0.2, out_of_range=True, dup_frac=0.1, empty_rows=1):
+    """[b, s, k] int32 with -1 padding, out-of-range entries (< -1 and >= skv), duplicates and
+    `empty_rows` rows per batch with no valid slot."""
+    g = generator
+    idx = torch.randint(0, max(skv, 1), (b, s, k), generator=g)
+    r = torch.rand(b, s, k, generator=g)
+    idx = torch.where(r < invalid_frac, torch.full_like(idx, -1), idx)
+    if out_of_range:
+        idx = torch.where((r >= invalid_frac) & (r < invalid_frac + 0.05), idx + skv, idx)  # >= skv
+        idx = torch.where((r >= invalid_frac + 0.05) & (r < invalid_frac + 0.08), torch.full_like(idx, -7), idx)
+    if dup_frac and k > 1:
+        dup = torch.rand(b, s, k, generator=g) < dup_frac
+        idx = torch.where(dup, idx[..., :1].expand_as(idx), idx)
+    for bi in range(b):
+        for row in torch.randperm(s, generator=g)[: min(empty_rows, s)].tolist():
+            idx[bi, row] = -1
+    return idx.to(torch.int32)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (0 when both are 0); NaN/inf anywhere gives inf."""
+    a64, b64 = a.double(), b.double()
+    if not torch.isfinite(a64).all():
+        return float("inf")
+    denom = b64.norm().item()
+    diff = (a64 - b64).norm().item()
+    return diff / denom if denom > 0 else diff

@@ -1,0 +1,79 @@
+"""Public indexer ops on the reference path."""
+
+import pytest
+import torch
+
+import dsa_plugins
+from dsa_plugins import ops
+from dsa_plugins.reference import indexer_scores
+
+
+def _indexer_inputs(t, hi=4, di=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    iq = torch.randn(t, hi, di, generator=g)
+    ik = torch.randn(t, di, generator=g)
+    w = torch.rand(t, hi, generator=g) + 0.1  # positive weights: fewer exact ties at 0
+    return iq, ik, w
+
+
+def _check_topk(got, scores, start, end, topk):
+    for row in range(got.shape[0]):
+        n = int(end[row] - start[row])
+        chosen = [v for v in got[row].tolist() if v >= 0]
+        assert len(set(chosen)) == len(chosen) == min(n, topk)
+        assert all(start[row] <= v < end[row] for v in chosen)
+        best = torch.topk(scores[row], min(n, topk)).values if n else scores.new_zeros(0)
+        torch.testing.assert_close(scores[row, chosen].sort().values, best.sort().values)
+
+
+@pytest.mark.parametrize("topk", [1, 5, 64])
+def test_tilelang_indexer_topk_varlen(topk):
+    cu = torch.tensor([0, 4, 5, 21, 40], dtype=torch.int32)
+    iq, ik, w = _indexer_inputs(40, seed=topk)
+    got = dsa_plugins.tilelang_indexer_topk(iq.bfloat16(), ik.bfloat16(), w, cu, topk)
+    assert got.shape == (40, 1, topk) and got.dtype == torch.int32
+    start, end = ops.causal_key_windows(cu)
+    scores = indexer_scores(iq.bfloat16(), ik.bfloat16(), w, start, end)
+    _check_topk(got[:, 0], scores, start, end, topk)
+
+
+def test_tilelang_indexer_topk_context_parallel_shard():
+    cu = torch.tensor([0, 6, 13], dtype=torch.int32)
+    cu_padded = torch.tensor([0, 8, 16], dtype=torch.int32)
+    iq_all, ik, w_all = _indexer_inputs(16, seed=3)
+    local = torch.tensor([1, 2, 9, 14, 15, 6])  # a CP rank's query rows (global padded ids); 6 and 15 are padding
+    got = dsa_plugins.tilelang_indexer_topk(iq_all[local], ik, w_all[local], cu, 4, local, cu_padded)
+    start, end = ops.causal_key_windows(cu, cu_padded, local)
+    assert start.tolist() == [0, 0, 8, 8, 8, 0] and end.tolist() == [2, 3, 10, 15, 15, 6]
+    scores = indexer_scores(iq_all[local], ik, w_all[local], start, end)
+    _check_topk(got[:, 0], scores, start, end, 4)
+    assert not any(v in (6, 7, 15) for v in got.flatten().tolist())  # padding keys are never selected
+
+
+def test_topk_rows_op():
+    scores = torch.randn(3, 20)
+    got = ops.topk_rows(scores, torch.tensor([20, 2, 0], dtype=torch.int32), 4)
+    assert set(got[0].tolist()) == set(torch.topk(scores[0], 4).indices.tolist())
+    assert sorted(got[1].tolist()) == [-1, -1, 0, 1] and (got[2] == -1).all()
+
+
+def test_indexer_topk_opcheck():
+    iq, ik, w = _indexer_inputs(9)
+    start, end = ops.causal_key_windows(torch.tensor([0, 9]))
+    torch.library.opcheck(torch.ops.dsa_plugins.indexer_topk.default, (iq, ik, w, start, end, 3, "torch"))
+
+
+def test_indexer_kl_loss_op_sparse_and_dense():
+    t, h, d = 8, 2, 6
+    g = torch.Generator().manual_seed(0)
+    q, kv = torch.randn(t, h, d, generator=g), torch.randn(t, 1, d, generator=g)
+    iq, ik, w = (x.requires_grad_() for x in _indexer_inputs(t))
+    start, end = ops.causal_key_windows(torch.tensor([0, t]))
+    idx = ops.indexer_topk(iq.detach(), ik.detach(), w.detach(), 3, start, end)
+    sparse = ops.indexer_kl_loss(iq, ik, w, q, kv, None, 0.4, topk_indices=idx.unsqueeze(1))
+    dense = ops.indexer_kl_loss(iq, ik, w, q, kv, None, 0.4, key_start=start, key_end=end)
+    (sparse + dense).backward()
+    assert sparse.ndim == 0 and torch.isfinite(sparse) and torch.isfinite(dense)
+    assert all(torch.isfinite(x.grad).all() for x in (iq, ik, w))
+    with pytest.raises(ValueError, match="topk_indices .sparse. or key_start and key_end"):
+        ops.indexer_kl_loss(iq, ik, w, q, kv, None, 0.4)

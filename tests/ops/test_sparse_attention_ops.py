@@ -1,0 +1,114 @@
+"""Public sparse-attention ops on the reference path: layouts, seed API names, custom ops, compile."""
+
+import pytest
+import torch
+
+import dsa_plugins
+from dsa_plugins import ops
+from dsa_plugins.reference import sparse_attention_dense
+
+from ..helpers import random_indices
+
+
+def _batched(b=2, s=5, skv=9, h=4, d=16, k=6, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, s, h, d, generator=g, dtype=dtype)
+    kv = torch.randn(b, skv, d, generator=g, dtype=dtype)
+    idx = random_indices(b, s, k, skv, generator=g)
+    sink = torch.randn(h, generator=g, dtype=torch.float32)
+    return q, kv, idx, sink
+
+
+def test_sparse_attention_batched_and_packed_agree_with_dense():
+    q, kv, idx, sink = _batched()
+    out, lse = ops.sparse_attention(q, kv, idx, 0.25, sink=sink, dv=12, return_lse=True)
+    ref, ref_lse = sparse_attention_dense(q, kv, idx, 0.25, sink.double(), 12)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
+    # packed layout: batch 0 as THD with kv [Tkv, 1, D] and indices [T, 1, k]
+    out_p = ops.sparse_attention(q[0], kv[0].unsqueeze(1), idx[0].unsqueeze(1), 0.25, sink=sink, dv=12)
+    torch.testing.assert_close(out_p, ref[0])
+
+
+def test_seed_api_names_compute_reference_math():
+    q, kv, idx, sink = _batched(d=8)
+    scale = 8 ** -0.5
+    ref, _ = sparse_attention_dense(q, kv, idx, scale, sink.double())
+    torch.testing.assert_close(dsa_plugins.sparse_attn_tilelang(q, kv, sink, idx), ref)
+    torch.testing.assert_close(dsa_plugins.sparse_attn_tilelang_head_chunked(q, kv, sink, idx, 3), ref)
+    torch.testing.assert_close(dsa_plugins.DeepSeekV4SparseAttention.apply(q, kv, sink, idx, None), ref)
+    torch.testing.assert_close(dsa_plugins.DeepSeekV4SparseAttentionHeadChunked.apply(q, kv, sink, idx, 1, scale), ref)
+
+
+@pytest.mark.parametrize("max_heads", [1, 3, 4, 64])
+def test_head_chunked_gradients_match_unchunked(max_heads):
+    q, kv, idx, sink = _batched(seed=4)
+    sink = sink.double()
+    dout = torch.randn(*q.shape[:3], q.shape[3], dtype=torch.float64)
+    grads = []
+    for fn in (
+        lambda a, b, c: ops.sparse_attention(a, b, idx, 0.3, sink=c),
+        lambda a, b, c: ops.sparse_attention_head_chunked(a, b, idx, 0.3, max_heads, sink=c),
+        lambda a, b, c: ops.DeepSeekV4SparseAttentionHeadChunked.apply(a, b, c, idx, max_heads, 0.3),
+    ):
+        leaves = [t.clone().requires_grad_() for t in (q, kv, sink)]
+        (fn(*leaves) * dout).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            torch.testing.assert_close(a, b)
+
+
+def test_sparse_mla_and_tilelang_sparse_attention():
+    g = torch.Generator().manual_seed(1)
+    t, h, rank, rope, v = 7, 4, 12, 4, 6
+    q = torch.randn(t, h, rank + rope, generator=g, dtype=torch.float64)
+    kv = torch.randn(t, rank + rope, generator=g, dtype=torch.float64)
+    idx = random_indices(1, t, 5, t, generator=g)[0]
+    w_vc = torch.randn(h, v, rank, generator=g, dtype=torch.float64)
+    out = dsa_plugins.tilelang_sparse_attention(q, kv.unsqueeze(1), idx.unsqueeze(1), w_vc, 0.2)
+    latent, _ = sparse_attention_dense(q[None], kv[None], idx[None], 0.2, None, rank)
+    expected = torch.einsum("thc,hvc->thv", latent[0], w_vc)
+    assert out.shape == (t, h, v)
+    torch.testing.assert_close(out, expected)
+    # gradients reach q, kv_latent and w_vc
+    leaves = [x.clone().requires_grad_() for x in (q, kv, w_vc)]
+    ops.sparse_mla(leaves[0], leaves[1], idx, leaves[2], 0.2).sum().backward()
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in leaves)
+
+
+def test_zero_slots_and_empty_batch():
+    q, kv, _, _ = _batched()
+    out, lse = ops.sparse_attention(q, kv, torch.zeros(2, 5, 0, dtype=torch.int32), 1.0, return_lse=True)
+    assert torch.all(out == 0) and torch.isposinf(lse).all()
+    out = ops.sparse_attention(q[:, :0], kv, torch.zeros(2, 0, 3, dtype=torch.int32), 1.0)
+    assert out.shape == (2, 0, 4, 16)
+
+
+def test_int64_indices_accepted():
+    q, kv, idx, _ = _batched()
+    torch.testing.assert_close(ops.sparse_attention(q, kv, idx.long(), 0.5), ops.sparse_attention(q, kv, idx, 0.5))
+
+
+def test_custom_ops_pass_opcheck():
+    q, kv, idx, sink = _batched(dtype=torch.float32)
+    q.requires_grad_()
+    kv.requires_grad_()
+    sink = sink.clone().requires_grad_()
+    torch.library.opcheck(torch.ops.dsa_plugins.sparse_attention_fwd.default, (q, kv, idx, sink, 0.5, 16, "torch"))
+    torch.library.opcheck(torch.ops.dsa_plugins.sparse_attention_fwd.default, (q, kv, idx, None, 0.5, 8, "torch"))
+
+
+def test_torch_compile_traces_without_graph_breaks():
+    q, kv, idx, sink = _batched(dtype=torch.float32)
+
+    def layer(q_, kv_, sink_):
+        return ops.sparse_attention(q_ * 2, kv_, idx, 0.5, sink=sink_, backend="torch").sum()
+
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    leaves = [t.clone().requires_grad_() for t in (q, kv, sink)]
+    compiled(*leaves).backward()
+    leaves_e = [t.clone().requires_grad_() for t in (q, kv, sink)]
+    layer(*leaves_e).backward()
+    for a, b in zip(leaves, leaves_e):
+        torch.testing.assert_close(a.grad, b.grad)
