@@ -112,3 +112,35 @@ def test_torch_compile_traces_without_graph_breaks():
     layer(*leaves_e).backward()
     for a, b in zip(leaves, leaves_e):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_gradcheck_sparse_mla_float64():
+    g = torch.Generator().manual_seed(11)
+    t, h, rank, rope, v = 5, 2, 4, 2, 3
+    q = torch.randn(t, h, rank + rope, generator=g, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(t, rank + rope, generator=g, dtype=torch.float64, requires_grad=True)
+    w_vc = torch.randn(h, v, rank, generator=g, dtype=torch.float64, requires_grad=True)
+    idx = random_indices(1, t, 3, t, generator=g)[0]
+    assert torch.autograd.gradcheck(lambda a, b, c: ops.sparse_mla(a, b, idx, c, 0.7), (q, kv, w_vc))
+
+
+def test_packed_varlen_many_short_sequences_matches_per_sequence_batches():
+    """THD with causal per-sequence indices (global rows) equals running each sequence alone."""
+    g = torch.Generator().manual_seed(12)
+    lengths = [1, 2, 1, 5, 3, 1, 8, 2, 1, 4]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    t, h, d, k = int(cu[-1]), 3, 8, 4
+    q = torch.randn(t, h, d, generator=g, dtype=torch.float64)
+    kv = torch.randn(t, d, generator=g, dtype=torch.float64)
+    start, end = ops.causal_key_windows(cu)
+    # k random keys inside each query's causal window (global rows), -1 beyond the window size
+    r = torch.rand(t, k, generator=g, dtype=torch.float64)
+    width = (end - start).long().unsqueeze(1)
+    idx = (start.long().unsqueeze(1) + (r * width).long()).to(torch.int32)
+    idx = torch.where(torch.arange(k).unsqueeze(0) < width, idx, -1)
+    out = ops.sparse_attention(q, kv, idx, 0.4)
+    for i in range(len(lengths)):
+        a, b = int(cu[i]), int(cu[i + 1])
+        local = torch.where(idx[a:b] >= 0, idx[a:b] - a, -1)
+        ref, _ = sparse_attention_dense(q[None, a:b], kv[None, a:b], local[None], 0.4)
+        torch.testing.assert_close(out[a:b], ref[0])

@@ -1,0 +1,190 @@
+"""Scratch driver: timings of the TileLang indexer top-k and radix top-k on one GPU.
+
+    python benchmarks/kernels/bench_indexer.py [--out DIR] [--quick] [--sweep]
+
+Prints one line per measurement and appends rows to DIR/bench_indexer.csv.
+FLOPs of the indexer: 2 * Hi * Di per valid (causal) query-key pair, top-k time included.
+"""
+
+import argparse
+import csv
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from dsa_plugins.kernels import indexer as K  # noqa: E402
+from dsa_plugins.kernels import topk as TK  # noqa: E402
+
+
+def bench(fn, warmup=3, rep=10):
+    try:
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=100, return_mode="median")
+    except Exception:
+        pass
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rep):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+ROWS = []
+
+
+def report(**row):
+    ROWS.append(row)
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+
+
+def inputs(T, hi, di, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(T, hi, di, device="cuda", generator=g).bfloat16()
+    k = torch.randn(T, di, device="cuda", generator=g).bfloat16()
+    w = torch.randn(T, hi, device="cuda", generator=g) * (hi**-0.5 * di**-0.5)
+    ar = torch.arange(T, device="cuda", dtype=torch.int32)
+    return q, k, w, torch.zeros_like(ar), ar + 1
+
+
+def bench_topk():
+    torch.manual_seed(0)
+    x = torch.randn(64, 32768, device="cuda")
+    ref = torch.topk(x, 2048, dim=1).values
+    tr = bench(lambda: torch.topk(x, 2048, dim=1))
+    base = torch.arange(32768, device="cuda", dtype=torch.int32) + (127 << 23)
+    xc = torch.stack([base[torch.randperm(32768, device="cuda")] for _ in range(64)]).view(torch.float32)
+    for cfg in [None] + list(TK.SHIPPED_CONFIGS):
+        out = TK.topk_rows(x, None, 2048, config=cfg)
+        got = torch.sort(x.gather(1, out.long()), dim=1, descending=True).values
+        exact = bool(torch.equal(got, ref))
+        t = bench(lambda: TK.topk_rows(x, None, 2048, config=cfg))
+        t2 = bench(lambda: TK.topk_rows(xc, None, 2048, config=cfg))
+        report(case="radix_topk", shape="64x32768", k=2048, ms=t, torch_topk_ms=tr, exact=exact,
+               clustered_ms=t2, cfg=str(cfg or "default"))
+
+
+def bench_indexer(T, hi, di, k, config=None, split=True, topk_sweep=False):
+    q, kk, w, ks, ke = inputs(T, hi, di)
+    pairs = T * (T + 1) / 2
+    flops = 2.0 * hi * di * pairs
+    fn = lambda: K.indexer_topk(q, kk, w, ks, ke, k, config=config)  # noqa: E731
+    out_c = fn()
+    torch.cuda.synchronize()
+    t = bench(fn)
+    row = dict(case="indexer_topk", T=T, hi=hi, di=di, k=k, ms=t, tflops=flops / t / 1e9,
+               cfg=str(config or K.default_config(hi, di)))
+    if config is not None:
+        # same sets as the default configuration (the GPU tests verify the default)?
+        ref = K.indexer_topk(q, kk, w, ks, ke, k)
+        same = (torch.sort(out_c, 1).values == torch.sort(ref, 1).values).all(1).float().mean().item()
+        row["same_sets_as_default"] = same
+    del out_c
+    if split:
+        plan = K._Plan(q, kk, w, ks, ke, config, K.DEFAULT_MAX_CHUNK_BYTES)
+
+        def scores_only():
+            for c in plan.chunks:
+                plan.chunk_scores(c)
+
+        ts = bench(scores_only)
+        row.update(scores_ms=ts, scores_tflops=flops / ts / 1e9, chunks=len(plan.chunks))
+        try:
+            bufs = [plan.chunk_scores(c) for c in plan.chunks]
+            out = torch.empty(T, k, dtype=torch.int32, device="cuda")
+
+            def topk_only():
+                for r0, r1, base, s in bufs:
+                    plan.chunk_topk(r0, r1, base, s, k, out)
+
+            tt = bench(topk_only)
+            row.update(topk_ms=tt, topk_share=tt / t)
+            if topk_sweep:
+                for i, tc in enumerate(TK.SHIPPED_CONFIGS):
+                    def topk_cfg(tc=tc):
+                        for r0, r1, base, s in bufs:
+                            plan.chunk_topk(r0, r1, base, s, k, out, config=tc)
+
+                    row[f"topk_ms_cfg{i}"] = bench(topk_cfg)
+            del bufs
+        except torch.cuda.OutOfMemoryError:
+            row.update(topk_share_est=(t - ts) / t)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    row["peak_gib"] = peak
+    report(**row)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--compile-only", action="store_true")
+    args = ap.parse_args()
+    print("GPU:", torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+
+    sweep = [
+        {"heads": 64, "dim": 128, "block_q": 2, "block_k": 128, "threads": 256, "num_stages": 2, "ws": True},
+        {"heads": 64, "dim": 128, "block_q": 4, "block_k": 128, "threads": 256, "num_stages": 3, "ws": True},
+        {"heads": 64, "dim": 128, "block_q": 8, "block_k": 64, "threads": 256, "num_stages": 2, "ws": True,
+         "split_n": True},
+        {"heads": 64, "dim": 128, "block_q": 8, "block_k": 64, "threads": 256, "num_stages": 3, "ws": True,
+         "split_n": True},
+        {"heads": 32, "dim": 128, "block_q": 8, "block_k": 128, "threads": 256, "num_stages": 2, "ws": True},
+        {"heads": 32, "dim": 128, "block_q": 16, "block_k": 64, "threads": 256, "num_stages": 2, "ws": True,
+         "split_n": True},
+    ]
+    t0 = time.time()
+    cfgs = list(K.SHIPPED_CONFIGS) + (sweep if args.sweep else [])
+    with ThreadPoolExecutor(8) as ex:
+        futs = [ex.submit(K.build_indexer, c) for c in cfgs] + [ex.submit(TK.build_topk, c) for c in TK.SHIPPED_CONFIGS]
+        for f in futs:
+            try:
+                f.result()
+            except Exception as e:  # a sweep config that does not compile is reported, not fatal
+                print("compile failed:", repr(e)[:300], flush=True)
+    print(f"compiled {len(futs)} kernels in {time.time() - t0:.1f}s", flush=True)
+    if args.compile_only:
+        return
+
+    bench_topk()
+    bench_indexer(8192, 64, 128, 2048, topk_sweep=True)
+    if args.sweep:
+        for c in sweep:
+            try:
+                bench_indexer(8192, c["heads"], c["dim"], 2048, config=c, split=False)
+            except Exception as e:
+                print("sweep config failed:", c, repr(e)[:300], flush=True)
+    bench_indexer(8192, 32, 128, 2048)
+    if not args.quick:
+        bench_indexer(32768, 64, 128, 2048, topk_sweep=True)
+        bench_indexer(65536, 64, 128, 2048, topk_sweep=True)
+
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "bench_indexer.csv")
+    keys = sorted({k for r in ROWS for k in r})
+    with open(path, "a", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=keys)
+        if f.tell() == 0:
+            wr.writeheader()
+        for r in ROWS:
+            wr.writerow(r)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""CPU test: every shipped indexer / radix top-k configuration lowers and compiles for sm_90a.
+
+Needs TileLang and nvcc (no GPU). Also checks the pure-Python chunk planner.
+"""
+
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from dsa_plugins.kernels import indexer as K
+from dsa_plugins.kernels import topk as TK
+
+SM90 = {"kind": "cuda", "arch": "sm_90a"}
+
+
+def _need_toolchain():
+    pytest.importorskip("tilelang")
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not found")
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Every shipped program, compiled for sm_90a with one worker per CPU (nvcc runs in
+    subprocesses); an entry holds the exception if that configuration failed."""
+    _need_toolchain()
+    jobs = [("indexer", i, c) for i, c in enumerate(K.SHIPPED_CONFIGS)]
+    jobs += [("topk", i, c) for i, c in enumerate(TK.SHIPPED_CONFIGS)]
+
+    def build(job):
+        kind, _, cfg = job
+        try:
+            fn = K.build_indexer if kind == "indexer" else TK.build_topk
+            return fn(cfg, target=SM90).get_kernel_source()
+        except Exception as exc:  # reported by the test of that configuration
+            return exc
+
+    with ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as ex:
+        return {(kind, i): src for (kind, i, _), src in zip(jobs, ex.map(build, jobs))}
+
+
+def _src(compiled, key):
+    src = compiled[key]
+    if isinstance(src, Exception):
+        raise src
+    return src
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "i", range(len(K.SHIPPED_CONFIGS)),
+    ids=[f"h{c['heads']}d{c['dim']}q{c['block_q']}k{c['block_k']}" for c in K.SHIPPED_CONFIGS],
+)
+def test_indexer_configs_compile(compiled, i):
+    assert "wgmma" in _src(compiled, ("indexer", i))  # the score GEMM runs on Hopper tensor cores
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "i", range(len(TK.SHIPPED_CONFIGS)),
+    ids=[f"t{c['threads']}c{c['cap']}{'a' if c.get('agg') else ''}" for c in TK.SHIPPED_CONFIGS],
+)
+def test_topk_configs_compile(compiled, i):
+    assert "__global__" in _src(compiled, ("topk", i))
+
+
+def test_supported_shapes_and_configs():
+    assert callable(K.indexer_topk) and callable(TK.topk_rows)
+    assert K.unsupported_reason(64, 128, 2048) is None
+    assert K.unsupported_reason(32, 128, 4096) is None
+    assert K.unsupported_reason(12, 128, 2048) is not None
+    for cfg in K.SHIPPED_CONFIGS:
+        assert K.default_config(cfg["heads"], cfg["dim"]) == cfg
+    assert TK.config_for_rows(64, 32768) == TK.DEFAULT_CONFIG
+    assert TK.config_for_rows(8192, 8192) == TK.MANY_SHORT_ROWS_CONFIG
+    assert TK.config_for_rows(4096, 65536) == TK.MANY_LONG_ROWS_CONFIG
+    for cfg in (TK.DEFAULT_CONFIG, TK.MANY_SHORT_ROWS_CONFIG, TK.MANY_LONG_ROWS_CONFIG):
+        assert cfg in TK.SHIPPED_CONFIGS
+
+
+def test_plan_chunks_budget_and_cover():
+    rng = np.random.default_rng(0)
+    nqb = 500
+    lo = rng.integers(0, 50, nqb).astype(np.int32)
+    hi = (lo + rng.integers(0, 60, nqb)).astype(np.int32)
+    hi[::7] = lo[::7]  # empty blocks
+    bq, bk, budget = 2, 64, 2 * 64 * 4 * 40 * 5
+    chunks = K._plan_chunks(lo, hi, bq, bk, budget)
+    assert chunks[0][0] == 0 and chunks[-1][1] == nqb
+    for (a, b, base, wb), nxt in zip(chunks, chunks[1:] + [None]):
+        if nxt is not None:
+            assert nxt[0] == b
+        assert (b - a) * bq * wb * bk * 4 <= budget or b - a == 1
+        m = hi[a:b] > lo[a:b]
+        if m.any():
+            assert base <= lo[a:b][m].min() and base + wb >= hi[a:b][m].max()

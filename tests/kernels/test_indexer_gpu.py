@@ -1,0 +1,256 @@
+"""GPU tests of the TileLang indexer top-k and radix top-k (need a Hopper GPU and TileLang).
+
+References are written here in float64 torch. Top-k results are compared as sets: a kernel
+row is accepted when it has the right number of distinct valid indices, all inside the
+window, and every selected key scores at least the reference k-th largest score minus a
+small tolerance (fp32 accumulation vs float64); the exact set match rate is also checked.
+"""
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+tilelang = pytest.importorskip("tilelang")
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+if torch.cuda.is_available() and not _hopper():
+    pytestmark.append(pytest.mark.skip(reason="TileLang kernels need Hopper"))
+
+from dsa_plugins.kernels import indexer as K  # noqa: E402
+from dsa_plugins.kernels import topk as TK  # noqa: E402
+
+
+# ---------------------------------------------------------------- references
+def ref_scores(index_q, index_k, weights, rows, key_lo, key_hi):
+    """float64 scores [len(rows), key_hi-key_lo] for query rows `rows` and keys [key_lo, key_hi)."""
+    q = index_q[rows].double()
+    k = index_k[key_lo:key_hi].double()
+    w = weights[rows].double()
+    s = torch.zeros(q.shape[0], k.shape[0], dtype=torch.float64, device=q.device)
+    for h in range(q.shape[1]):
+        s += (q[:, h] @ k.T).relu() * w[:, h : h + 1]
+    return s
+
+
+def check_indexer_rows(out, index_q, index_k, weights, ks, ke, topk, rel_tol=2e-5, block=1024):
+    """Checks every row of `out` against float64 scores; returns the exact-set match rate."""
+    tq = out.shape[0]
+    exact = 0
+    ks_l, ke_l = ks.tolist(), ke.tolist()
+    for r0 in range(0, tq, block):
+        r1 = min(tq, r0 + block)
+        lo = max(0, min(ks_l[r0:r1]))
+        hi = max(lo, max(ke_l[r0:r1]))
+        s = ref_scores(index_q, index_k, weights, torch.arange(r0, r1, device=out.device), lo, hi)
+        cols = torch.arange(lo, hi, device=out.device)
+        mask = (cols[None] >= ks[r0:r1, None]) & (cols[None] < ke[r0:r1, None])
+        s = s.masked_fill(~mask, float("-inf"))
+        n = (ke[r0:r1] - ks[r0:r1]).clamp(min=0)
+        o = out[r0:r1].long()
+        kk = torch.clamp(n, max=topk)
+        slot = torch.arange(topk, device=out.device)[None]
+        valid = o >= 0
+        # as many valid slots as min(window, topk); the rest -1 (order inside a row unspecified)
+        assert torch.equal(valid.sum(1), kk), "wrong number of valid slots"
+        assert bool(((o >= ks[r0:r1, None]) | ~valid).all()), "index before the window"
+        assert bool(((o < ke[r0:r1, None]) | ~valid).all()), "index after the window"
+        srt = torch.sort(torch.where(valid, o, -1 - slot), dim=1).values
+        assert bool((srt[:, 1:] != srt[:, :-1]).all()), "duplicate indices"
+        if hi > lo:
+            ref_v, ref_i = torch.topk(s, min(topk, hi - lo), dim=1)
+            kth = ref_v.gather(1, (kk - 1).clamp(min=0)[:, None]).squeeze(1)
+            got = s.gather(1, (o - lo).clamp(min=0, max=max(hi - lo - 1, 0)))
+            got = torch.where(valid, got, torch.full_like(got, float("inf")))
+            scale = s.masked_fill(~mask, 0).abs().amax(1).clamp(min=1e-6)
+            ok = got >= (kth - rel_tol * scale)[:, None]
+            bad = (~ok).any(1) & (kk > 0)
+            assert not bool(bad.any()), f"{int(bad.sum())} rows select keys below the k-th score"
+            ref_i = torch.where(ref_v.isfinite(), ref_i + lo, torch.full_like(ref_i, -1))
+            for r in range(r1 - r0):
+                a = set(o[r][o[r] >= 0].tolist())
+                b = set(ref_i[r][: int(kk[r])].tolist())
+                exact += a == b
+        else:
+            exact += r1 - r0
+    return exact / max(tq, 1)
+
+
+def make_inputs(tq, tk, hi, di, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(tq, hi, di, device="cuda", generator=g).bfloat16()
+    k = torch.randn(tk, di, device="cuda", generator=g).bfloat16()
+    w = torch.randn(tq, hi, device="cuda", generator=g) * (hi**-0.5 * di**-0.5)
+    return q, k, w
+
+
+def causal_windows(seqlens, device="cuda"):
+    ks, ke = [], []
+    off = 0
+    for n in seqlens:
+        for t in range(n):
+            ks.append(off)
+            ke.append(off + t + 1)
+        off += n
+    return torch.tensor(ks, dtype=torch.int32, device=device), torch.tensor(ke, dtype=torch.int32, device=device)
+
+
+# ---------------------------------------------------------------- radix top-k
+TOPK_CONFIGS = pytest.mark.parametrize(
+    "cfg", TK.SHIPPED_CONFIGS, ids=lambda c: f"t{c['threads']}c{c['cap']}{'a' if c.get('agg') else ''}"
+)
+
+
+@TOPK_CONFIGS
+@pytest.mark.parametrize(
+    "R,N,k",
+    [(64, 32768, 2048), (7, 1000, 1), (5, 4099, 4096), (33, 777, 100), (3, 65536, 2048), (16, 5000, 6000),
+     (300, 8192, 2048)],
+)
+def test_topk_rows_random(R, N, k, cfg):
+    torch.manual_seed(R * N + k)
+    x = torch.randn(R, N, device="cuda")
+    lengths = torch.randint(0, N + 1, (R,), device="cuda", dtype=torch.int32)
+    lengths[0] = N
+    lengths[-1] = min(k, N) // 2
+    for lens in (None, lengths):
+        out = TK.topk_rows(x, lens, k, config=cfg)
+        _check_topk(x, lens, k, out)
+
+
+@TOPK_CONFIGS
+def test_topk_rows_clustered_fallback(cfg):
+    # All values share one 12-bit bucket (same exponent): the candidate set overflows the
+    # shared-memory buffer and the kernel takes the global-memory refinement path.
+    R, N, k = 8, 32768, 2048
+    base = torch.arange(N, device="cuda", dtype=torch.int32) + (127 << 23)
+    rows = torch.stack([base[torch.randperm(N, device="cuda")] for _ in range(R)])
+    x = rows.view(torch.float32)  # distinct values in [1, 1.004)
+    out = TK.topk_rows(x, None, k, config=cfg)
+    _check_topk(x, None, k, out)
+    x2 = -x  # negative values
+    _check_topk(x2, None, k, TK.topk_rows(x2, None, k, config=cfg))
+
+
+@TOPK_CONFIGS
+def test_topk_rows_ties(cfg):
+    R, N, k = 4, 10000, 300
+    x = torch.randint(0, 5, (R, N), device="cuda").float()
+    out = TK.topk_rows(x, None, k, config=cfg)
+    _check_topk(x, None, k, out)
+    # ties in the smem-candidate path: few distinct values inside one 12-bit bucket
+    x = (1.0 + torch.randint(0, 3, (R, N), device="cuda").float() * 2**-20)
+    _check_topk(x, None, k, TK.topk_rows(x, None, k, config=cfg))
+
+
+def _check_topk(x, lens, k, out):
+    R, N = x.shape
+    n = torch.full((R,), N, device="cuda") if lens is None else lens.long()
+    kk = n.clamp(max=k)
+    valid = out >= 0
+    assert out.shape == (R, k) and out.dtype == torch.int32
+    assert torch.equal(valid.sum(1), kk)
+    assert bool(((out < n[:, None]) | ~valid).all())
+    for r in range(R):
+        sel = out[r][valid[r]].long()
+        assert sel.unique().numel() == sel.numel(), "duplicates"
+        m = int(n[r])
+        if m == 0:
+            continue
+        ref = torch.topk(x[r, :m], min(k, m)).values
+        got = torch.sort(x[r, sel], descending=True).values
+        assert torch.equal(got, ref), f"row {r}: selected values differ from torch.topk"
+
+
+# ---------------------------------------------------------------- indexer
+@pytest.mark.parametrize("hi,di", [(64, 128), (32, 128), (16, 64)])
+def test_indexer_causal_single(hi, di):
+    T, k = 1000, 256  # T not a multiple of the blocks; early rows have < k keys
+    q, kk, w = make_inputs(T, T, hi, di, seed=hi)
+    ks, ke = causal_windows([T])
+    out = K.indexer_topk(q, kk, w, ks, ke, k)
+    rate = check_indexer_rows(out, q, kk, w, ks, ke, k)
+    assert rate > 0.98
+
+
+def test_indexer_varlen_many_short_some_long():
+    g = torch.Generator().manual_seed(1)
+    seqlens = torch.randint(1, 200, (40,), generator=g).tolist() + [3000, 1, 2500, 7]
+    T = sum(seqlens)
+    q, kk, w = make_inputs(T, T, 64, 128, seed=2)
+    ks, ke = causal_windows(seqlens)
+    for k in (1, 64, 2048):
+        out = K.indexer_topk(q, kk, w, ks, ke, k)
+        assert check_indexer_rows(out, q, kk, w, ks, ke, k) > 0.98
+
+
+def test_indexer_cp_shard_arbitrary_windows():
+    Tk = 6000
+    rows = 700
+    q, kk, w = make_inputs(rows, Tk, 64, 128, seed=3)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    a = torch.randint(0, Tk, (rows,), device="cuda", generator=g)
+    b = torch.randint(0, Tk + 1, (rows,), device="cuda", generator=g)
+    ks = torch.minimum(a, b).int()
+    ke = torch.maximum(a, b).int()
+    ke[:5] = ks[:5]  # empty windows
+    ks[5:10], ke[5:10] = 0, Tk  # full
+    out = K.indexer_topk(q, kk, w, ks, ke, 512)
+    assert check_indexer_rows(out, q, kk, w, ks, ke, 512) > 0.98
+    assert bool((out[:5] == -1).all())
+    # small chunk budget: many chunks, same answer as sets
+    out2 = K.indexer_topk(q, kk, w, ks, ke, 512, max_chunk_bytes=1 << 20)
+    assert check_indexer_rows(out2, q, kk, w, ks, ke, 512) > 0.98
+
+
+@TOPK_CONFIGS
+def test_indexer_topk_configs(cfg):
+    T, k = 3000, 700
+    q, kk, w = make_inputs(T, T, 64, 128, seed=11)
+    ks, ke = causal_windows([T])
+    out = K.indexer_topk(q, kk, w, ks, ke, k, topk_config=cfg)
+    assert check_indexer_rows(out, q, kk, w, ks, ke, k) > 0.98
+
+
+def test_indexer_k_larger_than_sequence():
+    T = 300
+    q, kk, w = make_inputs(T, T, 64, 128, seed=5)
+    ks, ke = causal_windows([T])
+    out = K.indexer_topk(q, kk, w, ks, ke, 4096)
+    check_indexer_rows(out, q, kk, w, ks, ke, 4096)
+    # windows of at most k keys: all of them, then -1
+    assert torch.equal(out[:, 300:], torch.full_like(out[:, 300:], -1))
+
+
+@pytest.mark.parametrize("k", [2048, 4096])
+def test_indexer_causal_8k(k):
+    T = 8192
+    q, kk, w = make_inputs(T, T, 64, 128, seed=k)
+    ks, ke = causal_windows([T])
+    out = K.indexer_topk(q, kk, w, ks, ke, k)
+    rows = torch.cat([torch.arange(0, 64), torch.arange(T - 2048, T)]).cuda()
+    sub = check_indexer_rows(out[rows], q[rows], kk, w[rows], ks[rows], ke[rows], k)
+    assert sub > 0.95
+
+
+def test_indexer_peak_memory_64k():
+    T, k = 65536, 2048
+    q, kk, w = make_inputs(T, T, 64, 128, seed=7)
+    ar = torch.arange(T, device="cuda", dtype=torch.int32)
+    ks, ke = torch.zeros_like(ar), ar + 1
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = K.indexer_topk(q, kk, w, ks, ke, k)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak < 2 * 2**30, f"peak {peak / 2**30:.2f} GiB"  # [T, T] fp32 would be 16 GiB
+    rows = torch.tensor([0, 1, 2047, 2048, 40000, T - 1], device="cuda")
+    assert check_indexer_rows(out[rows], q[rows], kk, w[rows], ks[rows], ke[rows], k) > 0.8
