@@ -1,0 +1,618 @@
+"""Sparse attention forward over a shared latent (DSA), one TileLang kernel family for Hopper.
+
+    q [B, S, H, Dqk], kv [B, Skv, Dqk], indices [B, S, K] int32, optional sink [H] fp32
+    s_hj = scale * <q_h, kv[idx_j]>   (valid j only: 0 <= idx_j < Skv; others are never loaded)
+    out  = softmax_j(s) @ kv[idx, :Dv]  (times exp(lse) / (exp(lse) + exp(z_h)) with a sink)
+    lse  = log sum_j exp(s_hj)          (natural log, sink excluded; +inf and out = 0 for empty rows)
+
+Design (one CTA per (64-head block, query token, batch), 3 warpgroups, 384 threads):
+
+- Producer warpgroup: gathers the 64 kv rows a block of indices names into shared memory with
+  predicated cp.async (16 bytes per copy, 8 threads per row), double buffered with mbarriers; the
+  indices of the next block are fetched while the current one lands. An invalid index is never
+  dereferenced: its copy is predicated off (cp.async zero-fills the row) and the slot is flagged.
+- Two consumer warpgroups, each owning one column half of the output (64 heads x Dv/2, fp32 in
+  registers). Two schedules (compile-time parameter ``schedule``):
+  "qk_one": consumer 0 computes all scores of the block (64 heads x 64 slots over Dqk), runs the
+  online softmax, hands P (bf16) and the rescale factors to consumer 1 through shared memory and
+  named barriers, then both accumulate P @ V for their half.
+  "split": consumer g computes the scores of slot half g (64 x 32), the two exchange row maxima
+  through shared memory, each writes its half of P, and each accumulates its output half from
+  both halves of P (balanced, but the 64x32 score MMAs are shared-memory bound).
+  The softmax runs in fp32 with exp2 and the scale folded in; lse is converted to natural log.
+- Head counts below 64 (16, 32: tensor-parallel shards) are padded inside the kernel: padding
+  rows read zeros, give finite values and are never written.
+
+B, S, H, Skv and the padded K are dynamic symbols and the scale is a runtime scalar, so a program
+is compiled once per (Dqk, Dv, sink, dtype, block sizes). K is padded with -1 to a multiple of
+2 * block_k by the wrapper (the main loop handles the two buffers per trip).
+"""
+
+# no "from __future__ import annotations": TileLang evaluates the prim_func annotations
+
+import functools
+import math
+import threading
+
+import torch
+
+from .._config import logger
+from .._validation import check_scale, check_tensor
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "SHIPPED_CONFIGS",
+    "build_fwd_kernel",
+    "config_for",
+    "sparse_attention_fwd",
+    "unsupported_reason",
+]
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+# Compile-time parameters of the family; everything else is a runtime argument.
+DEFAULT_CONFIG: dict = {
+    "dim_qk": 576,
+    "dim_v": 512,
+    "has_sink": False,
+    "dtype": "bfloat16",
+    "block_h": 64,  # heads per CTA (rows of every MMA); fewer heads are padded
+    "block_k": 64,  # index slots per pipeline stage
+    # "qk_one": consumer 0 computes all scores and the softmax, consumer 1 only its output half
+    #   (fastest on H200);
+    # "split": both consumers compute half of the scores and half of the output (balanced, but the
+    #   64x32 score MMAs are shared-memory bound: about 6% slower);
+    # "qk_one_async": qk_one with consumer 0's P @ V left in flight over the next score MMAs
+    #   (correct but about 30% slower: the compiler serialises the in-flight accumulators).
+    "schedule": "qk_one",
+    # setmaxnreg budgets (producer, then consumer 0 and consumer 1); at most 504 in all
+    "producer_regs": 56,
+    "consumer_regs": (224, 224),
+}
+
+# Every configuration the package ships. Heads, batch, lengths and K are runtime values, so one
+# entry serves every head count listed in "covers" (H = 16/32 shards use the padded head block).
+# Other (Dqk, Dv, sink) combinations compile on first use.
+SHIPPED_CONFIGS: list[dict] = [
+    {**DEFAULT_CONFIG, "dim_qk": 512, "dim_v": 512, "has_sink": True,
+     "covers": "DeepSeek-V4 D512 with sink, H 16/32/64/128"},
+    {**DEFAULT_CONFIG, "dim_qk": 576, "dim_v": 512, "has_sink": False,
+     "covers": "absorbed MLA (V3.2 / GLM-5) 576/512, H 16/32/64/128"},
+]
+
+_SCHEDULES = ("qk_one", "qk_one_async", "split")
+_COMPILE_KEYS = ("dim_qk", "dim_v", "has_sink", "dtype", "block_h", "block_k", "schedule", "producer_regs",
+                 "consumer_regs")
+
+_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
+
+# Named barriers used explicitly by the kernel (bar.sync ids). TileLang numbers the barriers it
+# inserts itself from 3 upwards (one per thread range: 3 to 5 here), so ours sit at the top.
+_BAR_Q, _BAR_A, _BAR_B, _BAR_FIN, _BAR_OUT = 15, 14, 13, 12, 11
+
+
+def _normalise_config(config: dict) -> dict:
+    cfg = {k: config.get(k, DEFAULT_CONFIG[k]) for k in _COMPILE_KEYS}
+    dqk, dv, bk, bh = cfg["dim_qk"], cfg["dim_v"], cfg["block_k"], cfg["block_h"]
+    if cfg["dtype"] not in _TORCH_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_TORCH_DTYPES)}, got {cfg['dtype']!r}")
+    if dv % 32 != 0 or dv < 32:
+        raise ValueError(f"dim_v must be a positive multiple of 32, got {dv}")
+    if dqk < dv or (dqk - dv) % 16 != 0:
+        raise ValueError(f"dim_qk must be dim_v plus a multiple of 16, got dim_qk={dqk}, dim_v={dv}")
+    if bh != 64:
+        raise ValueError(f"block_h must be 64 (one warpgroup MMA tile), got {bh}")
+    if bk != 64:
+        raise ValueError(f"block_k must be 64, got {bk}")
+    regs = cfg["consumer_regs"]
+    regs = (int(regs), int(regs)) if isinstance(regs, (int, float)) else tuple(int(r) for r in regs)
+    cfg["consumer_regs"] = regs
+    cfg["producer_regs"] = int(cfg["producer_regs"])
+    all_regs = (cfg["producer_regs"],) + regs
+    # setmaxnreg moves registers between the warpgroups of the CTA: the three budgets must fit in
+    # what the CTA was launched with (168 per thread at 384 threads), or an increase waits forever.
+    if len(regs) != 2 or any(r % 8 or not 24 <= r <= 256 for r in all_regs) or sum(all_regs) > 3 * 168:
+        raise ValueError(
+            "producer_regs and consumer_regs (one value or one per consumer) must be multiples of 8 in "
+            f"[24, 256] summing to at most 504, got {all_regs}"
+        )
+    if cfg["schedule"] not in _SCHEDULES:
+        raise ValueError(f"schedule must be one of {_SCHEDULES}, got {cfg['schedule']!r}")
+    cfg["has_sink"] = bool(cfg["has_sink"])
+    return cfg
+
+
+def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, producer_regs, consumer_regs):
+    """The TileLang prim_func of one configuration (imported lazily)."""
+    import tilelang.language as T
+
+    D_half = dim_v // 2  # value columns per consumer warpgroup
+    D_tail = dim_qk - dim_v  # score-only columns (rope part of absorbed MLA)
+    HB = block_h
+    BK = block_k
+    split = schedule == "split"
+    async_pv = schedule == "qk_one_async"
+    # rows of one shared buffer: "split" keeps each slot half in its own buffer (one per consumer)
+    ROWS_BUF = BK // 2 if split else BK
+    ROWS_PER_PASS = 16  # producer: 8 threads per row, 128 threads
+    PASSES = BK // ROWS_PER_PASS
+    VEC = 8  # elements per 16-byte copy
+    n_half_chunks = (D_half + 63) // 64
+    half_guard = D_half % 64 != 0
+    n_tail_chunks = (D_tail + 63) // 64
+    tail_guard = D_tail % 64 != 0
+    # Python tuples: loops over them are unrolled while the program is built (static indices)
+    pass_ids = tuple(range(PASSES))
+    half_chunk_ids = tuple(range(n_half_chunks))
+    tail_chunk_ids = tuple(range(n_tail_chunks))
+    accum = "float32"
+    neg_big = -1.0e30
+
+    B, S, H, SKV, KP = T.dynamic("batch, seqlen, heads, seqlen_kv, topk_padded")
+
+    @T.macro
+    def fetch_indices(Indices, bz, by, it, idx_reg, ptx):
+        for r in pass_ids:
+            idx_reg[r] = Indices[bz, by, it * BK + r * ROWS_PER_PASS + ptx // 8]
+
+    @T.macro
+    def load_stage(KV, bz, idx_reg, kv_l, kv_r, kt, valid_s, ptx):
+        # kv_l / kv_r / kt: lists of the row blocks of one stage (shared buffers). cp.async with a
+        # false predicate reads nothing and fills zeros: an invalid index is never dereferenced
+        # (its address is also clamped to row 0) and its row stays finite for P @ V.
+        lane = ptx % 8
+        if lane == 0:
+            for r in pass_ids:
+                valid_s[r * ROWS_PER_PASS + ptx // 8] = T.if_then_else(
+                    (idx_reg[r] >= 0) and (idx_reg[r] < SKV), 1, 0)
+        for r in pass_ids:
+            row = r * ROWS_PER_PASS + ptx // 8
+            blk = (r * ROWS_PER_PASS) // ROWS_BUF  # static: a pass never straddles two buffers
+            brow = row - blk * ROWS_BUF
+            idx = idx_reg[r]
+            ok = (idx >= 0) and (idx < SKV)
+            src = T.if_then_else(ok, idx, 0)
+            for u in half_chunk_ids:
+                col = u * 64 + lane * VEC
+                if (not half_guard) or col < D_half:
+                    T.ptx_cp_async(T.access_ptr(kv_l[blk][brow, col], "w", VEC),
+                                   T.access_ptr(KV[bz, src, col], "r", VEC), VEC, ok)
+                    T.ptx_cp_async(T.access_ptr(kv_r[blk][brow, col], "w", VEC),
+                                   T.access_ptr(KV[bz, src, D_half + col], "r", VEC), VEC, ok)
+            if D_tail > 0:
+                for u in tail_chunk_ids:
+                    col = u * 64 + lane * VEC
+                    if (not tail_guard) or col < D_tail:
+                        T.ptx_cp_async(T.access_ptr(kt[blk][brow, col], "w", VEC),
+                                       T.access_ptr(KV[bz, src, dim_v + col], "r", VEC), VEC, ok)
+
+    @T.macro
+    def producer(Indices, KV, bz, by, n_trips, idx_reg, stages, valid, bar_ready, bar_free, ptx):
+        fetch_indices(Indices, bz, by, 0, idx_reg, ptx)
+        for t in T.serial(n_trips):
+            for st in (0, 1):
+                kv_l, kv_r, kt = stages[st]
+                T.barrier_wait(bar_free[st][0], (t & 1) ^ 1)
+                load_stage(KV, bz, idx_reg, kv_l, kv_r, kt, valid[st], ptx)
+                T.cp_async_barrier_noinc(bar_ready[st][0])
+                T.barrier_arrive(bar_ready[st][0])
+                # indices of the next stage, in flight while this one lands
+                if st == 0:
+                    fetch_indices(Indices, bz, by, 2 * t + 1, idx_reg, ptx)
+                else:
+                    if t + 1 < n_trips:
+                        fetch_indices(Indices, bz, by, 2 * t + 2, idx_reg, ptx)
+
+    @T.macro
+    def scores(Q_l, Q_r, Q_t, k_l, k_r, k_t, acc_s):
+        T.wgmma_gemm(Q_l, k_l, acc_s, transpose_B=True, clear_accum=True)
+        T.wgmma_gemm(Q_r, k_r, acc_s, transpose_B=True)
+        if D_tail > 0:
+            T.wgmma_gemm(Q_t, k_t, acc_s, transpose_B=True)
+        T.wait_wgmma(0)
+
+    @T.macro
+    def split_stage(g, c, Q_l, Q_r, Q_t, kv_l, kv_r, kt, valid_s, acc_s, acc_o, m_i, m_loc, alpha, l_i,
+                    rowsum, mx_s, P_s):
+        # consumer g: scores of slot half g (64 heads x BK/2 slots), then output columns of half g
+        scores(Q_l, Q_r, Q_t, kv_l[g], kv_r[g], kt[g] if D_tail > 0 else None, acc_s)
+        for h, j in T.Parallel(HB, ROWS_BUF):
+            acc_s[h, j] = T.if_then_else(valid_s[g * ROWS_BUF + j] != 0, acc_s[h, j], -T.infinity(accum))
+        T.reduce_max(acc_s, m_loc, dim=1, clear=True)
+        for h in T.Parallel(HB):
+            mx_s[g, h] = T.max(m_loc[h], m_i[h])
+        T.sync_threads(_BAR_A, 256)
+        for h in T.Parallel(HB):
+            m_loc[h] = T.max(mx_s[0, h], mx_s[1, h])
+            alpha[h] = T.exp2((m_i[h] - m_loc[h]) * c)
+            m_i[h] = m_loc[h]
+            m_loc[h] = m_loc[h] * c
+        for h, j in T.Parallel(HB, ROWS_BUF):
+            acc_s[h, j] = T.exp2(acc_s[h, j] * c - m_loc[h])
+        T.reduce_sum(acc_s, rowsum, dim=1)
+        for h in T.Parallel(HB):
+            l_i[h] = l_i[h] * alpha[h] + rowsum[h]
+        for h, d in T.Parallel(HB, D_half):
+            acc_o[h, d] *= alpha[h]
+        T.copy(acc_s, P_s[g])
+        T.fence_proxy_async()
+        T.sync_threads(_BAR_B, 256)
+        T.wgmma_gemm(P_s[0], kv_l[0] if g == 0 else kv_r[0], acc_o)
+        T.wgmma_gemm(P_s[1], kv_l[1] if g == 0 else kv_r[1], acc_o)
+        T.wait_wgmma(0)
+
+    @T.macro
+    def softmax_stage(c, Q_l, Q_r, Q_t, kv_l, kv_r, kt, valid_s, acc_s, acc_o, m_i, m_loc, alpha, l_i,
+                      rowsum, alpha_s, P_s, wait_free, prev_free, release_prev):
+        # consumer 0 of the "qk_one" schedules: all scores of the stage, softmax, left output half
+        scores(Q_l, Q_r, Q_t, kv_l[0], kv_r[0], kt[0] if D_tail > 0 else None, acc_s)
+        if async_pv:
+            # the wait above also retired P @ V of the previous stage: its buffer is free
+            if release_prev:
+                T.barrier_arrive(prev_free[0])
+        for h, j in T.Parallel(HB, BK):
+            acc_s[h, j] = T.if_then_else(valid_s[j] != 0, acc_s[h, j], -T.infinity(accum))
+        T.reduce_max(acc_s, m_loc, dim=1, clear=True)
+        for h in T.Parallel(HB):
+            m_loc[h] = T.max(m_loc[h], m_i[h])
+            alpha[h] = T.exp2((m_i[h] - m_loc[h]) * c)
+            m_i[h] = m_loc[h]
+            m_loc[h] = m_loc[h] * c
+        for h, j in T.Parallel(HB, BK):
+            acc_s[h, j] = T.exp2(acc_s[h, j] * c - m_loc[h])
+        T.reduce_sum(acc_s, rowsum, dim=1)
+        for h in T.Parallel(HB):
+            l_i[h] = l_i[h] * alpha[h] + rowsum[h]
+        for h, d in T.Parallel(HB, D_half):
+            acc_o[h, d] *= alpha[h]
+        if wait_free:
+            T.sync_threads(_BAR_B, 256)  # consumer 1 is done with the previous P and alpha
+        for h in T.Parallel(HB):
+            alpha_s[0, h] = alpha[h]
+        T.copy(acc_s, P_s[0])
+        T.fence_proxy_async()
+        T.named_barrier_arrive(_BAR_A, 256)  # P and alpha ready
+        if async_pv:
+            T.wgmma_gemm(P_s[0], kv_l[0], acc_o)  # retired by the next stage's wait
+        else:
+            T.gemm(P_s[0], kv_l[0], acc_o)
+
+    @T.macro
+    def pv_stage(kv_r, acc_o, alpha_s, P_s, release):
+        # consumer 1 of the "qk_one" schedule: right output half
+        T.sync_threads(_BAR_A, 256)
+        for h, d in T.Parallel(HB, D_half):
+            acc_o[h, d] *= alpha_s[0, h]
+        T.gemm(P_s[0], kv_r[0], acc_o)
+        if release:
+            T.named_barrier_arrive(_BAR_B, 256)
+
+    @T.macro
+    def finish(g, c, l_tot, m_i, inv, acc_o, O_s, Sinks, Output, Lse, bz, by, h0):
+        # l_tot: row sums of the whole row; writes lse (consumer 0) and the output half g
+        for h in T.Parallel(HB):
+            if has_sink:
+                inv[h] = T.if_then_else(
+                    l_tot[h] > 0,
+                    1.0 / (l_tot[h] + T.exp2(Sinks[T.min(h0 + h, H - 1)] * _LOG2E - m_i[h] * c)),
+                    0.0,
+                )
+            else:
+                inv[h] = T.if_then_else(l_tot[h] > 0, 1.0 / l_tot[h], 0.0)
+        for h, d in T.Parallel(HB, D_half):
+            O_s[h, d] = T.cast(acc_o[h, d] * inv[h], dtype)
+        if g == 0:
+            for h in T.Parallel(HB):
+                if h0 + h < H:
+                    Lse[bz, by, h0 + h] = T.if_then_else(
+                        l_tot[h] > 0, (T.log2(l_tot[h]) + m_i[h] * c) * _LN2, T.infinity(accum)
+                    )
+        T.sync_threads(_BAR_OUT, 256)
+        for h, d in T.Parallel(HB, D_half):
+            if h0 + h < H:
+                Output[bz, by, h0 + h, g * D_half + d] = O_s[h, d]
+
+    n_blk = 2 if split else 1
+
+    @T.prim_func
+    def main(
+        Q: T.Tensor([B, S, H, dim_qk], dtype),
+        KV: T.Tensor([B, SKV, dim_qk], dtype),
+        Indices: T.Tensor([B, S, KP], "int32"),
+        Sinks: T.Tensor([H], accum),
+        scale: T.float32,
+        Output: T.Tensor([B, S, H, dim_v], dtype),
+        Lse: T.Tensor([B, S, H], accum),
+    ):
+        with T.Kernel(T.ceildiv(H, HB), S, B, threads=384) as (bx, by, bz):
+            Q_l = T.alloc_shared([HB, D_half], dtype)
+            Q_r = T.alloc_shared([HB, D_half], dtype)
+            Q_t = T.alloc_shared([HB, D_tail], dtype) if D_tail > 0 else None
+            stages = []
+            for _st in (0, 1):
+                kv_l = [T.alloc_shared([ROWS_BUF, D_half], dtype) for _b in range(n_blk)]
+                kv_r = [T.alloc_shared([ROWS_BUF, D_half], dtype) for _b in range(n_blk)]
+                kt = [T.alloc_shared([ROWS_BUF, D_tail], dtype) for _b in range(n_blk)] if D_tail > 0 else None
+                stages.append((kv_l, kv_r, kt))
+            P_s = [T.alloc_shared([HB, ROWS_BUF], dtype) for _b in range(n_blk)]
+            valid = [T.alloc_shared([BK], "int32"), T.alloc_shared([BK], "int32")]
+            x_s = T.alloc_shared([2, HB], accum)  # row max exchange ("split")
+            l_s = T.alloc_shared([2, HB], accum)  # row sums / final factors
+            idx_reg = T.alloc_local([PASSES], "int32")
+
+            acc_s0 = T.alloc_fragment([HB, ROWS_BUF], accum)
+            acc_s1 = T.alloc_fragment([HB, ROWS_BUF], accum)
+            acc_o0 = T.alloc_fragment([HB, D_half], accum)
+            acc_o1 = T.alloc_fragment([HB, D_half], accum)
+            m_i0 = T.alloc_fragment([HB], accum)
+            m_i1 = T.alloc_fragment([HB], accum)
+            m_loc0 = T.alloc_fragment([HB], accum)
+            m_loc1 = T.alloc_fragment([HB], accum)
+            alpha0 = T.alloc_fragment([HB], accum)
+            alpha1 = T.alloc_fragment([HB], accum)
+            l_i0 = T.alloc_fragment([HB], accum)
+            l_i1 = T.alloc_fragment([HB], accum)
+            rs0 = T.alloc_fragment([HB], accum)
+            rs1 = T.alloc_fragment([HB], accum)
+
+            bar_ready = [T.alloc_barrier(256), T.alloc_barrier(256)]
+            bar_free = [T.alloc_barrier(256), T.alloc_barrier(256)]
+
+            tx = T.get_thread_binding()
+            h0 = bx * HB
+            n_trips = KP // (2 * BK)
+            c = scale * _LOG2E
+
+            if tx >= 256:
+                T.set_max_nreg(producer_regs, 0)
+                producer(Indices, KV, bz, by, n_trips, idx_reg, stages, valid, bar_ready, bar_free, tx - 256)
+            else:
+                # consumers: stage Q in shared memory (rows past H read as zero)
+                for hh, d in T.Parallel(HB, D_half):
+                    Q_l[hh, d] = T.if_then_else(h0 + hh < H, Q[bz, by, h0 + hh, d], T.cast(0, dtype))
+                    Q_r[hh, d] = T.if_then_else(h0 + hh < H, Q[bz, by, h0 + hh, D_half + d], T.cast(0, dtype))
+                if D_tail > 0:
+                    for hh, d in T.Parallel(HB, D_tail):
+                        Q_t[hh, d] = T.if_then_else(h0 + hh < H, Q[bz, by, h0 + hh, dim_v + d], T.cast(0, dtype))
+                T.fence_proxy_async()
+                T.sync_threads(_BAR_Q, 256)
+
+                if tx < 128:
+                    T.set_max_nreg(consumer_regs[0], 1)
+                    T.fill(acc_o0, 0)
+                    T.fill(l_i0, 0)
+                    T.fill(m_i0, neg_big)
+                    for t in T.serial(n_trips):
+                        for st in (0, 1):
+                            kv_l, kv_r, kt = stages[st]
+                            T.barrier_wait(bar_ready[st][0], t & 1)
+                            T.fence_proxy_async()
+                            if split:
+                                split_stage(0, c, Q_l, Q_r, Q_t, kv_l, kv_r, kt, valid[st], acc_s0, acc_o0, m_i0,
+                                            m_loc0, alpha0, l_i0, rs0, x_s, P_s)
+                            else:
+                                softmax_stage(c, Q_l, Q_r, Q_t, kv_l, kv_r, kt, valid[st], acc_s0, acc_o0,
+                                              m_i0, m_loc0, alpha0, l_i0, rs0, x_s, P_s, t > 0 if st == 0 else True,
+                                              bar_free[1 - st], t > 0 if st == 0 else True)
+                            if not async_pv:
+                                T.barrier_arrive(bar_free[st][0])
+                    if async_pv:
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(bar_free[1][0])
+                    # row sums of both halves ("split") or of consumer 0 alone
+                    for h in T.Parallel(HB):
+                        l_s[0, h] = l_i0[h]
+                    if not split:
+                        for h in T.Parallel(HB):
+                            l_s[1, h] = m_i0[h]
+                    T.sync_threads(_BAR_FIN, 256)
+                    for h in T.Parallel(HB):
+                        rs0[h] = l_s[0, h] + l_s[1, h] if split else l_s[0, h]
+                    finish(0, c, rs0, m_i0, alpha0, acc_o0, Q_l, Sinks, Output, Lse, bz, by, h0)
+                else:
+                    T.set_max_nreg(consumer_regs[1], 1)
+                    T.fill(acc_o1, 0)
+                    if split:
+                        T.fill(l_i1, 0)
+                        T.fill(m_i1, neg_big)
+                    for t in T.serial(n_trips):
+                        for st in (0, 1):
+                            kv_l, kv_r, kt = stages[st]
+                            T.barrier_wait(bar_ready[st][0], t & 1)
+                            T.fence_proxy_async()
+                            if split:
+                                split_stage(1, c, Q_l, Q_r, Q_t, kv_l, kv_r, kt, valid[st], acc_s1, acc_o1, m_i1,
+                                            m_loc1, alpha1, l_i1, rs1, x_s, P_s)
+                            else:
+                                pv_stage(kv_r, acc_o1, x_s, P_s, t + 1 < n_trips if st == 1 else True)
+                            T.barrier_arrive(bar_free[st][0])
+                    if split:
+                        for h in T.Parallel(HB):
+                            l_s[1, h] = l_i1[h]
+                    T.sync_threads(_BAR_FIN, 256)
+                    if split:
+                        for h in T.Parallel(HB):
+                            rs1[h] = l_s[0, h] + l_s[1, h]
+                    else:
+                        for h in T.Parallel(HB):
+                            rs1[h] = l_s[0, h]
+                            m_i1[h] = l_s[1, h]
+                    finish(1, c, rs1, m_i1, alpha1, acc_o1, Q_r, Sinks, Output, Lse, bz, by, h0)
+
+    return main
+
+
+@functools.lru_cache(maxsize=None)
+def _jit_for_target(target_key: str):
+    import tilelang
+
+    target = _target_from_key(target_key)
+    return tilelang.jit(
+        target=target,
+        pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False},
+        compile_flags=["-O3", "-DNDEBUG", "--ptxas-options=--register-usage-level=10"],
+    )(_program)
+
+
+def _target_key(target) -> str:
+    if isinstance(target, dict):
+        return "dict:" + ",".join(f"{k}={target[k]}" for k in sorted(target))
+    return "str:" + str(target)
+
+
+def _target_from_key(key: str):
+    kind, _, rest = key.partition(":")
+    if kind == "dict":
+        return dict(item.split("=", 1) for item in rest.split(",") if item)
+    return rest
+
+
+_build_lock = threading.Lock()
+_kernels: dict = {}
+
+
+def build_fwd_kernel(config: dict, target="auto"):
+    """Compile (or fetch from the cache) the program of ``config`` for ``target``.
+
+    ``target`` is "auto" (the local GPU), "cuda", or a dict such as {"kind": "cuda", "arch": "sm_90a"}
+    (compiles without a GPU). Returns TileLang's JITKernel, called as
+    kernel(q, kv, indices_padded, sinks, scale, out, lse) (it writes out and lse).
+    """
+    cfg = _normalise_config(config)
+    tkey = _target_key(target)
+    key = (tkey,) + tuple(cfg[k] for k in _COMPILE_KEYS)
+    kernel = _kernels.get(key)
+    if kernel is not None:
+        return kernel
+    with _build_lock:
+        kernel = _kernels.get(key)
+        if kernel is None:
+            jit = _jit_for_target(tkey)
+            kernel = jit(**cfg)
+            _kernels[key] = kernel
+            logger.info(
+                "compiled sparse_attention_fwd Dqk=%d Dv=%d sink=%s %s block_h=%d block_k=%d schedule=%s for %s",
+                cfg["dim_qk"], cfg["dim_v"], cfg["has_sink"], cfg["dtype"], cfg["block_h"], cfg["block_k"],
+                cfg["schedule"],
+                tkey.partition(":")[2],
+            )
+    return kernel
+
+
+def config_for(dim_qk: int, dim_v: int, has_sink: bool, dtype: torch.dtype) -> dict:
+    """The configuration the wrapper uses for these inputs."""
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"q must be bfloat16 or float16, got {str(dtype).replace('torch.', '')}")
+    return _normalise_config(
+        {**DEFAULT_CONFIG, "dim_qk": int(dim_qk), "dim_v": int(dim_v), "has_sink": bool(has_sink),
+         "dtype": _DTYPE_NAMES[dtype]}
+    )
+
+
+def unsupported_reason(num_heads: int, dqk: int, dv: int, has_sink: bool, dtype: torch.dtype) -> str | None:
+    """None when the kernel family runs this configuration, else a one-line reason (the ops layer
+    falls back to the reference under backend="auto" and raises under "tilelang")."""
+    try:
+        config_for(dqk, dv, has_sink, dtype)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+_dummy_sinks: dict = {}
+
+
+def _placeholder_sink(h: int, device: torch.device) -> torch.Tensor:
+    key = (h, str(device))
+    t = _dummy_sinks.get(key)
+    if t is None:
+        t = torch.zeros(h, dtype=torch.float32, device=device)
+        _dummy_sinks[key] = t
+    return t
+
+
+@functools.lru_cache(maxsize=None)
+def device_target(index: int) -> dict:
+    """The explicit TileLang target of CUDA device ``index`` (same key as a CPU build for sm_90a)."""
+    major, minor = torch.cuda.get_device_capability(index)
+    if (major, minor) != (9, 0):
+        raise RuntimeError(
+            f"sparse_attention_fwd: the TileLang kernel needs a Hopper GPU (sm_90: wgmma, setmaxnreg); "
+            f"{torch.cuda.get_device_name(index)} is sm_{major}{minor}"
+        )
+    return {"kind": "cuda", "arch": "sm_90a"}
+
+
+def _check_inputs(q, kv, indices, scale, sink, dv):
+    check_tensor("q", q, ndim=4, dtypes=tuple(_DTYPE_NAMES))
+    b, s, h, dqk = q.shape
+    check_tensor("kv", kv, ndim=3, dtypes=(q.dtype,), device=q.device, shape={0: b, 2: dqk})
+    check_tensor("indices", indices, ndim=3, dtypes=(torch.int32, torch.int64), device=q.device,
+                 shape={0: b, 1: s})
+    scale = check_scale(scale)
+    dv = dqk if dv is None else int(dv)
+    if not 0 < dv <= dqk:
+        raise ValueError(f"dv must be in (0, Dqk={dqk}], got {dv}")
+    if sink is not None:
+        check_tensor("sink", sink, ndim=1, dtypes=(torch.float32,), device=q.device, shape={0: h})
+    if indices.shape[-1] < 1:
+        raise ValueError(f"indices must have at least one slot (K >= 1), got shape {tuple(indices.shape)}")
+    if q.device.type != "cuda":
+        raise ValueError(f"q must be a CUDA tensor, got a tensor on {q.device}")
+    return scale, dv
+
+
+def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse: torch.Tensor,
+            overrides: dict | None = None) -> None:
+    """Normalise the (checked) inputs once and run the program, writing ``out`` and ``lse``.
+
+    ``overrides`` replaces compile-time parameters of the default configuration (tests, tuning)."""
+    b, s, h, dqk = q.shape
+    k = indices.shape[-1]
+    if b == 0 or s == 0 or h == 0:
+        return
+    if kv.shape[1] == 0:
+        out.zero_()
+        lse.fill_(math.inf)
+        return
+    cfg = config_for(dqk, dv, sink is not None, q.dtype)
+    if overrides:
+        cfg = _normalise_config({**cfg, **overrides})
+    step = 2 * cfg["block_k"]
+    kp = (k + step - 1) // step * step
+    if max(q.numel(), kv.numel(), out.numel(), b * s * kp) >= 2**31:
+        raise ValueError("sparse_attention_fwd: tensors of 2**31 or more elements are not supported (int32 offsets)")
+    device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    kernel = build_fwd_kernel(cfg, target=device_target(device_index))
+    q = q.contiguous()
+    kv = kv.contiguous()
+    if indices.dtype == torch.int64:
+        # clamp first: a cast alone would wrap e.g. 2**32 + 5 onto the valid row 5
+        idx = indices.clamp(-1, kv.shape[1]).to(torch.int32)
+    else:
+        idx = indices
+    if kp != k:
+        idx = torch.nn.functional.pad(idx, (0, kp - k), value=-1)
+    idx = idx.contiguous()
+    sinks = sink.contiguous() if sink is not None else _placeholder_sink(h, q.device)
+    with torch.cuda.device(q.device):
+        kernel(q, kv, idx, sinks, scale, out, lse)
+
+
+def sparse_attention_fwd(q, kv, indices, scale: float, sink=None, dv: int | None = None):
+    """Sparse attention forward with the TileLang kernel.
+
+    q [B, S, H, Dqk] bf16/fp16 CUDA; kv [B, Skv, Dqk] same dtype; indices [B, S, K] int32 (int64 is
+    converted), any K >= 1, entries < 0 or >= Skv mean "no key" and are never read; sink [H] float32
+    or None; dv defaults to Dqk, V = kv[..., :dv]. Dqk - dv must be a multiple of 16, dv of 32.
+    Returns out [B, S, H, dv] in q.dtype and lse [B, S, H] float32 (natural log, sink excluded;
+    +inf with out = 0 for rows without a valid index).
+    """
+    scale, dv = _check_inputs(q, kv, indices, scale, sink, dv)
+    b, s, h, _ = q.shape
+    out = torch.empty((b, s, h, dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, s, h), dtype=torch.float32, device=q.device)
+    _launch(q, kv, indices, scale, sink, dv, out, lse)
+    return out, lse

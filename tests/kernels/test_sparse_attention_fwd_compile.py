@@ -1,0 +1,91 @@
+"""CPU test: every shipped configuration of the sparse attention forward compiles for sm_90a, and
+the wrapper rejects bad inputs with a message that names the tensor."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from dsa_plugins.kernels import sparse_attention_fwd as mod
+
+SM90A = {"kind": "cuda", "arch": "sm_90a"}
+HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
+
+
+def test_module_imports_without_tilelang_side_effects():
+    assert callable(mod.sparse_attention_fwd)
+    assert mod.SHIPPED_CONFIGS
+    keys = {tuple(mod._normalise_config(c).items()) for c in mod.SHIPPED_CONFIGS}
+    assert len(keys) == len(mod.SHIPPED_CONFIGS), "SHIPPED_CONFIGS has duplicates"
+    # the two model families the package ships
+    shapes = {(c["dim_qk"], c["dim_v"], c["has_sink"]) for c in mod.SHIPPED_CONFIGS}
+    assert (512, 512, True) in shapes and (576, 512, False) in shapes
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TILELANG, reason="TileLang is not installed")
+@pytest.mark.parametrize("config", mod.SHIPPED_CONFIGS, ids=lambda c: f"{c['dim_qk']}-{c['dim_v']}-sink{int(c['has_sink'])}")
+def test_shipped_config_compiles_for_sm90a(config, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="dsa_plugins"):
+        kernel = mod.build_fwd_kernel(config, target=SM90A)
+    src = kernel.get_kernel_source()
+    assert "wgmma" in src and ("cp.async" in src or "cp_async" in src)
+    # dynamic shapes: lengths, heads and K are kernel parameters, the scale a runtime scalar
+    for name in ("seqlen", "seqlen_kv", "heads", "topk_padded", "scale"):
+        assert name in src, f"{name} is not a runtime parameter"
+    # a second request is served from the cache without compiling again
+    assert mod.build_fwd_kernel(dict(config), target=SM90A) is kernel
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="dim_v"):
+        mod._normalise_config({"dim_qk": 512, "dim_v": 500})
+    with pytest.raises(ValueError, match="dim_qk"):
+        mod._normalise_config({"dim_qk": 520, "dim_v": 512})
+    with pytest.raises(ValueError, match="dtype"):
+        mod._normalise_config({"dtype": "float32"})
+    with pytest.raises(ValueError, match="schedule"):
+        mod._normalise_config({"schedule": "nope"})
+    with pytest.raises(ValueError, match="504"):  # more than the CTA's registers: setmaxnreg would hang
+        mod._normalise_config({"producer_regs": 56, "consumer_regs": (256, 208)})
+    assert mod._normalise_config({"consumer_regs": 224})["consumer_regs"] == (224, 224)
+    cfg = mod.config_for(576, 512, False, torch.bfloat16)
+    assert cfg["dim_qk"] == 576 and cfg["dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        mod.config_for(576, 512, False, torch.float32)
+
+
+def _inputs(**over):
+    d = dict(
+        q=torch.zeros(1, 2, 16, 64, dtype=torch.bfloat16),
+        kv=torch.zeros(1, 5, 64, dtype=torch.bfloat16),
+        indices=torch.zeros(1, 2, 3, dtype=torch.int32),
+        scale=0.125,
+    )
+    d.update(over)
+    return d
+
+
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        (dict(q=torch.zeros(1, 2, 16, 64)), "q must have dtype"),
+        (dict(q=torch.zeros(2, 16, 64, dtype=torch.bfloat16)), "q must have 4 dimensions"),
+        (dict(kv=torch.zeros(1, 5, 64, dtype=torch.float16)), "kv must have dtype"),
+        (dict(kv=torch.zeros(1, 5, 32, dtype=torch.bfloat16)), "kv must have size 64"),
+        (dict(indices=torch.zeros(1, 2, 3)), "indices must have dtype"),
+        (dict(indices=torch.zeros(1, 3, 3, dtype=torch.int32)), "indices must have size 2"),
+        (dict(scale=-1.0), "scale"),
+        (dict(scale=float("nan")), "scale"),
+    ],
+)
+def test_wrapper_rejects_bad_inputs(over, match):
+    with pytest.raises(ValueError, match=match):
+        mod.sparse_attention_fwd(**_inputs(**over))
+
+
+def test_wrapper_requires_cuda():
+    with pytest.raises(ValueError, match="CUDA"):
+        mod.sparse_attention_fwd(**_inputs())

@@ -1,0 +1,235 @@
+"""GPU test of the TileLang sparse attention forward against a float64 oracle written here.
+
+Awkward cases: -1 padding, indices >= Skv and < -1, rows without any valid key, duplicates,
+K not a multiple of the block, K = 1, K > Skv, sinks very large / very negative, odd S, B = 2,
+H in {16, 32, 64, 128}, both shipped model shapes and small dims. Outputs are poisoned with NaN
+before the call; every element must be written and finite. kv rows that are never selected are
+NaN and kv sits inside a NaN-filled allocation, so a read of kv[-1] or past the end shows up as NaN.
+"""
+
+import math
+import random
+import zlib
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def reference(q, kv, indices, scale, sink, dv):
+    """float64 oracle: gather rows, masked softmax. Returns out [B,S,H,dv] f64, lse [B,S,H] f64."""
+    b, s, _, d = q.shape
+    skv = kv.shape[1]
+    k = indices.shape[-1]
+    idx = indices.long()
+    valid = (idx >= 0) & (idx < skv)
+    safe = torch.where(valid, idx, torch.zeros_like(idx))
+    rows = torch.gather(kv.double(), 1, safe.reshape(b, s * k, 1).expand(b, s * k, d)).reshape(b, s, k, d)
+    rows = torch.where(valid[..., None], rows, torch.zeros_like(rows))  # never touch unselected rows
+    scores = torch.einsum("bshd,bskd->bshk", q.double(), rows) * scale
+    scores = scores.masked_fill(~valid[:, :, None, :], -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)
+    empty = torch.isneginf(lse)
+    p = torch.exp(scores - torch.where(empty, torch.zeros_like(lse), lse)[..., None])
+    out = torch.einsum("bshk,bskd->bshd", p, rows[..., :dv])
+    if sink is not None:
+        out = out * torch.sigmoid(lse - sink.double()[None, None, :])[..., None]
+    out = torch.where(empty[..., None], torch.zeros_like(out), out)
+    lse = torch.where(empty, torch.full_like(lse, math.inf), lse)
+    return out, lse
+
+
+def make_kv(b, skv, d, dtype, device, gen):
+    """kv [b, skv, d] contiguous inside a NaN buffer; rows 0 and skv-1 of every batch are NaN."""
+    flat = torch.full(((b * skv + 2) * d,), math.nan, dtype=dtype, device=device)
+    kv = flat[d : d + b * skv * d].view(b, skv, d)
+    kv.copy_(torch.randn(b, skv, d, generator=gen, device=device).to(dtype))
+    if skv >= 4:
+        kv[:, 0] = math.nan
+        kv[:, -1] = math.nan
+    return kv
+
+
+def make_indices(b, s, k, skv, mode, device, gen):
+    lo, hi = (1, skv - 1) if skv >= 4 else (0, skv)  # rows 0 and skv-1 are NaN: never select them
+
+    def rand(*shape, low=lo, high=hi):
+        return torch.randint(low, high, shape, generator=gen, device=device, dtype=torch.int64)
+
+    idx = rand(b, s, k)
+    if mode == "random":
+        pass
+    elif mode == "pad":  # valid prefix of random length per row, then -1
+        lengths = rand(b, s, 1, low=0, high=k + 1)
+        idx = torch.where(torch.arange(k, device=device) < lengths, idx, torch.full_like(idx, -1))
+    elif mode == "oob":  # -1, < -1 and >= skv mixed in
+        bad = torch.tensor([-1, -2, -1000, -(2**31), skv, skv + 1, skv + 1000, 2**31 - 1], device=device)
+        pick = bad[rand(b, s, k, low=0, high=len(bad))]
+        idx = torch.where(rand(b, s, k, low=0, high=3) == 0, pick, idx)
+    elif mode == "empty_rows":  # some rows entirely invalid, the rest padded
+        idx = torch.where(rand(b, s, k, low=0, high=4) == 0, torch.full_like(idx, -1), idx)
+        idx[:, ::2] = -1
+    elif mode == "all_invalid":
+        idx = torch.where(rand(b, s, k, low=0, high=2) == 0, torch.full_like(idx, -1), torch.full_like(idx, skv))
+    elif mode == "dup":  # few distinct rows, many duplicates
+        idx = rand(b, s, k, low=lo, high=min(hi, lo + 3))
+    elif mode == "causal":  # row t sees keys <= t (scaled onto skv), padded with -1
+        t = torch.arange(s, device=device).view(1, s, 1) * (skv - 2) // max(s, 1) + 1
+        idx = torch.where(idx <= t, idx, torch.full_like(idx, -1))
+    else:
+        raise ValueError(mode)
+    return idx.to(torch.int32)
+
+
+def make_sink(h, mode, device, gen):
+    if mode is None:
+        return None
+    if mode == "randn":
+        return torch.randn(h, generator=gen, device=device, dtype=torch.float32)
+    if mode == "large":
+        return torch.full((h,), 40.0, device=device)
+    if mode == "negative":
+        return torch.full((h,), -40.0, device=device)
+    if mode == "extreme":  # +-1e4 alternating: exp overflows / underflows
+        return torch.tensor([1e4 if i % 2 else -1e4 for i in range(h)], device=device, dtype=torch.float32)
+    raise ValueError(mode)
+
+
+# (B, S, H, Dqk, Dv, K, Skv, index mode, sink mode)
+CASES = []
+for h in (16, 32, 64, 128):
+    CASES += [
+        (1, 3, h, 512, 512, 1024, 2048, "random", "randn"),
+        (2, 5, h, 512, 512, 200, 300, "pad", "randn"),
+        (1, 17, h, 512, 512, 129, 100, "oob", "large"),
+        (1, 4, h, 512, 512, 64, 80, "empty_rows", "negative"),
+        (1, 3, h, 576, 512, 2048, 4096, "random", None),
+        (2, 3, h, 576, 512, 300, 257, "pad", None),
+        (1, 7, h, 576, 512, 1, 50, "random", None),
+        (1, 9, h, 576, 512, 333, 40, "dup", None),
+    ]
+CASES += [
+    (1, 1, 128, 576, 512, 4096, 8192, "causal", None),
+    (1, 1, 64, 512, 512, 4096, 8192, "causal", "randn"),
+    (2, 3, 128, 576, 512, 2048, 3000, "oob", None),
+    (1, 5, 64, 512, 512, 100, 10, "all_invalid", "randn"),
+    (1, 5, 128, 576, 512, 100, 10, "all_invalid", None),
+    (1, 6, 32, 512, 512, 513, 1000, "causal", "extreme"),
+    (2, 17, 16, 576, 512, 257, 100, "oob", None),
+    (1, 3, 128, 512, 512, 1024, 5, "random", "randn"),  # K far above Skv
+    (1, 11, 16, 64, 64, 64, 100, "random", "randn"),
+    (2, 13, 32, 64, 64, 100, 50, "oob", None),
+    (1, 5, 64, 64, 64, 1, 3, "random", None),
+    (1, 3, 128, 64, 64, 700, 1000, "empty_rows", "extreme"),
+    (2, 7, 16, 96, 64, 130, 200, "pad", None),
+    (1, 9, 64, 96, 64, 256, 64, "dup", None),
+    (1, 33, 128, 96, 64, 65, 1000, "oob", None),
+]
+
+
+SCHEDULES = ("qk_one", "split", "qk_one_async")
+
+
+def _run_case(case, dtype=torch.bfloat16, scale_mult=1.0, seed=0, schedule=None):
+    from dsa_plugins.kernels.sparse_attention_fwd import _check_inputs, _launch
+
+    b, s, h, dqk, dv, k, skv, mode, sink_mode = case
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed + zlib.crc32(repr(case).encode()))
+    q = torch.randn(b, s, h, dqk, generator=gen, device=device).to(dtype)
+    kv = make_kv(b, skv, dqk, dtype, device, gen)
+    idx = make_indices(b, s, k, skv, mode, device, gen)
+    sink = make_sink(h, sink_mode, device, gen)
+    scale = scale_mult * dqk**-0.5
+
+    out = torch.full((b, s, h, dv), math.nan, dtype=dtype, device=device)
+    lse = torch.full((b, s, h), math.nan, dtype=torch.float32, device=device)
+    sc, dv_ = _check_inputs(q, kv, idx, scale, sink, dv)
+    _launch(q, kv, idx, sc, sink, dv_, out, lse, overrides={"schedule": schedule} if schedule else None)
+    torch.cuda.synchronize()
+
+    ref_out, ref_lse = reference(q, kv, idx, scale, sink, dv)
+    empty = torch.isinf(ref_lse)
+    assert not torch.isnan(out).any(), f"{case}: NaN in out ({int(torch.isnan(out).sum())} elements)"
+    assert not torch.isnan(lse).any(), f"{case}: NaN in lse ({int(torch.isnan(lse).sum())} elements)"
+    assert torch.isfinite(out).all(), f"{case}: inf in out"
+    assert torch.equal(torch.isinf(lse), empty), f"{case}: lse is +inf exactly where a row has no valid key"
+    assert (lse[empty] > 0).all(), f"{case}: lse of an empty row must be +inf"
+    assert (out[empty] == 0).all(), f"{case}: rows without a valid key must give out = 0"
+
+    o = out.double()
+    err = (o - ref_out).abs().max().item()
+    ref_scale = max(ref_out.abs().max().item(), 1e-3)
+    assert err <= 1.5e-2 * ref_scale + 1e-3, f"{case}: out max abs error {err:.3e} (ref max {ref_scale:.3e})"
+    if (~empty).any():
+        lerr = ((lse.double() - ref_lse)[~empty]).abs().max().item()
+        assert lerr <= 2e-3 + 1e-3 * ref_lse[~empty].abs().max().item(), f"{case}: lse max abs error {lerr:.3e}"
+    return err
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("case", CASES, ids=[f"B{c[0]}S{c[1]}H{c[2]}D{c[3]}-{c[4]}K{c[5]}Skv{c[6]}-{c[7]}-{c[8]}" for c in CASES])
+def test_sparse_attention_fwd_matches_float64(case, schedule):
+    _run_case(case, schedule=schedule)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_peaky_scores(schedule):
+    """A large scale makes each softmax nearly one-hot: stresses the running max."""
+    _run_case((1, 9, 64, 576, 512, 500, 700, "random", None), scale_mult=8.0, schedule=schedule)
+    _run_case((1, 9, 128, 512, 512, 500, 700, "pad", "randn"), scale_mult=8.0, schedule=schedule)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_fresh_random_draws(schedule):
+    """Random shapes on every run (seeded per draw so a failure can be reproduced from its message)."""
+    rng = random.Random()
+    for _ in range(4):
+        seed = rng.randrange(1 << 30)
+        r = random.Random(seed)
+        dqk, dv, sink = r.choice([(512, 512, "randn"), (576, 512, None), (64, 64, "randn"), (96, 64, None)])
+        case = (r.choice([1, 2]), r.randrange(1, 20), r.choice([16, 32, 64, 128]), dqk, dv,
+                r.randrange(1, 700), r.randrange(2, 1500), r.choice(["random", "pad", "oob", "dup", "causal"]), sink)
+        try:
+            _run_case(case, seed=seed, schedule=schedule)
+        except AssertionError as exc:
+            raise AssertionError(f"seed {seed}: {exc}") from None
+
+
+def test_public_wrapper_and_float16():
+    from dsa_plugins.kernels.sparse_attention_fwd import sparse_attention_fwd
+
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(1)
+    q = torch.randn(2, 3, 64, 576, generator=gen, device="cuda").to(torch.bfloat16)
+    kv = torch.randn(2, 300, 576, generator=gen, device="cuda").to(torch.bfloat16)
+    idx = torch.randint(-1, 300, (2, 3, 100), generator=gen, device="cuda", dtype=torch.int64)  # int64 accepted
+    out, lse = sparse_attention_fwd(q, kv, idx, 0.05, dv=512)
+    ref_out, _ = reference(q, kv, idx, 0.05, None, 512)
+    assert out.shape == (2, 3, 64, 512) and out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert (out.double() - ref_out).abs().max().item() < 1.5e-2 * ref_out.abs().max().item() + 1e-3
+    # int64 indices outside the int32 range stay invalid (no wrap-around onto a valid row)
+    idx_far = idx.clone()
+    idx_far[..., ::3] = 2**32 + 5
+    out3, _ = sparse_attention_fwd(q, kv, idx_far, 0.05, dv=512)
+    ref3, _ = reference(q, kv, torch.where(idx_far >= 300, -1, idx_far), 0.05, None, 512)
+    assert (out3.double() - ref3).abs().max().item() < 1.5e-2 * ref3.abs().max().item() + 1e-3
+    # non-contiguous q is normalised
+    out2, _ = sparse_attention_fwd(q.transpose(1, 2).contiguous().transpose(1, 2), kv, idx, 0.05, dv=512)
+    assert torch.equal(out, out2)
+    _run_case((1, 5, 64, 576, 512, 300, 400, "pad", None), dtype=torch.float16)
+
+
+def test_new_lengths_do_not_recompile():
+    from dsa_plugins.kernels import sparse_attention_fwd as mod
+
+    _run_case((1, 3, 64, 512, 512, 128, 200, "random", "randn"))
+    before = len(mod._kernels)
+    for s, skv, k in ((5, 333, 77), (1, 4000, 1000), (2, 17, 3)):
+        _run_case((2, s, 32, 512, 512, k, skv, "pad", "randn"))
+    assert len(mod._kernels) == before
