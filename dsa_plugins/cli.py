@@ -8,7 +8,7 @@ import importlib.metadata
 import importlib.util
 import sys
 
-PACKAGES = ("torch", "tilelang", "transformers", "accelerate", "megatron-core", "safetensors", "wrapt")
+PACKAGES = ("torch", "tilelang", "transformers", "accelerate", "megatron-core", "safetensors")
 OPS = (
     ("sparse_attention", "sparse_attention_fwd + sparse_attention_bwd"),
     ("indexer", "indexer_topk"),

@@ -207,12 +207,14 @@ def sparse_attention(
 
 
 def sparse_mla(
-    q: Tensor, kv_latent: Tensor, indices: Tensor, w_vc: Tensor, scale: float, backend: str | None = None
+    q: Tensor, kv_latent: Tensor, indices: Tensor, w_vc: Tensor, scale: float, backend: str | None = None,
+    sink: Tensor | None = None,
 ) -> Tensor:
     """Absorbed sparse MLA: latent attention (dv = kv_lora_rank) then the W_vc up-projection.
 
     q [.., H, kv_lora_rank + rope] = cat(q_nope @ W_kc, q_pe); kv_latent [.., Skv, kv_lora_rank + rope];
-    w_vc [H, v_head_dim, kv_lora_rank]. Returns [.., H, v_head_dim] in q.dtype.
+    w_vc [H, v_head_dim, kv_lora_rank]; sink [H] fp32 or None (per-head attention sink, e.g. hy_v4).
+    Returns [.., H, v_head_dim] in q.dtype.
     """
     check_tensor("w_vc", w_vc, ndim=3, dtypes=FLOAT_DTYPES)
     if not isinstance(q, Tensor) or q.dim() not in (3, 4):
@@ -224,7 +226,7 @@ def sparse_mla(
         )
     if w_vc.device != q.device:
         raise ValueError(f"w_vc must be on {q.device} (the device of q), got {w_vc.device}")
-    latent = sparse_attention(q, kv_latent, indices, scale, dv=w_vc.shape[2], backend=backend)
+    latent = sparse_attention(q, kv_latent, indices, scale, sink=sink, dv=w_vc.shape[2], backend=backend)
     return project_values(latent, w_vc).to(q.dtype)
 
 

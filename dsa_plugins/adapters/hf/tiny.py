@@ -1,0 +1,144 @@
+"""Tiny random configs of every supported DSA model (tests, the demo, the benchmark's smoke run).
+
+Small enough to run on two CPU cores in milliseconds, but with ``index_topk`` below the sequence
+lengths used, so the sparse selection really matters (the sparse and the dense paths differ).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# model_type -> (config class, causal-LM class or base model class, config kwargs)
+_COMMON_MLA = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    index_topk=5,
+    index_head_dim=16,
+    index_n_heads=16,
+    max_position_embeddings=512,
+    pad_token_id=None,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+SPECS: dict[str, tuple[str, str, dict]] = {
+    "glm_moe_dsa": (
+        "GlmMoeDsaConfig",
+        "GlmMoeDsaForCausalLM",
+        dict(_COMMON_MLA, num_hidden_layers=3, first_k_dense_replace=1, indexer_types=["full", "shared", "full"]),
+    ),
+    "deepseek_v32": (
+        "DeepseekV32Config",
+        "DeepseekV32ForCausalLM",
+        dict(_COMMON_MLA, num_hidden_layers=2, first_k_dense_replace=1),
+    ),
+    "axk2": (
+        "AXK2Config",
+        "AXK2ForCausalLM",
+        dict(_COMMON_MLA, num_hidden_layers=2, n_group=None, topk_group=None, gated_norm_rank=8),
+    ),
+    "hy_v4": (
+        "HYV4Config",
+        "HYV4ForCausalLM",
+        dict(
+            _COMMON_MLA, num_hidden_layers=2, hc_mult=2, learnable_sink_init=0.5, head_dim=24,
+            indexer_types=["full", "shared"],
+        ),
+    ),
+    "mistral_large4": (
+        "MistralLarge4TextConfig",
+        "MistralLarge4TextModel",
+        {k: v for k, v in dict(_COMMON_MLA, num_hidden_layers=2, first_k_dense_replace=1).items() if k != "q_lora_rank"},
+    ),
+    "dots3_note": (
+        "Dots3NoteTextConfig",
+        "Dots3NoteForCausalLM",
+        dict(
+            _COMMON_MLA, num_hidden_layers=3, head_dim=24, sliding_window=4, shared_experts_intermediate_size=32,
+            layer_types=["indexed_attention", "sliding_attention", "indexed_attention"],
+        ),
+    ),
+    "deepseek_v4": (
+        "DeepseekV4Config",
+        "DeepseekV4ForCausalLM",
+        dict(
+            vocab_size=128,
+            hidden_size=64,
+            moe_intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            head_dim=32,
+            q_lora_rank=32,
+            num_experts_per_tok=2,
+            n_routed_experts=4,
+            o_groups=2,
+            o_lora_rank=16,
+            index_n_heads=16,
+            index_head_dim=16,
+            index_topk=2,
+            sliding_window=4,
+            compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+            layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+            mlp_layer_types=["hash_moe", "moe", "moe"],
+            hc_mult=2,
+            hc_sinkhorn_iters=3,
+            partial_rotary_factor=0.25,
+            max_position_embeddings=512,
+            pad_token_id=None,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
+}
+
+
+def tiny_config(model_type: str, **overrides):
+    """A tiny config of ``model_type`` (random-weight models only)."""
+    if model_type not in SPECS:
+        raise KeyError(f"no tiny config for {model_type!r}; known: {sorted(SPECS)}")
+    import transformers
+
+    config_cls, _, kwargs = SPECS[model_type]
+    return getattr(transformers, config_cls)(**{**kwargs, **overrides})
+
+
+def model_class(model_type: str):
+    import transformers
+
+    return getattr(transformers, SPECS[model_type][1])
+
+
+def tiny_model(model_type: str, seed: int = 0, attn_implementation: str = "eager", **overrides):
+    """A tiny model with random weights (fp32, eval mode)."""
+    import torch
+
+    torch.manual_seed(seed)
+    config = tiny_config(model_type, **overrides)
+    model = model_class(model_type)._from_config(config, attn_implementation=attn_implementation)
+    return model.eval()
+
+
+def is_causal_lm(model_type: str) -> bool:
+    return SPECS[model_type][1].endswith("ForCausalLM")
+
+
+def available(model_type: str) -> bool:
+    """Whether the installed transformers has this model type."""
+    try:
+        importlib.import_module(f"transformers.models.{model_type}")
+    except ImportError:
+        return False
+    return True

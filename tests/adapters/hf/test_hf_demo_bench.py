@@ -1,0 +1,51 @@
+"""The demo (zero-code-change loading in a fresh process) and the benchmark's CPU smoke mode."""
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _entry_point_installed() -> bool:
+    eps = importlib.metadata.entry_points(group="torch.backends")
+    return any(ep.value == "dsa_plugins._autoload:autoload" for ep in eps)
+
+
+@pytest.mark.skipif(
+    not _entry_point_installed(),
+    reason="the torch.backends entry point is not installed: pip install --no-build-isolation --no-deps -e .",
+)
+def test_demo_runs_and_matches(tmp_path):
+    env = dict(os.environ, DSA_PLUGINS_BACKEND="torch")
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys, dsa_plugins.demo as d; sys.exit(d.main(['--new-tokens', '2', '--keep', sys.argv[1]]))", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=600, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "GLM-5 (glm_moe_dsa)" in proc.stdout and "DeepSeek-V4 (deepseek_v4)" in proc.stdout
+    assert "all models match eager" in proc.stdout
+    assert (tmp_path / "glm_moe_dsa" / "model.safetensors").exists()
+
+
+def test_demo_refuses_without_entry_point(monkeypatch, capsys):
+    from dsa_plugins import demo
+
+    monkeypatch.setattr(demo, "_entry_point_installed", lambda: False)
+    assert demo.main([]) == 2
+    assert "entry point" in capsys.readouterr().err
+
+
+def test_bench_hf_layer_smoke(capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_hf_layer
+    finally:
+        sys.path.pop(0)
+    assert bench_hf_layer.main(["--smoke", "--providers", "dsa_tilelang"]) == 0
+    out = capsys.readouterr().out
+    assert "dsa_tilelang" in out and "S128" in out

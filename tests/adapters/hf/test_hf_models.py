@@ -1,0 +1,289 @@
+"""Every supported DSA model: the dsa_tilelang path against transformers' eager path (fp32, CPU).
+
+The torch reference of the sparse ops is exact math, so logits agree to rounding (the absorbed MLA
+differs from the expanded K/V only by the order of the products). Tiny configs keep index_topk below
+the sequence length, so the top-k selection matters. The tiny configs have no padding token
+(pad_token_id=None): a zero embedding makes exactly tied indexer scores, where the two paths may
+break ties differently.
+"""
+
+import pytest
+import torch
+
+from dsa_plugins.adapters.hf import tiny
+
+MODELS = list(tiny.SPECS)
+CAUSAL = [m for m in MODELS if tiny.is_causal_lm(m)]
+
+
+def _require(model_type):
+    if not tiny.available(model_type):
+        pytest.skip(f"{model_type} is not in transformers {__import__('transformers').__version__}")
+
+
+def _run(model, impl, ids, mask, **kw):
+    model.set_attn_implementation(impl)
+    return model(ids, attention_mask=mask, use_cache=False, **kw)
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_forward_matches_eager(registered, model_type, make_batch, output_of):
+    _require(model_type)
+    model = tiny.tiny_model(model_type)
+    ids, mask = make_batch()
+    with torch.no_grad():
+        ref = output_of(_run(model, "eager", ids, mask))
+        out = output_of(_run(model, "dsa_tilelang", ids, mask))
+    assert torch.isfinite(out).all(), "fully masked (left-padding) rows must not give NaN"
+    valid = mask.bool()
+    torch.testing.assert_close(out[valid], ref[valid], rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("model_type", MODELS)
+def test_gradients_match_eager(registered, model_type, make_batch, output_of):
+    _require(model_type)
+    model = tiny.tiny_model(model_type).train()
+    ids, mask = make_batch(seed=1, seq_len=12, pad=2)
+    grads = {}
+    for impl in ("eager", "dsa_tilelang"):
+        model.zero_grad()
+        out = output_of(_run(model, impl, ids, mask))
+        (out[mask.bool()].float() ** 2).mean().backward()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads["eager"].keys() == grads["dsa_tilelang"].keys()
+    for name, ref in grads["eager"].items():
+        torch.testing.assert_close(grads["dsa_tilelang"][name], ref, rtol=1e-4, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v4"])
+def test_gradient_checkpointing(registered, model_type, make_batch, output_of):
+    """Recomputation re-runs the patched indexer / the captured V4 state in the right order."""
+    _require(model_type)
+    model = tiny.tiny_model(model_type).train()
+    ids, mask = make_batch(seed=4, seq_len=12, pad=2)
+    grads = {}
+    for impl, checkpointing in (("eager", False), ("dsa_tilelang", True)):
+        model.set_attn_implementation(impl)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.zero_grad()
+        out = output_of(_run(model, impl, ids, mask))
+        (out[mask.bool()] ** 2).mean().backward()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for name, ref in grads["eager"].items():
+        torch.testing.assert_close(grads["dsa_tilelang"][name], ref, rtol=1e-4, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("model_type", CAUSAL)
+def test_greedy_generate_matches_eager(registered, model_type, make_batch):
+    _require(model_type)
+    model = tiny.tiny_model(model_type)
+    ids, mask = make_batch(seed=2)
+    seqs, logits = {}, {}
+    for impl in ("eager", "dsa_tilelang"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            out = model.generate(
+                ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=2,
+                output_logits=True, return_dict_in_generate=True,
+            )
+        seqs[impl], logits[impl] = out.sequences, torch.stack(out.logits)
+    assert torch.equal(seqs["dsa_tilelang"], seqs["eager"])
+    torch.testing.assert_close(logits["dsa_tilelang"], logits["eager"], rtol=1e-5, atol=2e-5)
+
+
+def test_topk_matters_in_tiny_configs(registered, make_batch, output_of):
+    """Sanity of the tests above: with the tiny index_topk, sparse attention differs from dense."""
+    ids, mask = make_batch()
+    sparse = tiny.tiny_model("glm_moe_dsa")
+    dense = tiny.tiny_model("glm_moe_dsa", index_topk=4096)
+    with torch.no_grad():
+        a = output_of(_run(sparse, "dsa_tilelang", ids, mask))
+        b = output_of(_run(dense, "dsa_tilelang", ids, mask))
+    assert (a - b)[mask.bool()].abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32", "deepseek_v4"])
+def test_prefill_builds_no_dense_mask(registered, model_type, make_batch, monkeypatch):
+    """Causal / sliding masks with left padding stay lazy: nothing materialises [B, 1, S, T]."""
+    _require(model_type)
+    from dsa_plugins.patches import transformers as tp
+
+    def forbidden(self):
+        raise AssertionError("the dense mask was materialised")
+
+    monkeypatch.setattr(tp.LazyMask, "dense", forbidden)
+    model = tiny.tiny_model(model_type, attn_implementation="dsa_tilelang")
+    ids, mask = make_batch()
+    with torch.no_grad():
+        model(ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32", "axk2", "hy_v4", "mistral_large4", "dots3_note"])
+def test_indexer_selects_what_hf_selects(registered, model_type):
+    """The patched indexer (indexer_topk) picks the same key sets as transformers' own indexer."""
+    _require(model_type)
+    from dsa_plugins.patches import transformers as tp
+    from dsa_plugins.patches._core import _records
+
+    model = tiny.tiny_model(model_type)
+    indexer = next(m for m in model.modules() if type(m).__name__.endswith("Indexer"))
+    original = next(r.original for r in _records if r.owner is type(indexer) and r.name == "forward")
+    B, S = 2, 16
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(B, S, model.config.hidden_size, generator=g)
+    q_resid = torch.randn(B, S, getattr(indexer, "q_lora_rank", None) or 1, generator=g)
+    position_ids = torch.arange(S)[None].expand(B, -1)
+    dim = indexer.qk_rope_head_dim
+    freqs = position_ids[..., None].float() / (100.0 ** (torch.arange(0, dim, 2).float() / dim))
+    emb = torch.cat([freqs, freqs], -1)
+    pos_emb = (emb.cos(), emb.sin())
+    padding = torch.ones(B, S, dtype=torch.bool)
+    padding[1, :4] = False
+    lazy = tp.dsa_mask(B, S, S, attention_mask=padding)
+    dense = lazy.dense()[:, 0]
+    params = list(__import__("inspect").signature(original).parameters)
+    args = dict(hidden_states=hidden, position_embeddings=pos_emb, position_ids=position_ids, past_key_values=None)
+    if "q_resid" in params:
+        args["q_resid"] = q_resid
+    with torch.no_grad():
+        ref = original(indexer, attention_mask=dense, **args)
+        new = type(indexer).forward(indexer, attention_mask=lazy, **args)
+    for b in range(B):
+        for s in range(S):
+            if not padding[b, s]:
+                continue
+            want = {i for i in ref[b, s].tolist() if dense[b, s, i]}
+            got = {i for i in new[b, s].tolist() if i >= 0}
+            assert got == want, (b, s)
+
+
+def test_vision_like_module_falls_back_to_sdpa(registered):
+    """A module with no indices and full K/V (a vision or audio tower) goes through SDPA."""
+    from dsa_plugins.patches.transformers import dsa_attention_forward, dsa_mask
+
+    module = torch.nn.Module()
+    module.is_causal = False
+    q, k, v = (torch.randn(2, 4, 6, 8) for _ in range(3))
+    mask = dsa_mask(2, 6, 6, mask_function=lambda b, h, qi, ki: torch.ones((), dtype=torch.bool))
+    out, _ = dsa_attention_forward(module, q, k, v, None, scaling=8**-0.5)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=8**-0.5).transpose(1, 2)
+    torch.testing.assert_close(out, ref)
+    assert mask.shape == (2, 1, 6, 6)
+
+
+def test_multimodal_tower_falls_back_in_a_real_model(registered):
+    """Mistral Large 4 with its (Pixtral) vision tower: the tower has no indices and runs SDPA."""
+    _require("mistral_large4")
+    from transformers import MistralLarge4Config, MistralLarge4ForConditionalGeneration
+
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, patch_size=4, image_size=16, hidden_act="silu", head_dim=16)
+    config = MistralLarge4Config(text_config=tiny.tiny_config("mistral_large4").to_dict(), vision_config=vision,
+                                 image_token_index=10, spatial_merge_size=2)
+    torch.manual_seed(0)
+    model = MistralLarge4ForConditionalGeneration(config).eval()
+    pixels = torch.randn(1, 3, 16, 16)
+    ids = torch.cat([torch.tensor([[1]]), torch.full((1, 4), 10), torch.randint(11, 128, (1, 8))], 1)
+    out = {}
+    for impl in ("eager", "dsa_tilelang"):
+        model.set_attn_implementation(impl)
+        assert model.model.vision_tower.config._attn_implementation == impl
+        with torch.no_grad():
+            out[impl] = model(input_ids=ids, pixel_values=pixels, image_sizes=torch.tensor([[16, 16]])).logits
+    torch.testing.assert_close(out["dsa_tilelang"], out["eager"], rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v4"])
+def test_model_built_before_and_after_registration(model_type, make_batch, output_of):
+    _require(model_type)
+    from dsa_plugins import hf
+
+    hf.unregister()
+    before = tiny.tiny_model(model_type)
+    with pytest.raises(ValueError, match="dsa_tilelang"):
+        before.set_attn_implementation("dsa_tilelang")
+    hf.register()
+    try:
+        after = tiny.tiny_model(model_type, attn_implementation="dsa_tilelang")
+        before.set_attn_implementation("dsa_tilelang")
+        ids, mask = make_batch()
+        with torch.no_grad():
+            a = output_of(before(ids, attention_mask=mask))
+            b = output_of(after(ids, attention_mask=mask))
+        torch.testing.assert_close(a, b)
+    finally:
+        hf.unregister()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32", "deepseek_v4"])
+def test_gpu_bf16_kernels_match_eager(registered, model_type, make_batch, output_of, monkeypatch):
+    """bf16 on a Hopper GPU through the TileLang kernels (backend forced), device_map="auto"."""
+    _require(model_type)
+    import tempfile
+
+    monkeypatch.setenv("DSA_PLUGINS_BACKEND", "tilelang")
+    cls = tiny.model_class(model_type)
+    # the released models' head sizes: 64 heads, latent 512 + rope 64 (V3.2 family) / head_dim 512 (V4)
+    if model_type == "deepseek_v4":
+        overrides = dict(num_attention_heads=64, head_dim=512, q_lora_rank=64, o_lora_rank=32, index_n_heads=64,
+                         index_head_dim=128, partial_rotary_factor=0.125, sliding_window=64, index_topk=16,
+                         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 32})
+    else:
+        overrides = dict(num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=512, qk_rope_head_dim=64,
+                         qk_nope_head_dim=128, v_head_dim=128, index_n_heads=32, index_head_dim=128, index_topk=64)
+    model = tiny.tiny_model(model_type, **overrides)
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        ref = cls.from_pretrained(d, dtype=torch.bfloat16, device_map="auto", attn_implementation="eager")
+        dsa = cls.from_pretrained(d, dtype=torch.bfloat16, device_map="auto", attn_implementation="dsa_tilelang")
+    ids, mask = make_batch(seq_len=256, pad=17)
+    ids, mask = ids.cuda(), mask.cuda()
+    with torch.no_grad():
+        a = output_of(ref(ids, attention_mask=mask)).float()
+        b = output_of(dsa(ids, attention_mask=mask)).float()
+    valid = mask.bool()
+    assert torch.isfinite(b).all()
+    err = (a - b)[valid].abs().max().item()
+    assert err < 0.05 * a[valid].abs().max().item() + 0.05, err
+    with torch.no_grad():
+        ga = ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=2)
+        gb = dsa.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=2)
+    assert (ga == gb).float().mean() > 0.9
+
+
+def test_v4_indexer_scores_through_indexer_topk(registered, make_batch, monkeypatch):
+    """DeepSeek-V4's CSA indexer: no dense [B, S, H, T/4] scores, the fused top-k instead."""
+    _require("deepseek_v4")
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+
+    from dsa_plugins import ops
+
+    def dense_scores(*args, **kwargs):
+        raise AssertionError("the dense indexer scorer ran")
+
+    calls = []
+    real = ops.indexer_topk
+    monkeypatch.setattr(v4.DeepseekV4IndexerScorer, "forward", dense_scores)
+    monkeypatch.setattr(ops, "indexer_topk", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = tiny.tiny_model("deepseek_v4", attn_implementation="dsa_tilelang")
+    ids, mask = make_batch()
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=2)
+    assert len(calls) == 3  # the CSA layer: prefill + 2 decode steps
+
+
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32"])
+def test_packed_sequences_match_eager(registered, model_type, output_of):
+    """Packed sequences (position_ids restart, no attention mask): keys never cross a boundary."""
+    _require(model_type)
+    model = tiny.tiny_model(model_type)
+    ids = torch.randint(3, 128, (1, 15), generator=torch.Generator().manual_seed(5))
+    position_ids = torch.cat([torch.arange(6), torch.arange(9)])[None]
+    out = {}
+    for impl in ("eager", "dsa_tilelang"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            out[impl] = output_of(model(ids, position_ids=position_ids, use_cache=False))
+    torch.testing.assert_close(out["dsa_tilelang"], out["eager"], rtol=1e-5, atol=2e-5)

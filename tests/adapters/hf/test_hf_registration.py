@@ -1,0 +1,205 @@
+"""Registration of "dsa_tilelang": idempotent, reversible, loud on moved patch points; the lazy mask."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+import torch
+
+from dsa_plugins.patches import transformers as tp
+from dsa_plugins.patches._core import (
+    PatchPointMissing,
+    UnsupportedVersion,
+    applied_keys,
+)
+
+
+def _interfaces():
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS
+
+
+def _glm():
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as m
+
+    return m
+
+
+def test_register_twice_is_a_noop(registered):
+    from dsa_plugins import hf
+
+    _glm()
+    keys = applied_keys()
+    expand = _glm().GlmMoeDsaAttention.expand_kv
+    hf.register()
+    assert applied_keys() == keys
+    assert _glm().GlmMoeDsaAttention.expand_kv is expand
+    attn, masks = _interfaces()
+    assert attn["dsa_tilelang"] is tp.dsa_attention_forward
+    assert masks["dsa_tilelang"] is tp.dsa_mask
+    assert hf.is_registered()
+
+
+def test_unregister_restores_everything():
+    from dsa_plugins import hf
+
+    hf.unregister()
+    m = _glm()
+    originals = {
+        (cls, name): cls.__dict__[name]
+        for cls, name in ((m.GlmMoeDsaAttention, "expand_kv"), (m.GlmMoeDsaIndexer, "forward"))
+    }
+    hf.register()
+    assert "hf.glm_moe_dsa" in applied_keys()
+    assert all(cls.__dict__[name] is not fn for (cls, name), fn in originals.items())
+    hf.unregister()
+    assert all(cls.__dict__[name] is fn for (cls, name), fn in originals.items())
+    assert not any(k.startswith("hf.") for k in applied_keys())
+    attn, masks = _interfaces()
+    assert "dsa_tilelang" not in attn and "dsa_tilelang" not in masks
+    assert not hf.is_registered()
+
+
+def test_register_before_transformers_is_imported(tmp_path):
+    """register() with transformers not imported yet: the patches land when the modules finish importing."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import dsa_plugins.hf as hf
+        hf.register()
+        assert "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa" not in sys.modules
+        import torch
+        from dsa_plugins.adapters.hf.tiny import tiny_model
+        m = tiny_model("glm_moe_dsa", attn_implementation="dsa_tilelang")
+        from dsa_plugins.patches._core import applied_keys
+        assert "hf.glm_moe_dsa" in applied_keys(), applied_keys()
+        ids = torch.randint(3, 100, (1, 9))
+        assert torch.isfinite(m(ids).logits).all()
+        print("OK")
+        """
+    )
+    env = dict(os.environ, DSA_PLUGINS_AUTOLOAD="0")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_version_out_of_range_refuses(monkeypatch):
+    from packaging.version import Version
+
+    import dsa_plugins.patches._core as core
+    from dsa_plugins import hf
+
+    monkeypatch.setattr(core, "installed_version", lambda package: Version("4.57.0"))
+    with pytest.raises(UnsupportedVersion, match="transformers"):
+        hf.register()
+
+
+def test_moved_patch_point_fails_loudly():
+    fake = types.ModuleType("transformers.models.glm_moe_dsa.modeling_fake")
+    with pytest.raises(PatchPointMissing, match="GlmMoeDsaAttention"):
+        tp.MODELS["glm_moe_dsa"][1](fake)
+    fake.GlmMoeDsaAttention = type("GlmMoeDsaAttention", (), {})
+    fake.GlmMoeDsaIndexer = type("GlmMoeDsaIndexer", (), {"forward": lambda self: None})
+    with pytest.raises(PatchPointMissing, match="expand_kv"):
+        tp.MODELS["glm_moe_dsa"][1](fake)
+
+
+def test_unknown_and_unsupported_models():
+    with pytest.raises(KeyError, match="unknown model type"):
+        tp.patch_model("llama")
+    with pytest.raises(NotImplementedError, match="glm5_next"):
+        tp.patch_model("glm5_next")
+    status = tp.supported_models()
+    assert "glm_moe_dsa" in status and "glm5_next" in status
+
+
+def test_bad_backend_is_a_clear_error(registered, monkeypatch, make_batch):
+    from dsa_plugins.adapters.hf.tiny import tiny_model
+
+    monkeypatch.setenv("DSA_PLUGINS_BACKEND", "fastest")
+    model = tiny_model("glm_moe_dsa", attn_implementation="dsa_tilelang")
+    ids, mask = make_batch()
+    with pytest.raises(ValueError, match="DSA_PLUGINS_BACKEND"):
+        model(ids, attention_mask=mask)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal of the forced kernel backend")
+def test_forced_kernels_on_cpu_is_a_clear_error(registered, monkeypatch, make_batch):
+    from dsa_plugins.adapters.hf.tiny import tiny_model
+
+    monkeypatch.setenv("DSA_PLUGINS_BACKEND", "tilelang")
+    model = tiny_model("glm_moe_dsa", attn_implementation="dsa_tilelang")
+    ids, mask = make_batch()
+    with pytest.raises(RuntimeError):
+        model(ids, attention_mask=mask)
+
+
+def test_kv_b_proj_bias_is_refused(registered, make_batch):
+    from dsa_plugins.adapters.hf.tiny import tiny_model
+
+    model = tiny_model("deepseek_v32", attn_implementation="dsa_tilelang")
+    attn = model.model.layers[0].self_attn
+    attn.kv_b_proj.bias = torch.nn.Parameter(torch.zeros(attn.kv_b_proj.out_features))
+    ids, mask = make_batch()
+    with pytest.raises(RuntimeError, match="kv_b_proj has a bias"):
+        model(ids, attention_mask=mask)
+
+
+def test_v4_refuses_prebuilt_4d_mask(registered):
+    from dsa_plugins.adapters.hf.tiny import tiny_model
+
+    model = tiny_model("deepseek_v4", attn_implementation="dsa_tilelang")
+    ids = torch.randint(3, 100, (1, 8))
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
+    with pytest.raises(RuntimeError, match="prebuilt 4D mask"):
+        model(ids, attention_mask=mask)
+
+
+# ---------------------------------------------------------------------------------------- LazyMask
+
+CASES = [
+    dict(B=2, S=7, T=7, q_offset=0, kv_offset=0, pad=[0, 3], window=None),
+    dict(B=2, S=1, T=12, q_offset=11, kv_offset=0, pad=[0, 4], window=None),  # decode
+    dict(B=2, S=5, T=9, q_offset=4, kv_offset=0, pad=[2, 0], window=None),  # chunked prefill
+    dict(B=2, S=7, T=7, q_offset=0, kv_offset=0, pad=[0, 2], window=3),  # sliding prefill
+    dict(B=2, S=1, T=4, q_offset=10, kv_offset=7, pad=[0, 9], window=5),  # sliding decode, window full
+    dict(B=1, S=4, T=6, q_offset=2, kv_offset=0, pad=None, window=None),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_lazy_mask_matches_dense(case):
+    from transformers.masking_utils import (
+        causal_mask_function,
+        sdpa_mask,
+        sliding_window_causal_mask_function,
+    )
+
+    B, S, T = case["B"], case["S"], case["T"]
+    total = case["kv_offset"] + T
+    padding = None
+    if case["pad"] is not None:
+        padding = torch.ones(B, total, dtype=torch.bool)
+        for b, p in enumerate(case["pad"]):
+            padding[b, :p] = False
+    fn = causal_mask_function if case["window"] is None else sliding_window_causal_mask_function(case["window"])
+    kwargs = dict(q_offset=case["q_offset"], kv_offset=case["kv_offset"], mask_function=fn, attention_mask=padding)
+    lazy = tp.dsa_mask(B, S, T, local_size=case["window"], **kwargs)
+    assert lazy.is_simple
+    dense = sdpa_mask(batch_size=B, q_length=S, kv_length=T, allow_is_causal_skip=False, **kwargs)
+    dense = dense.expand(B, 1, S, T)[:, 0]
+    cols = torch.arange(T).expand(B, S, T)
+    assert torch.equal(lazy.allowed(cols), dense)
+    start, end = lazy.windows()
+    in_window = (cols >= start[..., None]) & (cols < end[..., None])
+    assert torch.equal(in_window & dense, dense)  # the window covers every allowed key
+    assert torch.equal(lazy[:, 0], lazy) if False else lazy[:, 0] is lazy
+    assert torch.equal(lazy.dense()[:, 0], dense)
+    idx = torch.randint(-2, T + 2, (B, S, 5))
+    want = torch.where((idx >= 0) & (idx < T) & dense.gather(-1, idx.clamp(0, T - 1)), idx, -1)
+    assert torch.equal(tp.mask_indices(idx, lazy).long(), want)
