@@ -27,11 +27,13 @@ class KernelSpec:
     dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
 KERNELS: dict[str, KernelSpec] = {
     spec.name: spec
     for spec in (
-        KernelSpec("sparse_attention_fwd", "dsa_plugins.kernels.sparse_attention_fwd", "sparse_attention_fwd"),
-        KernelSpec("sparse_attention_bwd", "dsa_plugins.kernels.sparse_attention_bwd", "sparse_attention_bwd"),
+        KernelSpec("sparse_attention_fwd", "dsa_plugins.kernels.sparse_attention_fwd", "sparse_attention_fwd", _HALF),
+        KernelSpec("sparse_attention_bwd", "dsa_plugins.kernels.sparse_attention_bwd", "sparse_attention_bwd", _HALF),
         KernelSpec("indexer_topk", "dsa_plugins.kernels.indexer", "indexer_topk"),
         KernelSpec("topk_rows", "dsa_plugins.kernels.topk", "topk_rows", (torch.float32,)),
     )

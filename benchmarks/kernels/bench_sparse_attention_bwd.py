@@ -1,0 +1,207 @@
+"""Benchmark (and compile warm-up) of the TileLang sparse attention backward.
+
+    python benchmarks/kernels/bench_sparse_attention_bwd.py --warmup [--jobs 16]   # compile in parallel
+    python benchmarks/kernels/bench_sparse_attention_bwd.py [--csv out.csv] [--variants JSON]
+
+FLOPs = 2 * B * S * H * K * (2 * Dv + 3 * Dqk) (all K slots counted). Times are medians of
+triton.testing.do_bench (CUDA events fallback) on random inputs; out/lse come from a chunked
+torch forward in fp32.
+"""
+
+import argparse
+import concurrent.futures as cf
+import csv
+import functools
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import torch
+
+TARGET = {"kind": "cuda", "arch": "sm_90a"}
+
+# (name, B, S, Skv, H, Dqk, Dv, K, sink)
+SHAPES = [
+    ("mla_h64", 1, 4096, 8192, 64, 576, 512, 2048, False),
+    ("mla_h128", 1, 4096, 8192, 128, 576, 512, 2048, False),
+    ("v4_h128_sink", 1, 4096, 8192, 128, 512, 512, 1024, True),
+]
+
+
+def _test_configs():
+    from tests.kernels.test_sparse_attention_bwd_gpu import CONFIGS
+
+    return [{"heads": h, "dqk": dqk, "dv": dv, "has_sink": sk, "dtype": str(dt).replace("torch.", "")}
+            for h, dqk, dv, sk, dt in CONFIGS]
+
+
+def _jobs(configs):
+    """configs: list of (config dict, with deterministic programs)."""
+    from dsa_plugins.kernels import sparse_attention_bwd as m
+
+    jobs = []
+    for c, with_det in configs:
+        cfg = m._normalise_config(c)
+        nhb = (cfg["heads"] + 63) // 64
+        jobs.append(("preprocess", (cfg["heads"], cfg["dv"], cfg["has_sink"], cfg["dtype"])))
+        for det in ((False, True) if with_det else (False,)):
+            jobs.append(m._main_kernel(cfg, det))
+        if with_det:
+            jobs.append(("reduce", (cfg["dqk"], nhb)))
+    out = []
+    for j in jobs:
+        if j not in out:
+            out.append(j)
+    return out
+
+
+def _compile_one(job):
+    from dsa_plugins.kernels import sparse_attention_bwd as m
+
+    t = time.time()
+    try:
+        m._get(job[0], TARGET, *job[1])
+        return job, time.time() - t, None
+    except Exception as exc:  # noqa: BLE001 - report, keep going
+        return job, time.time() - t, f"{type(exc).__name__}: {str(exc)[-2000:]}"
+
+
+def warmup(configs, jobs_n):
+    jobs = _jobs(configs)
+    t0 = time.time()
+    bad = 0
+    with cf.ProcessPoolExecutor(max_workers=jobs_n, mp_context=mp.get_context("spawn")) as ex:
+        for job, dt, err in ex.map(_compile_one, jobs):
+            print(f"compiled {job} in {dt:.1f}s" + (f" FAILED {err}" if err else ""), flush=True)
+            bad += err is not None
+    print(f"warmup: {len(jobs)} programs in {time.time() - t0:.1f}s, {bad} failed", flush=True)
+    return bad
+
+
+def _bench(fn):
+    try:
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=50, rep=300, return_mode="median")
+    except ImportError:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(20):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        times.sort()
+        return times[len(times) // 2]
+
+
+def make_inputs(B, S, Skv, H, Dqk, Dv, K, sink, seed=0):
+    g = torch.Generator(device="cuda")
+    g.manual_seed(seed)
+    dt = torch.bfloat16
+    q = torch.randn(B, S, H, Dqk, generator=g, device="cuda").to(dt)
+    kv = torch.randn(B, Skv, Dqk, generator=g, device="cuda").to(dt)
+    dout = (0.1 * torch.randn(B, S, H, Dv, generator=g, device="cuda")).to(dt)
+    idx = torch.stack([torch.rand(S, Skv, generator=g, device="cuda").topk(K, -1).indices for _ in range(B)])
+    idx = idx.to(torch.int32)
+    z = torch.randn(H, generator=g, device="cuda").float() if sink else None
+    scale = Dqk ** -0.5
+    out = torch.empty(B, S, H, Dv, device="cuda", dtype=dt)
+    lse = torch.empty(B, S, H, device="cuda", dtype=torch.float32)
+    c = 128
+    for b in range(B):
+        for s0 in range(0, S, c):
+            qc = q[b, s0:s0 + c].float()
+            kvg = kv[b][idx[b, s0:s0 + c].long()].float()  # [c, K, D]
+            sc = torch.einsum("chd,ckd->chk", qc, kvg) * scale
+            l = torch.logsumexp(sc, -1)
+            norm = l if z is None else torch.logaddexp(l, z.view(1, H))
+            p = torch.exp(sc - norm[..., None])
+            out[b, s0:s0 + c] = torch.einsum("chk,ckd->chd", p, kvg[..., :Dv]).to(dt)
+            lse[b, s0:s0 + c] = l
+    return q, kv, idx, out, lse, dout, z, scale
+
+
+def _bench_shape(m, name, shape, variants, det, rows):
+    sname, B, S, Skv, H, Dqk, Dv, K, sink = shape
+    q, kv, idx, out, lse, dout, z, scale = make_inputs(B, S, Skv, H, Dqk, Dv, K, sink)
+    flops = m.bwd_flops(B * S, H, K, Dqk, Dv)
+    base = m.sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=z, dv=Dv)
+    torch.cuda.synchronize()
+
+    def run(deterministic, config):
+        return m.sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=z, dv=Dv,
+                                      deterministic=deterministic, config=config)
+
+    def diff(res):
+        return max(((a.float() - b.float()).norm() / b.float().norm()).item()
+                   for a, b in zip(res, base, strict=True) if a is not None)
+
+    for var in variants:
+        if var.get("only") and var["only"] != sname:
+            continue
+        var = {k: v for k, v in var.items() if k != "only"}
+        for d in ([False, True] if (det and not var) else [False]):
+            cfg = var or None
+            try:
+                err = diff(run(d, cfg))
+                torch.cuda.synchronize()
+                ms = _bench(functools.partial(run, d, cfg))
+            except Exception as exc:  # noqa: BLE001 - report and go on with the next variant
+                print(f"{sname} det={d} var={var}: FAILED {type(exc).__name__}: {str(exc)[-1500:]}", flush=True)
+                continue
+            tf = flops / ms / 1e9
+            print(f"{name} | {sname} det={d} var={json.dumps(var)} | {ms:.3f} ms | {tf:.1f} TFLOP/s"
+                  f" | rel diff vs default {err:.1e}", flush=True)
+            rows.append({"gpu": name, "shape": sname, "deterministic": d, "variant": json.dumps(var),
+                         "ms": round(ms, 4), "tflops": round(tf, 1)})
+
+
+def bench(shapes, variants, csv_path, det):
+    from dsa_plugins.kernels import sparse_attention_bwd as m
+
+    name = torch.cuda.get_device_name()
+    rows = []
+    for shape in shapes:
+        _bench_shape(m, name, shape, variants, det, rows)
+        torch.cuda.empty_cache()
+    if csv_path and rows:
+        with open(csv_path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--warmup", action="store_true")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 4)
+    ap.add_argument("--variants", default="[{}]", help="JSON list of config overrides")
+    ap.add_argument("--csv", default=None)
+    ap.add_argument("--det", action="store_true", help="also time deterministic mode")
+    ap.add_argument("--shapes", default=None, help="comma list of shape names")
+    args = ap.parse_args()
+    variants = json.loads(args.variants)
+    if args.warmup:
+        cfgs = [(c, True) for c in _test_configs()]
+        for _, B, S, Skv, H, Dqk, Dv, K, sink in SHAPES:
+            for var in variants:
+                if var.get("only") and var["only"] != _:
+                    continue
+                var = {k: v for k, v in var.items() if k != "only"}
+                cfgs.append(({"heads": H, "dqk": Dqk, "dv": Dv, "has_sink": sink, "dtype": "bfloat16", **var}, not var))
+        sys.exit(1 if warmup(cfgs, args.jobs) else 0)
+    shapes = SHAPES if not args.shapes else [s for s in SHAPES if s[0] in args.shapes.split(",")]
+    bench(shapes, variants, args.csv, args.det)
+
+
+if __name__ == "__main__":
+    main()
