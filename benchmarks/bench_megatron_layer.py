@@ -46,6 +46,9 @@ def _init_megatron(device: torch.device) -> None:
 
     if device.type == "cpu":
         torch.cuda.current_device = lambda: "cpu"  # RoPE and the loss tracker ask for it
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:  # megatron's MLA believes TE is there (its import shims succeed): local paths
         import megatron.core.transformer.moe.moe_utils as moe_utils
         import megatron.core.transformer.multi_latent_attention as mla
 

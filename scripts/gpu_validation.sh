@@ -6,7 +6,7 @@ set -uo pipefail
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
 what="${1:-all}"
-pip install -q --no-build-isolation --no-deps -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+python -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 python -m dsa_plugins doctor 2>&1 | tee "$OUT/doctor.txt"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >>"$OUT/doctor.txt" 2>&1
 if [ "$what" = tests ] || [ "$what" = all ]; then

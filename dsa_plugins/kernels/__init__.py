@@ -36,6 +36,7 @@ KERNELS: dict[str, KernelSpec] = {
         KernelSpec("sparse_attention_bwd", "dsa_plugins.kernels.sparse_attention_bwd", "sparse_attention_bwd", _HALF),
         KernelSpec("indexer_topk", "dsa_plugins.kernels.indexer", "indexer_topk"),
         KernelSpec("topk_rows", "dsa_plugins.kernels.topk", "topk_rows", (torch.float32,)),
+        KernelSpec("indexer_kl_loss", "dsa_plugins.kernels.indexer_loss", "indexer_kl_loss_sparse"),
     )
 }
 
@@ -46,6 +47,7 @@ KERNEL_GROUPS: dict[str, tuple[str, ...]] = {
     "sparse_mla": ("sparse_attention_fwd", "sparse_attention_bwd"),
     "indexer": ("indexer_topk",),
     "topk": ("topk_rows",),
+    "indexer_loss": ("indexer_kl_loss",),
 }
 
 

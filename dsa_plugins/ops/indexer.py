@@ -149,8 +149,9 @@ def indexer_kl_loss(
     (then the normaliser is recomputed over the same slots). Sparse stage: topk_indices [T, k]
     (or [T, 1, k]) global rows, -1 = none. Dense warm-up: key_start/key_end [T] windows instead.
     sink [H] (optional): the attention's per-head sink, included in the normaliser.
+    The sparse loss runs on the TileLang kernels (bf16, Hopper) by the backend rules; the dense
+    warm-up loss runs on the torch path (chunked over rows, never [T, T] at once).
     """
-    resolve_backend(backend)  # validated; the loss runs on the torch path in this release
     check_tensor("index_q", index_q, ndim=3, dtypes=FLOAT_DTYPES)
     device = index_q.device
     t, hi, di = index_q.shape
@@ -178,6 +179,52 @@ def indexer_kl_loss(
         if key_start is None or key_end is None:
             raise ValueError("indexer_kl_loss needs topk_indices (sparse) or key_start and key_end (dense)")
         key_start, key_end = _check_windows(key_start, key_end, t, kv.shape[0], device)
+    if topk_indices is not None and choose_kernel(
+        resolve_backend(backend), "indexer_kl_loss", (index_q, index_k, q, kv), _loss_shape_reason(index_q, q)
+    ):
+        return _IndexerKLLossKernel.apply(
+            index_q, index_k, weights.float(), q.detach(), kv.detach(),
+            None if attn_lse is None else attn_lse.detach().float(), topk_indices.to(torch.int32).contiguous(),
+            scale, None if sink is None else sink.detach().float(),
+        )
     return indexer_kl_loss_reference(
         index_q, index_k, weights, q, kv, attn_lse, scale, topk_indices, key_start, key_end, sink
     )
+
+
+def _loss_shape_reason(index_q: Tensor, q: Tensor) -> str | None:
+    try:
+        fn = load_kernel("indexer_kl_loss")
+    except Exception:
+        return None
+    import sys
+
+    check = getattr(sys.modules[fn.__module__], "unsupported_reason", None)
+    if check is None:
+        return None
+    return check(num_heads=q.shape[1], dqk=q.shape[2], index_heads=index_q.shape[1],
+                 index_dim=index_q.shape[2], dtype=index_q.dtype)
+
+
+class _IndexerKLLossKernel(torch.autograd.Function):
+    """Sparse indexer KL loss through the TileLang kernels: per-row losses, mean over rows."""
+
+    @staticmethod
+    def forward(ctx, index_q, index_k, weights, q, kv, attn_lse, topk_indices, scale, sink):
+        rows, kernel_ctx = load_kernel("indexer_kl_loss")(
+            index_q.contiguous(), index_k.contiguous(), weights.contiguous(), q.contiguous(), kv.contiguous(),
+            attn_lse, topk_indices, scale, sink,
+        )
+        ctx.kernel_ctx = kernel_ctx
+        ctx.num_rows = rows.shape[0]
+        ctx.dtypes = (index_q.dtype, index_k.dtype, weights.dtype)
+        return rows.sum() / max(rows.shape[0], 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from ..kernels.indexer_loss import indexer_kl_loss_sparse_backward
+
+        grad_rows = (grad.float() / max(ctx.num_rows, 1)).expand(ctx.num_rows).contiguous()
+        d_iq, d_ik, d_w = indexer_kl_loss_sparse_backward(ctx.kernel_ctx, grad_rows)
+        dt_q, dt_k, dt_w = ctx.dtypes
+        return d_iq.to(dt_q), d_ik.to(dt_k), d_w.to(dt_w), None, None, None, None, None, None

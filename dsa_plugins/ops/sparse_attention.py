@@ -45,6 +45,19 @@ def _shape_reason(kernel: str, q: Tensor, dv: int, sink: Optional[Tensor]) -> st
     return check(num_heads=q.shape[2], dqk=q.shape[3], dv=dv, has_sink=sink is not None, dtype=q.dtype)
 
 
+# The kernels address tensors with int32 offsets: longer inputs run in query chunks below this.
+_MAX_KERNEL_ELEMENTS = 2**31 - 1
+
+
+def _query_chunks(q: Tensor, indices: Tensor, dv: int) -> list[tuple[int, int]]:
+    """Ranges of the query axis whose q / out / indices slices each stay under 2**31 elements
+    (one range, the whole axis, for every realistic batch; 64K+ tokens x 64 heads x 576 need more)."""
+    b, s, h, d = q.shape
+    per_query = b * max(h * max(d, dv), indices.shape[-1] + 128)  # + the kernel's K padding
+    step = max(1, _MAX_KERNEL_ELEMENTS // per_query)
+    return [(a, min(a + step, s)) for a in range(0, s, step)]
+
+
 def _trivial(q, kv) -> bool:
     """No query or no key: nothing for a kernel to do (and a grid of size 0 is not launched)."""
     return q.numel() == 0 or kv.shape[1] == 0
@@ -54,7 +67,12 @@ def _forward_impl(q, kv, indices, sink, scale: float, dv: int, backend: str):
     if _trivial(q, kv):
         return sparse_attention_forward(q, kv, indices, scale, sink, dv)
     if choose_kernel(backend, "sparse_attention_fwd", (q, kv), _shape_reason("sparse_attention_fwd", q, dv, sink)):
-        return load_kernel("sparse_attention_fwd")(q, kv, indices, scale, sink, dv)
+        kernel = load_kernel("sparse_attention_fwd")
+        parts = [kernel(q[:, a:b].contiguous(), kv, indices[:, a:b].contiguous(), scale, sink, dv)
+                 for a, b in _query_chunks(q, indices, dv)]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
     return sparse_attention_forward(q, kv, indices, scale, sink, dv)
 
 
@@ -63,9 +81,18 @@ def _backward_impl(q, kv, indices, sink, out, lse, dout, scale: float, dv: int, 
     if _trivial(q, kv):
         return sparse_attention_backward(q, kv, indices, out, lse, dout, scale, sink, dv)
     if choose_kernel(backend, "sparse_attention_bwd", (q, kv), _shape_reason("sparse_attention_bwd", q, dv, sink)):
-        return load_kernel("sparse_attention_bwd")(
-            q, kv, indices, out, lse, dout, scale, sink, dv, deterministic=deterministic
-        )
+        kernel = load_kernel("sparse_attention_bwd")
+        dq, dkv, dsink = [], None, None
+        for a, b in _query_chunks(q, indices, dv):
+            sl = slice(a, b)
+            dq_c, dkv_c, dsink_c = kernel(
+                q[:, sl].contiguous(), kv, indices[:, sl].contiguous(), out[:, sl].contiguous(),
+                lse[:, sl].contiguous(), dout[:, sl].contiguous(), scale, sink, dv, deterministic=deterministic,
+            )
+            dq.append(dq_c)
+            dkv = dkv_c if dkv is None else dkv.add_(dkv_c)  # fp32, fixed order: deterministic stays so
+            dsink = dsink_c if dsink is None or dsink_c is None else dsink.add_(dsink_c)
+        return (dq[0] if len(dq) == 1 else torch.cat(dq, dim=1)), dkv, dsink
     return sparse_attention_backward(q, kv, indices, out, lse, dout.contiguous(), scale, sink, dv)
 
 

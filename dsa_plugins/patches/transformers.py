@@ -17,6 +17,10 @@ Three layers of patching, each idempotent and reversible (see :mod:`dsa_plugins.
      rows plus the selected (CSA) or causally visible (HCA) compressed rows (``sparse_attention``
      with the per-head sink). Known cost left: the CSA/HCA compressors still build their
      ``block_bias`` ([B, 1, S, T/ratio]), which the sparse path ignores.
+   * glm5_next (GLM-5.3, NoPE MLA with a k-pool indexer): ``expand_kv`` keeps the latent as above;
+     the indexer scores the compressed pools through ``indexer_topk`` (:func:`glm5_next_select`,
+     no ``[B, S, T]`` visibility or score tensors) and ``build_attention_mask_from_topk`` returns a
+     :class:`TopkSelection` (the unique key columns) instead of the ``[B, 1, S, T]`` mask.
 
 3. Everything is active only while ``config._attn_implementation == "dsa_tilelang"``: the wrapped
    methods call the originals otherwise, so eager / sdpa models in the same process are untouched.
@@ -342,8 +346,8 @@ def dsa_attention_forward(
     """``AttentionInterface`` entry for "dsa_tilelang".
 
     query [B, H, S, D]; returns ``(out [B, S, H, Dv], None)`` like transformers' attention functions.
-    * latent keys (``value`` of width 0, set by the patched ``expand_kv``) with ``indices``: absorbed
-      sparse MLA;
+    * latent keys (``value`` of width 0, set by the patched ``expand_kv``) with ``indices`` (or a
+      :class:`TopkSelection` in place of the mask, glm5_next): absorbed sparse MLA;
     * a model with a registered handler (DeepSeek-V4): that handler;
     * anything else (vision / audio towers, dense layers): SDPA, or the model's eager function when it
       has sinks, on the materialised mask.
@@ -353,6 +357,8 @@ def dsa_attention_forward(
     if dropout and module.training:
         _warn_once("dropout", "dsa_tilelang: attention dropout is not supported by the sparse path; ignored")
     if value.shape[-1] == 0:
+        if indices is None and isinstance(attention_mask, TopkSelection):
+            indices = attention_mask.indices
         if indices is None:
             raise RuntimeError(
                 f"dsa_tilelang: {type(module).__name__} kept its MLA latent but received no top-k indices"
@@ -400,7 +406,9 @@ def _sparse_mla_forward(module, query, latent, attention_mask, scaling, indices,
     w_kc, w_vc = w[:, :nope].to(query.dtype), w[:, nope:].to(query.dtype)
     q_nope, q_rope = query.split([nope, Dqk - nope], dim=-1)
     q_abs = torch.cat([torch.einsum("bhsn,hnc->bshc", q_nope, w_kc), q_rope.transpose(1, 2)], dim=-1)
-    if isinstance(attention_mask, LazyMask) and not isinstance(attention_mask, DenseMask):
+    if isinstance(attention_mask, TopkSelection):
+        idx = attention_mask.indices  # glm5_next: the selection is the mask (already checked, unique)
+    elif isinstance(attention_mask, LazyMask) and not isinstance(attention_mask, DenseMask):
         idx = indices.to(torch.int32)  # from the patched indexer: already -1 wherever the mask forbids
     else:
         idx = mask_indices(indices, as_mask(attention_mask, B, S, T, query.device))
@@ -686,6 +694,152 @@ def _v4_attention(module, query, key, value, attention_mask, scaling, s_aux=None
 
 
 # --------------------------------------------------------------------------------------------
+# GLM-5.3 (glm5_next): k-pool indexer whose top-k is the attention mask
+# --------------------------------------------------------------------------------------------
+
+
+class TopkSelection:
+    """What ``Glm5NextTextAttention.build_attention_mask_from_topk`` returns under dsa_tilelang.
+
+    glm5_next turns its indexer's top-k into the only mask the attention sees (the indexer already
+    applied causality and padding). Instead of that ``[B, 1, S, T]`` mask the attention function
+    receives ``indices`` [B, S, k] int32: key columns in ``[0, T)``, each at most once per row
+    (the dense mask is a set), -1 elsewhere.
+    """
+
+    def __init__(self, indices: torch.Tensor):
+        self.indices = indices
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.indices.shape
+
+    def __repr__(self) -> str:
+        return f"TopkSelection(shape={tuple(self.indices.shape)})"
+
+
+def unique_key_columns(indices: torch.Tensor, kv_length: int) -> torch.Tensor:
+    """Indices as a set per row: out-of-range and repeated columns become -1 (int32, sorted rows)."""
+    idx = indices.to(torch.int32)
+    idx = idx.masked_fill((idx < 0) | (idx >= kv_length), -1).sort(dim=-1).values
+    repeated = torch.zeros_like(idx, dtype=torch.bool)
+    repeated[..., 1:] = (idx[..., 1:] == idx[..., :-1]) & (idx[..., 1:] >= 0)
+    return idx.masked_fill(repeated, -1)
+
+
+def _wrap_topk_mask(original: Callable) -> Callable:
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    def build_attention_mask_from_topk(self, *args, **kwargs):
+        if self.config._attn_implementation != ATTN_NAME:
+            return original(self, *args, **kwargs)
+        a = sig.bind(self, *args, **kwargs).arguments
+        return TopkSelection(unique_key_columns(a["topk_indices"], int(a["kv_length"])))
+
+    return build_attention_mask_from_topk
+
+
+def glm5_next_select(indexer, hidden_states, q_resid, attention_mask, past_key_values) -> torch.Tensor:
+    """The glm5_next indexer's selection without its ``[B, S, T]`` tensors.
+
+    Same inputs, cache update and result (as a set per row) as ``Glm5NextTextIndexer.forward``:
+    the model's own ``get_pooled_states`` builds the compressed pool keys (O(T)); the pools a
+    query may pick (complete, all keys valid, last key at or before the query) are, once the
+    valid pools are moved to the front, a prefix ``[0, n)`` of them, so ``indexer_topk`` scores
+    them in per-row windows; the selected pools are expanded back to key columns and the
+    incomplete tail pool (when ``index_kpool_always_select_tail``) is appended from a cumulative
+    count of the valid keys. Returns [B, S, index_topk (+ index_kpool - 1)] int32, -1 = no key.
+    """
+    B, S = hidden_states.shape[:2]
+    Hi, Di, P = indexer.n_heads, indexer.head_dim, indexer.index_kpool
+    device = hidden_states.device
+    q = indexer.wq_b(q_resid).view(B, S, Hi, Di)
+    k = indexer.k_norm(indexer.wk(hidden_states)).view(B, S, Di)
+    gate = torch.nn.functional.linear(hidden_states, indexer.index_kpool_compress_gate)
+    packed = torch.cat([k, gate, attention_mask.to(k.dtype)[..., None]], dim=-1)
+    current = S
+    if past_key_values is not None:
+        packed = past_key_values.update_indexer(packed, indexer.layer_idx)
+        current = past_key_values.layers[indexer.layer_idx].get_seq_length()
+    T = packed.shape[1]
+    valid_keys = packed[..., -1].bool()  # [B, T]
+    q_pos = (torch.arange(S, device=device) + (current - S)).expand(B, S).contiguous()  # cache slot of each query
+
+    pool_keys, pool_indices, pool_valid = indexer.get_pooled_states(packed_states=packed)
+    n_pools = pool_keys.shape[1]
+    select_k = min(int(indexer.index_topk) // P, n_pools)
+    if select_k > 0:
+        # valid pools first (stable: still in order of their last key), invalid ones pushed past every query
+        last = torch.where(pool_valid, pool_indices[..., -1], torch.full_like(pool_indices[..., -1], T))
+        last, order = last.sort(dim=-1, stable=True)
+        count = torch.searchsorted(last, q_pos, right=True)  # [B, S] pools closed at or before the query
+        keys = pool_keys.gather(1, order[..., None].expand(B, n_pools, Di))
+        w = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
+        w = w * (Hi**-0.5) * indexer.softmax_scale  # relu(c*x) = c*relu(x) for c > 0
+        base = (torch.arange(B, device=device, dtype=torch.long) * n_pools)[:, None]
+        rows = _ops().indexer_topk(
+            q.reshape(B * S, Hi, Di),
+            keys.reshape(B * n_pools, Di).to(q.dtype),
+            w.reshape(B * S, Hi),
+            select_k,
+            base.expand(B, S).reshape(-1).to(torch.int32),
+            (count + base).reshape(-1).to(torch.int32),
+        ).view(B, S, select_k)
+        picked = rows >= 0
+        pool = order.gather(1, torch.where(picked, rows.long() - base[..., None], 0).view(B, -1))
+        # a valid pool holds P consecutive key columns starting at its first one
+        first_col = pool_indices[..., 0].to(torch.int32).gather(1, pool).view(B, S, select_k, 1)
+        cols = first_col + torch.arange(P, device=device, dtype=torch.int32)
+        cols = cols.masked_fill(~picked[..., None], -1).flatten(-2)
+    else:
+        cols = torch.full((B, S, 0), -1, dtype=torch.int32, device=device)
+
+    width = int(indexer.index_topk)
+    parts = [cols]
+    if indexer.index_kpool_always_select_tail and P > 1:
+        width += P - 1
+        first = torch.where(valid_keys.any(-1), valid_keys.long().argmax(-1), torch.full((B,), T, device=device))
+        visible = valid_keys.long().cumsum(-1).gather(1, q_pos.clamp(max=T - 1))  # [B, S] keys visible to the query
+        in_tail = visible.remainder(P)
+        offsets = torch.arange(P - 1, device=device)
+        tail = (first[:, None] + visible - in_tail)[..., None] + offsets  # [B, S, P - 1]
+        safe = tail.clamp(0, T - 1)
+        ok = (offsets < in_tail[..., None]) & (tail < T) & (tail <= q_pos[..., None])
+        ok &= valid_keys.gather(1, safe.view(B, -1)).view_as(tail)
+        parts.append(tail.to(torch.int32).masked_fill(~ok, -1))
+    out = torch.cat(parts, dim=-1)
+    out = torch.nn.functional.pad(out, (0, max(width - out.shape[-1], 0)), value=-1)[..., :width]
+    return out.masked_fill(~attention_mask.bool()[..., None], -1)
+
+
+def _wrap_glm5_next_indexer(original: Callable) -> Callable:
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        a = sig.bind(self, *args, **kwargs).arguments
+        mask = a.get("attention_mask")
+        if (
+            self.config._attn_implementation != ATTN_NAME
+            or not isinstance(mask, torch.Tensor)
+            or mask.dim() != 2
+        ):
+            return original(self, *args, **kwargs)
+        if not self.index_kpool_always_select_tail and self.index_kpool > 1:
+            _warn_once(
+                "glm5_next_tail",
+                "dsa_tilelang: glm5_next with index_kpool_always_select_tail=False: the first index_kpool - 1 "
+                "tokens of a sequence select no key; the sparse path gives them zeros, eager averages every "
+                "key of the batch row (future and padding included), so the outputs differ from eager",
+            )
+        with torch.no_grad():
+            return glm5_next_select(self, a["hidden_states"], a["q_resid"], mask, a.get("past_key_values"))
+
+    return forward
+
+
+# --------------------------------------------------------------------------------------------
 # Per-model patch functions (called with the modeling module once it has finished importing)
 # --------------------------------------------------------------------------------------------
 
@@ -724,6 +878,21 @@ def _patch_deepseek_v4(module) -> None:
     with _lock:
         _HANDLERS[attn] = _v4_attention
         _handler_keys.setdefault(key, []).append(attn)
+
+
+def _patch_glm5_next(module) -> None:
+    key = f"{KEY}.glm5_next"
+    attn, idx = _cls(module, "Glm5NextTextAttention"), _cls(module, "Glm5NextTextIndexer")
+    for cls, name in ((attn, "expand_kv"), (attn, "build_attention_mask_from_topk"), (idx, "forward"),
+                      (idx, "get_pooled_states")):
+        if name not in cls.__dict__:
+            raise PatchPointMissing(f"dsa_plugins: expected {cls.__qualname__}.{name} in {module.__name__}")
+    patch_attribute(attn, "expand_kv", _wrap_expand_kv(attn.__dict__["expand_kv"]), key=key)
+    patch_attribute(
+        attn, "build_attention_mask_from_topk", _wrap_topk_mask(attn.__dict__["build_attention_mask_from_topk"]),
+        key=key,
+    )
+    patch_attribute(idx, "forward", _wrap_glm5_next_indexer(idx.__dict__["forward"]), key=key)
 
 
 _handler_keys: dict[str, list[type]] = {}
@@ -771,13 +940,11 @@ MODELS: dict[str, tuple[str, Callable]] = {
             _project_rope_first("apply_rotary_pos_emb_interleave"),
         ),
     ),
+    "glm5_next": ("transformers.models.glm5_next.modeling_glm5_next", _patch_glm5_next),
 }
 
 # Not supported (yet), with the reason; see the README.
-UNSUPPORTED: dict[str, str] = {
-    "glm5_next": "top-k with k-pool compression and a visible tail feeds build_attention_mask_from_topk; "
-    "no sparse path yet (the model keeps working through its dense mask)",
-}
+UNSUPPORTED: dict[str, str] = {}
 
 
 def model_available(model_type: str) -> bool:
@@ -898,11 +1065,13 @@ __all__ = [
     "UNSUPPORTED",
     "DenseMask",
     "LazyMask",
+    "TopkSelection",
     "UnsupportedVersion",
     "as_mask",
     "check_version",
     "dsa_attention_forward",
     "dsa_mask",
+    "glm5_next_select",
     "mask_indices",
     "model_available",
     "patch_model",
@@ -910,6 +1079,7 @@ __all__ = [
     "register_mask",
     "select_topk",
     "supported_models",
+    "unique_key_columns",
     "unpatch_all",
     "unregister_interfaces",
 ]

@@ -144,3 +144,33 @@ def test_packed_varlen_many_short_sequences_matches_per_sequence_batches():
         local = torch.where(idx[a:b] >= 0, idx[a:b] - a, -1)
         ref, _ = sparse_attention_dense(q[None, a:b], kv[None, a:b], local[None], 0.4)
         torch.testing.assert_close(out[a:b], ref[0])
+
+
+def test_query_chunking_for_int32_kernels_is_exact(monkeypatch):
+    """Inputs over the kernels' int32 range run in query chunks; the split must not change results."""
+    import importlib
+
+    sa = importlib.import_module("dsa_plugins.ops.sparse_attention")  # the module, not the function
+
+    q, kv, idx, sink = _batched(b=2, s=9, h=4, d=16, k=6, seed=8)
+    calls = []
+
+    def fake_fwd(q_, kv_, idx_, scale, sink_, dv):
+        calls.append(q_.shape[1])
+        return sa.sparse_attention_forward(q_, kv_, idx_, scale, sink_, dv)
+
+    def fake_bwd(q_, kv_, idx_, out_, lse_, dout_, scale, sink_, dv, deterministic=False):
+        return sa.sparse_attention_backward(q_, kv_, idx_, out_, lse_, dout_, scale, sink_, dv)
+
+    monkeypatch.setattr(sa, "choose_kernel", lambda *a, **k: True)
+    monkeypatch.setattr(sa, "load_kernel", lambda name: fake_fwd if name.endswith("fwd") else fake_bwd)
+    monkeypatch.setattr(sa, "_MAX_KERNEL_ELEMENTS", 2 * 2 * (6 + 128))  # two queries per chunk (B=2, K+pad)
+    leaves = [t.clone().requires_grad_() for t in (q, kv, sink.double())]
+    out = ops.sparse_attention(leaves[0], leaves[1], idx, 0.3, sink=leaves[2])
+    assert calls == [2, 2, 2, 2, 1]
+    ref_leaves = [t.clone().requires_grad_() for t in (q, kv, sink.double())]
+    ref, _ = sparse_attention_dense(ref_leaves[0], ref_leaves[1], idx, 0.3, ref_leaves[2])
+    torch.testing.assert_close(out, ref)
+    dout = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, leaves, dout), torch.autograd.grad(ref, ref_leaves, dout)):
+        torch.testing.assert_close(a, b)

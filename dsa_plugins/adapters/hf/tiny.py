@@ -102,6 +102,27 @@ SPECS: dict[str, tuple[str, str, dict]] = {
             eos_token_id=2,
         ),
     ),
+    # GLM-5.3 (text): NoPE MLA, k-pool indexer (pools of 2, 2 pools picked, tail appended), a shared
+    # top-k layer, a KDA linear-attention layer, hyper-connections
+    "glm5_next": (
+        "Glm5NextTextConfig",
+        "Glm5NextTextModel",
+        dict(
+            {k: v for k, v in _COMMON_MLA.items() if k not in ("index_topk", "qk_rope_head_dim")},
+            qk_rope_head_dim=0,
+            index_topk=4,
+            index_kpool=2,
+            index_n_heads=8,
+            num_hidden_layers=4,
+            layer_types=["indexed_attention", "indexed_attention", "linear_attention", "indexed_attention"],
+            indexer_types=["full", "shared", "full", "full"],
+            mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+            linear_head_dim=16,
+            linear_num_heads=4,
+            hc_mult=2,
+            hc_sinkhorn_iters=3,
+        ),
+    ),
 }
 
 

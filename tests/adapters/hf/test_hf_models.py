@@ -241,7 +241,12 @@ def test_gpu_bf16_kernels_match_eager(registered, model_type, make_batch, output
     ids, mask = make_batch(seq_len=256, pad=17)
     ids, mask = ids.cuda(), mask.cuda()
     with torch.no_grad():
-        a = output_of(ref(ids, attention_mask=mask)).float()
+        try:
+            a = output_of(ref(ids, attention_mask=mask)).float()
+        except RuntimeError as exc:  # the reference itself: transformers 5.17's V4 mixes fp32 into bf16 layers
+            if model_type == "deepseek_v4" and "dtype" in str(exc):
+                pytest.skip(f"eager DeepSeek-V4 fails in bf16 in this transformers release: {exc}")
+            raise
         b = output_of(dsa(ids, attention_mask=mask)).float()
     valid = mask.bool()
     assert torch.isfinite(b).all()

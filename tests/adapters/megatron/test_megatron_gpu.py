@@ -25,6 +25,8 @@ def _config(tiny_config, **kw):
 
 
 def _run(model, tok):
+    """One training step's forward and backward. Models are cast to bf16 as megatron's Float16Module
+    does for bf16 training (torch norms are created in fp32)."""
     model.zero_grad(set_to_none=True)
     logits = model(tok, torch.arange(tok.shape[1], device=tok.device)[None].expand(tok.shape[0], -1), None)
     logits.float().square().mean().backward()
@@ -46,7 +48,7 @@ def test_tilelang_matches_torch_path(megatron_env, tiny_config):
         torch.manual_seed(0)
         spec = get_dsa_layer_spec(config, use_transformer_engine=False, model="glm5", kernel_backend=backend)
         model = GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                         position_embedding_type="none").cuda().train()
+                         position_embedding_type="none").cuda().bfloat16().train()
         tok = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(1)).cuda()
         results[backend] = _run(model, tok)
     (l_tl, g_tl), (l_t, g_t) = results["tilelang"], results["torch"]
@@ -68,10 +70,10 @@ def test_matches_megatron_dsa_bf16(megatron_env, tiny_config, monkeypatch):
     config = _config(tiny_config, dsa_indexer_loss_coeff=0.0)
     torch.manual_seed(0)
     ref = GPTModel(config, _megatron_reference_spec(config), vocab_size=VOCAB, max_sequence_length=SEQ,
-                   position_embedding_type="none").cuda()
+                   position_embedding_type="none").cuda().bfloat16()
     ours = GPTModel(config, get_dsa_layer_spec(config, use_transformer_engine=False, model="megatron",
                                                hadamard=mdsa.hadamard_transform is not None),
-                    vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="none").cuda()
+                    vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="none").cuda().bfloat16()
     ours.load_state_dict(ref.state_dict(), strict=False)
     tok = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(2)).cuda()
     l_ref, g_ref = _run(ref, tok)

@@ -1,0 +1,123 @@
+"""CPU test: every shipped configuration of the sparse indexer KL loss kernels compiles for sm_90a,
+and the wrapper rejects bad inputs with a message that names the tensor (no GPU needed)."""
+
+import importlib.util
+import logging
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from dsa_plugins.kernels import indexer_loss as mod
+
+SM90A = {"kind": "cuda", "arch": "sm_90a"}
+HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
+
+
+def _cfg_id(cfg):
+    extra = f"-lse{int(cfg['lse_pass'])}" if "lse_pass" in cfg else f"-h{cfg['heads']}"
+    return f"{cfg['kind']}-d{cfg['dim']}{extra}"
+
+
+def test_module_imports_without_tilelang_side_effects():
+    assert callable(mod.indexer_kl_loss_sparse) and callable(mod.indexer_kl_loss_sparse_backward)
+    keys = {mod._normalise(c) for c in mod.SHIPPED_CONFIGS}
+    assert len(keys) == len(mod.SHIPPED_CONFIGS), "SHIPPED_CONFIGS has duplicates"
+    kinds = {c["kind"] for c in mod.SHIPPED_CONFIGS}
+    assert kinds == {"attn_probs", "indexer_logits", "indexer_bwd"}
+    # both attention families (absorbed MLA 576, V4 512) with and without the in-kernel lse pass
+    shapes = {(c["dim"], c["lse_pass"]) for c in mod.SHIPPED_CONFIGS if c["kind"] == "attn_probs"}
+    assert shapes == {(576, False), (576, True), (512, False), (512, True)}
+
+
+def test_unsupported_reason():
+    assert mod.unsupported_reason(64, 576, 64, 128, torch.bfloat16) is None
+    assert mod.unsupported_reason(128, 576, 32, 128, torch.bfloat16) is None
+    assert mod.unsupported_reason(16, 512, 64, 128) is None
+    assert "bfloat16" in mod.unsupported_reason(64, 576, 64, 128, torch.float32)
+    assert "Dqk" in mod.unsupported_reason(64, 600, 64, 128, torch.bfloat16)
+    assert "index heads" in mod.unsupported_reason(64, 576, 256, 128, torch.bfloat16)
+    assert "index head dim" in mod.unsupported_reason(64, 576, 64, 100, torch.bfloat16)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="kind"):
+        mod._normalise({"kind": "nope", "dim": 576})
+    with pytest.raises(ValueError, match="dim"):
+        mod._normalise({"kind": "attn_probs", "dim": 570, "lse_pass": False})
+    with pytest.raises(ValueError, match="heads"):
+        mod._normalise({"kind": "indexer_bwd", "heads": 48, "dim": 128})
+    # float/bool noise normalises to one key
+    a = mod._normalise({"kind": "attn_probs", "dim": 576, "lse_pass": 1})
+    b = mod._normalise({"kind": "attn_probs", "dim": 576.0, "lse_pass": True, "num_stages": 1})
+    assert a == b
+
+
+def _inputs(**over):
+    t, tk, h, hi = 3, 5, 16, 32
+    d = {
+        "index_q": torch.zeros(t, hi, 128, dtype=torch.bfloat16),
+        "index_k": torch.zeros(tk, 128, dtype=torch.bfloat16),
+        "weights": torch.zeros(t, hi),
+        "q": torch.zeros(t, h, 576, dtype=torch.bfloat16),
+        "kv": torch.zeros(tk, 576, dtype=torch.bfloat16),
+        "attn_lse": None,
+        "topk_indices": torch.zeros(t, 4, dtype=torch.int32),
+        "scale": 0.1,
+    }
+    d.update(over)
+    return d
+
+
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        ({}, "index_q must be bfloat16 on a CUDA device"),  # CPU tensors
+        ({"index_q": torch.zeros(3, 32, 128)}, "index_q must be bfloat16"),
+        ({"index_q": torch.zeros(3, 32, dtype=torch.bfloat16)}, "index_q"),
+    ],
+)
+def test_wrapper_rejects_bad_inputs(over, match):
+    with pytest.raises(ValueError, match=match):
+        mod.indexer_kl_loss_sparse(**_inputs(**over))
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """Every shipped program compiled for sm_90a (nvcc runs in parallel subprocesses); an entry
+    holds the exception if that configuration failed."""
+    if not HAS_TILELANG:
+        pytest.skip("TileLang is not installed")
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not found")
+
+    def build(cfg):
+        try:
+            return mod.build_config(cfg, target=SM90A).get_kernel_source()
+        except Exception as exc:  # noqa: BLE001 (reported by the test of that configuration)
+            return exc
+
+    with ThreadPoolExecutor(max(1, min(len(mod.SHIPPED_CONFIGS), os.cpu_count() or 1))) as ex:
+        return list(ex.map(build, mod.SHIPPED_CONFIGS))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i", range(len(mod.SHIPPED_CONFIGS)), ids=[_cfg_id(c) for c in mod.SHIPPED_CONFIGS])
+def test_shipped_config_compiles_for_sm90a(compiled, i, caplog):
+    src = compiled[i]
+    if isinstance(src, Exception):
+        raise src
+    cfg = mod.SHIPPED_CONFIGS[i]
+    assert "wgmma" in src  # the GEMMs run on Hopper tensor cores
+    assert "cp_async" in src or "cp.async" in src  # gathered rows land through predicated async copies
+    for name in ("n_rows", "n_keys", "topk_padded"):
+        assert name in src, f"{name} is not a runtime parameter"
+    if cfg["kind"] == "indexer_bwd":
+        assert "AtomicAdd" in src
+    # a second request is served from the cache, without compiling (nor logging) again
+    with caplog.at_level(logging.INFO, logger="dsa_plugins"):
+        again = mod.build_config(dict(cfg), target=SM90A)
+    assert again.get_kernel_source() == src
+    assert not [r for r in caplog.records if "compiled TileLang indexer_loss" in r.getMessage()]
