@@ -155,7 +155,9 @@ def main(argv=None) -> int:
             row = {"op": "megatron_dsa_layer", "provider": provider, "mode": "full", "shape": shape, **env}
             try:
                 torch.manual_seed(0)
-                layer = _layer(provider, config, args.model).to(device).train()
+                # bf16 training casts every parameter (torch norms are built in fp32), as megatron's
+                # Float16Module does
+                layer = _layer(provider, config, args.model).to(device=device, dtype=config.params_dtype).train()
                 step = _step_fn(layer, seqlen, config, device)
                 med, p20, p80, peak = time_callable(step, device, warmup=1 if args.smoke else 3,
                                                     reps=2 if args.smoke else args.reps)

@@ -27,10 +27,13 @@ def check_tensor(
     dtypes: Iterable[torch.dtype] | None = None,
     device: torch.device | None = None,
     shape: dict[int, int] | None = None,
+    unit_stride: bool = True,
 ) -> torch.Tensor:
     """Raise ValueError unless ``t`` is a tensor with the given rank, dtype, device and sizes.
 
-    ``shape`` maps a dimension to its required size (negative dims allowed).
+    ``shape`` maps a dimension to its required size (negative dims allowed). ``unit_stride``: the
+    last dimension must be contiguous (the kernels read rows with vector loads); small index
+    tensors that the op copies anyway pass False.
     """
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -50,7 +53,7 @@ def check_tensor(
         for dim, size in shape.items():
             if t.shape[dim] != size:
                 raise ValueError(f"{name} must have size {size} in dimension {dim}, got shape {tuple(t.shape)}")
-    if t.numel() > 0 and t.dim() > 0 and t.stride(-1) != 1:
+    if unit_stride and t.numel() > 1 and t.dim() > 0 and t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
     return t
 

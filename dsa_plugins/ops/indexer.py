@@ -56,7 +56,7 @@ def _(index_q, index_k, weights, key_start, key_end, topk, backend):
 
 def _check_windows(key_start, key_end, tq: int, tk: int, device) -> tuple[Tensor, Tensor]:
     for name, t in (("key_start", key_start), ("key_end", key_end)):
-        check_tensor(name, t, ndim=1, dtypes=INDEX_DTYPES, device=device, shape={0: tq})
+        check_tensor(name, t, ndim=1, dtypes=INDEX_DTYPES, device=device, shape={0: tq}, unit_stride=False)
     if check_indices_enabled():
         check_index_range("key_start", key_start, tk + 1)
         check_index_range("key_end", key_end, tk + 1)

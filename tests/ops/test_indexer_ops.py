@@ -77,3 +77,12 @@ def test_indexer_kl_loss_op_sparse_and_dense():
     assert all(torch.isfinite(x.grad).all() for x in (iq, ik, w))
     with pytest.raises(ValueError, match="topk_indices .sparse. or key_start and key_end"):
         ops.indexer_kl_loss(iq, ik, w, q, kv, None, 0.4)
+
+
+def test_windows_may_be_broadcast_views():
+    """key_start/key_end built with expand() (stride 0), as adapters do for one batch row."""
+    iq, ik, w = _indexer_inputs(6)
+    start = torch.zeros(1, dtype=torch.int32).expand(6)
+    end = torch.arange(1, 7, dtype=torch.int32)
+    got = ops.indexer_topk(iq, ik, w, 3, start, end)
+    assert got.shape == (6, 3) and (got[0, 1:] == -1).all()
