@@ -90,6 +90,20 @@ def time_callable(fn: Callable[[], object], device: torch.device, warmup: int = 
     return statistics.median(times), qs[0], qs[3], peak
 
 
+def median_ms(fn: Callable[[], object], device: torch.device | None = None) -> float:
+    """Median time of ``fn`` in ms: triton's do_bench where available (it also flushes L2 between
+    runs), else CUDA events / perf_counter through :func:`time_callable`. For kernel drivers."""
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        try:
+            from triton.testing import do_bench
+
+            return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        except ImportError:
+            pass
+    return time_callable(fn, device)[0]
+
+
 # ----------------------------------------------------------------------------- cases
 
 

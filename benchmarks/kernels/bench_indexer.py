@@ -17,31 +17,13 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from dsa_plugins.benchmarking import median_ms  # noqa: E402
 from dsa_plugins.kernels import indexer as K  # noqa: E402
 from dsa_plugins.kernels import topk as TK  # noqa: E402
 
 
 def bench(fn, warmup=3, rep=10):
-    try:
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=25, rep=100, return_mode="median")
-    except Exception:
-        pass
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rep):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
-
+    return median_ms(fn)
 
 ROWS = []
 

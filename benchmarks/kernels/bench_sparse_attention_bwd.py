@@ -83,24 +83,9 @@ def warmup(configs, jobs_n):
 
 
 def _bench(fn):
-    try:
-        from triton.testing import do_bench
+    from dsa_plugins.benchmarking import median_ms
 
-        return do_bench(fn, warmup=50, rep=300, return_mode="median")
-    except ImportError:
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(20):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        times.sort()
-        return times[len(times) // 2]
+    return median_ms(fn)
 
 
 def make_inputs(B, S, Skv, H, Dqk, Dv, K, sink, seed=0):

@@ -12,28 +12,11 @@ import sys
 
 import torch
 
+from dsa_plugins.benchmarking import median_ms  # noqa: E402
+
 
 def bench_ms(fn, warmup=5, rep=30):
-    try:
-        from triton.testing import do_bench
-
-        return do_bench(fn, warmup=25, rep=100, return_mode="median")
-    except Exception:
-        for _ in range(warmup):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(rep):
-            a = torch.cuda.Event(enable_timing=True)
-            b = torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        times.sort()
-        return times[len(times) // 2]
-
+    return median_ms(fn)
 
 SHAPES = [
     # name, B, S, Skv, H, Dqk, Dv, K, sink

@@ -7,10 +7,12 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .._config import resolve_backend, warn_once
-from ..kernels import KERNEL_GROUPS, KERNELS, kernel_unavailable_reason
+from ..kernels import KERNEL_GROUPS, KERNELS, kernel_unavailable_reason, load_kernel
 
 
 def is_dsa_kernel_available(name: str) -> bool:
@@ -69,6 +71,17 @@ def _decide(backend: str, kernel_name: str, reason: str | None) -> bool:
         f"dsa_plugins: {kernel_name} runs on the torch reference path ({reason}).",
     )
     return False
+
+
+def kernel_shape_reason(kernel_name: str, **config) -> str | None:
+    """The kernel module's own ``unsupported_reason(**config)`` (heads, dims, dtype...), or None
+    when the kernel code is missing (reported elsewhere) or has no such check."""
+    try:
+        fn = load_kernel(kernel_name)
+    except Exception:
+        return None
+    check = getattr(sys.modules[fn.__module__], "unsupported_reason", None)
+    return None if check is None else check(**config)
 
 
 def choose_kernel(backend: str | None, kernel_name: str, tensors: tuple[torch.Tensor, ...], extra_reason: str | None = None) -> bool:

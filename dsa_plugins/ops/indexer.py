@@ -16,7 +16,7 @@ from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_s
 from ..kernels import load_kernel
 from ..reference.indexer import causal_key_windows, indexer_topk_reference, topk_rows_reference
 from ..reference.indexer_loss import indexer_kl_loss_reference
-from .backend import choose_kernel
+from .backend import choose_kernel, kernel_shape_reason
 
 __all__ = [
     "causal_key_windows",
@@ -27,24 +27,13 @@ __all__ = [
 ]
 
 
-def _indexer_shape_reason(index_q: Tensor, topk: int) -> str | None:
-    try:
-        fn = load_kernel("indexer_topk")
-    except Exception:
-        return None
-    import sys
-
-    check = getattr(sys.modules[fn.__module__], "unsupported_reason", None)
-    if check is None:
-        return None
-    return check(num_heads=index_q.shape[1], head_dim=index_q.shape[2], topk=topk, dtype=index_q.dtype)
-
-
 @torch.library.custom_op("dsa_plugins::indexer_topk", mutates_args=())
 def _indexer_topk_op(
     index_q: Tensor, index_k: Tensor, weights: Tensor, key_start: Tensor, key_end: Tensor, topk: int, backend: str
 ) -> Tensor:
-    if choose_kernel(backend, "indexer_topk", (index_q, index_k), _indexer_shape_reason(index_q, topk)):
+    reason = kernel_shape_reason("indexer_topk", num_heads=index_q.shape[1], head_dim=index_q.shape[2], topk=topk,
+                                 dtype=index_q.dtype)
+    if choose_kernel(backend, "indexer_topk", (index_q, index_k), reason):
         return load_kernel("indexer_topk")(index_q, index_k, weights, key_start, key_end, topk)
     return indexer_topk_reference(index_q, index_k, weights, topk, key_start, key_end)
 
@@ -179,8 +168,10 @@ def indexer_kl_loss(
         if key_start is None or key_end is None:
             raise ValueError("indexer_kl_loss needs topk_indices (sparse) or key_start and key_end (dense)")
         key_start, key_end = _check_windows(key_start, key_end, t, kv.shape[0], device)
+    reason = kernel_shape_reason("indexer_kl_loss", num_heads=q.shape[1], dqk=q.shape[2],
+                                 index_heads=index_q.shape[1], index_dim=index_q.shape[2], dtype=index_q.dtype)
     if topk_indices is not None and choose_kernel(
-        resolve_backend(backend), "indexer_kl_loss", (index_q, index_k, q, kv), _loss_shape_reason(index_q, q)
+        resolve_backend(backend), "indexer_kl_loss", (index_q, index_k, q, kv), reason
     ):
         return _IndexerKLLossKernel.apply(
             index_q, index_k, weights.float(), q.detach(), kv.detach(),
@@ -190,20 +181,6 @@ def indexer_kl_loss(
     return indexer_kl_loss_reference(
         index_q, index_k, weights, q, kv, attn_lse, scale, topk_indices, key_start, key_end, sink
     )
-
-
-def _loss_shape_reason(index_q: Tensor, q: Tensor) -> str | None:
-    try:
-        fn = load_kernel("indexer_kl_loss")
-    except Exception:
-        return None
-    import sys
-
-    check = getattr(sys.modules[fn.__module__], "unsupported_reason", None)
-    if check is None:
-        return None
-    return check(num_heads=q.shape[1], dqk=q.shape[2], index_heads=index_q.shape[1],
-                 index_dim=index_q.shape[2], dtype=index_q.dtype)
 
 
 class _IndexerKLLossKernel(torch.autograd.Function):

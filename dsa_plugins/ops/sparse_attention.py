@@ -16,7 +16,6 @@ them; each picks the TileLang kernel or the torch reference by the backend rules
 
 from __future__ import annotations
 
-import sys
 from typing import Optional
 
 import torch
@@ -27,22 +26,15 @@ from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_s
 from ..kernels import load_kernel
 from ..reference.mla import project_values
 from ..reference.sparse_attention import sparse_attention_backward, sparse_attention_forward
-from .backend import choose_kernel
+from .backend import choose_kernel, kernel_shape_reason
 
 
 # ----------------------------------------------------------------------------- implementation
 
 
 def _shape_reason(kernel: str, q: Tensor, dv: int, sink: Optional[Tensor]) -> str | None:
-    """The kernel module's ``unsupported_reason(...)`` for this configuration (heads, dims, sink)."""
-    try:
-        fn = load_kernel(kernel)
-    except Exception:
-        return None  # reported by kernel_unavailable_reason
-    check = getattr(sys.modules[fn.__module__], "unsupported_reason", None)
-    if check is None:
-        return None
-    return check(num_heads=q.shape[2], dqk=q.shape[3], dv=dv, has_sink=sink is not None, dtype=q.dtype)
+    return kernel_shape_reason(kernel, num_heads=q.shape[2], dqk=q.shape[3], dv=dv, has_sink=sink is not None,
+                               dtype=q.dtype)
 
 
 # The kernels address tensors with int32 offsets: longer inputs run in query chunks below this.

@@ -18,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from dsa_plugins.benchmarking import median_ms  # noqa: E402
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -224,19 +226,7 @@ def bench(t=8192, k=2048, h=64, dqk=576, hi=64, di=128, reps=10):
         _, ctx = fwd()
         return K.indexer_kl_loss_sparse_backward(ctx, g)
 
-    def timed(fn):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        return sorted(times)[len(times) // 2]
+    timed = median_ms
 
     # the attention-probability program alone (the FLOP-heavy part), per variant
     target = K._device_target(torch.device(dev))
