@@ -66,9 +66,12 @@ DEFAULT_CONFIG: dict = {
     # "qk_one_async": qk_one with consumer 0's P @ V left in flight over the next score MMAs
     #   (correct but about 30% slower: the compiler serialises the in-flight accumulators).
     "schedule": "qk_one",
-    # setmaxnreg budgets (producer, then consumer 0 and consumer 1); at most 504 in all
-    "producer_regs": 56,
-    "consumer_regs": (224, 224),
+    # setmaxnreg budgets (producer, then consumer 0 and consumer 1); at most 504 in all. Consumer 0
+    # (scores + softmax + half the output) needs more than consumer 1: (56; 224, 224) spilled
+    # 108 bytes for MLA; this split spills 24 and measured 456 -> 490 TFLOP/s (MLA H128) and
+    # 412 -> 429 (V4 H128) on an H200 with bitwise-equal outputs (tune_sparse_attention_fwd_regs.py).
+    "producer_regs": 48,
+    "consumer_regs": (256, 200),
 }
 
 # Every configuration the package ships. Heads, batch, lengths and K are runtime values, so one
