@@ -1,9 +1,12 @@
 """Run a tiny DSA GPTModel at a tensor-parallel size on CPU (gloo) and save what it computed.
 
-    python tp_worker.py TP OUT_FILE [sp]
+    python tp_worker.py TP OUT_FILE [sp] [cuda]
 
 Spawns TP processes; rank 0 saves logits, per-layer indexer losses, indexer and q/kv-norm
 gradients (and checks that every TP rank holds the same indexer gradients: it is replicated).
+
+``cuda``: one GPU per rank with NCCL, bf16 and dims the TileLang kernels take (the kernels run);
+otherwise CPU processes with gloo and fp32 (the torch reference runs).
 
 ``sp``: sequence parallelism. gloo has no reduce-scatter and megatron's torch norms refuse SP, so
 the worker emulates reduce-scatter with all-reduce + slice, uses a torch RMSNorm that marks its
@@ -66,13 +69,17 @@ def _sp_spec(config):
     return TransformerBlockSubmodules(layer_specs=[layer] * config.num_layers, layer_norm=SPRMSNorm)
 
 
-def _worker(rank: int, tp: int, port: int, out_file: str, sp: bool = False) -> None:
+def _worker(rank: int, tp: int, port: int, out_file: str, sp: bool = False, cuda: bool = False) -> None:
     warnings.filterwarnings("ignore")
     os.environ["DSA_PLUGINS_AUTOLOAD"] = "0"
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
-    torch.cuda.current_device = lambda: "cpu"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=tp)
+    if not cuda:
+        torch.cuda.current_device = lambda: "cpu"
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.multi_latent_attention as mla
     from megatron.core import parallel_state as ps
@@ -85,7 +92,7 @@ def _worker(rank: int, tp: int, port: int, out_file: str, sp: bool = False) -> N
     mla.HAVE_TE = False
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
-    if sp:
+    if sp and not cuda:  # gloo: emulated reduce-scatter, no CUDA RNG tracker
         import megatron.core.tensor_parallel.layers as tp_layers
         import megatron.core.tensor_parallel.mappings as tp_mappings
 
@@ -102,22 +109,40 @@ def _worker(rank: int, tp: int, port: int, out_file: str, sp: bool = False) -> N
     mdsa.DSAIndexerLossLoggingHelper.save_loss_to_tracker = staticmethod(
         lambda loss, layer_number, num_layers, **kw: losses.append(loss.detach().clone())
     )
+    if cuda:
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(0)
+        dims = dict(hidden_size=256, num_attention_heads=8, ffn_hidden_size=256, q_lora_rank=128, kv_lora_rank=512,
+                    qk_head_dim=64, qk_pos_emb_head_dim=64, v_head_dim=64, dsa_indexer_n_heads=16,
+                    dsa_indexer_head_dim=64, dsa_indexer_topk=64, params_dtype=torch.bfloat16, bf16=True,
+                    init_method_std=0.02,
+                    # the master weights are drawn on the CPU and then split, so every TP size starts
+                    # from the same weights (GPU initialisation draws each shard with its own RNG)
+                    use_cpu_initialization=True)
+        seqlen, vocab = 256, 512
+    else:
+        dims = dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=64, use_cpu_initialization=True,
+                    q_lora_rank=32, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=8,
+                    dsa_indexer_n_heads=8, dsa_indexer_head_dim=16, dsa_indexer_topk=5,
+                    params_dtype=torch.float32, init_method_std=0.2)
+        seqlen, vocab = 12, 96
     config = MLATransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=64, use_cpu_initialization=True,
-        q_lora_rank=32, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8, v_head_dim=8, rope_type="rope",
-        normalization="RMSNorm", qk_layernorm=True, experimental_attention_variant="dsa", dsa_indexer_n_heads=8,
-        dsa_indexer_head_dim=16, dsa_indexer_topk=5, dsa_indexer_loss_coeff=1.0,
-        dsa_indexer_use_sparse_loss=True, transformer_impl="local", params_dtype=torch.float32,
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.2,
-        tensor_model_parallel_size=tp, sequence_parallel=sp and tp > 1,
+        num_layers=2, rope_type="rope", normalization="RMSNorm", qk_layernorm=True,
+        experimental_attention_variant="dsa", dsa_indexer_loss_coeff=1.0, dsa_indexer_use_sparse_loss=True,
+        transformer_impl="local", add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, sequence_parallel=sp and tp > 1, **dims,
     )
     torch.manual_seed(0)
     spec = _sp_spec(config) if sp else get_dsa_layer_spec(config, model="glm5")
-    model = GPTModel(config, spec, vocab_size=96, max_sequence_length=64,
+    model = GPTModel(config, spec, vocab_size=vocab, max_sequence_length=seqlen,
                      position_embedding_type="none", parallel_output=False)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:  # bf16 training casts every parameter, as megatron's Float16Module does
+        model = model.to(device=device, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(1)
-    tok = torch.randint(0, 96, (2, 12), generator=g)
-    logits = model(tok, torch.arange(12)[None].expand(2, -1), None)
+    tok = torch.randint(0, vocab, (2, seqlen), generator=g).to(device)
+    logits = model(tok, torch.arange(seqlen, device=device)[None].expand(2, -1), None)
     logits.float().square().mean().backward()
     for p in model.parameters():  # what megatron's finalize_model_grads does for SP norms
         if getattr(p, "sequence_parallel", False) and p.grad is not None:
@@ -129,18 +154,19 @@ def _worker(rank: int, tp: int, port: int, out_file: str, sp: bool = False) -> N
         dist.all_gather(others, grad.contiguous(), group=ps.get_tensor_model_parallel_group())
         assert all(torch.equal(o, others[0]) for o in others), f"replicated weight's grad differs across TP ranks: {n}"
     if rank == 0:
-        torch.save({"logits": logits.detach(), "losses": losses, "grads": grads}, out_file)
+        torch.save({"logits": logits.detach().float().cpu(), "losses": [x.float().cpu() for x in losses],
+                    "grads": {n: x.float().cpu() for n, x in grads.items()}}, out_file)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def main() -> None:
     tp, out_file = int(sys.argv[1]), sys.argv[2]
-    sp = len(sys.argv) > 3 and sys.argv[3] == "sp"
+    sp, cuda = "sp" in sys.argv[3:], "cuda" in sys.argv[3:]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_worker, args=(tp, port, out_file, sp), nprocs=tp, join=True)
+    torch.multiprocessing.spawn(_worker, args=(tp, port, out_file, sp, cuda), nprocs=tp, join=True)
 
 
 if __name__ == "__main__":
