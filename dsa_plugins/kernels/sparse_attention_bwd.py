@@ -1,6 +1,6 @@
 """TileLang backward of DeepSeek sparse attention over a shared latent (DSA.md section 1.1).
 
-One kernel family built from compile-time parameters (heads, dims, block sizes, dtype, schedule,
+One kernel family built from compile-time parameters (heads, dims, block sizes, dtype,
 deterministic flag); the query-row count, the kv-row count and the padded top-k are dynamic, so new
 lengths reuse the compiled program, and the scale is a run-time argument.
 
@@ -8,7 +8,7 @@ Programs (all compiled per configuration by :func:`build_bwd_kernels`):
 
 * ``preprocess``: Delta[t, h] = <out[t, h], dout[t, h]> in fp32 and the effective log-sum-exp in
   base 2 (with a sink: logaddexp(lse, z_h); +inf stays +inf, so rows without a key give P = 0).
-* ``main`` (schedule "sync", the default): one CTA of 256 threads per (query row, block of 64
+* ``main``: one CTA of 256 threads per (query row, block of 64
   heads); heads beyond H are padded inside the CTA (zero q / dout, lse = +inf: they contribute
   nothing). The CTA walks the top-k slots in blocks of 64: gathers the selected kv rows with
   cp.async (invalid slots zero-filled, never read; the next block's gather overlaps the dkv part),
@@ -16,11 +16,6 @@ Programs (all compiled per configuration by :func:`build_bwd_kernels`):
   registers, and adds dS^T q + P^T dout (all MMAs on wgmma) into a zero-initialised fp32 dkv with
   red.global.add.v2.f32 straight from the accumulators. ``overlap`` (off by default, measured no
   faster) runs the MMAs of the next dkv column chunk while the atomics of the current one issue.
-* ``main_ws`` (schedule "ws", experimental, off by default): 384 threads, a helper warpgroup
-  gathers kv blocks and issues the dkv atomics (red.v4 from a shared fp32 staging chunk) while two
-  consumer warpgroups run the MMAs. Correct (same tests pass) but measured 2x slower (119-135
-  TFLOP/s): ptxas keeps the 168-register cap of 384 threads and spills the consumers' dq
-  accumulator, and the single kv stage serialises gather and MMAs.
 * ``reduce`` (deterministic only): sums each kv row's per-slot contributions in a fixed order.
 
 Everything is flattened over the batch: query rows t = b * S + s, kv rows n = b * Skv + j; the
@@ -68,8 +63,7 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
     return 2.0 * num_queries * heads * topk * (2 * dv + 3 * dqk)
 
 
-_TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "schedule",
-                "helper_regs", "consumer_regs")
+_TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap")
 
 
 def _default_tuning(dqk: int, dv: int) -> dict:
@@ -79,15 +73,6 @@ def _default_tuning(dqk: int, dv: int) -> dict:
     # faster than staging through shared memory for red.v4 (268 vs 248 TFLOP/s, V4 H128).
     chunk = 64 if dv % 64 == 0 else 32 if dv % 32 == 0 else 16
     return {"block_k": 64, "num_stages": 1, "threads": 256, "dkv_chunk": chunk}
-
-
-_SMEM_LIMIT = 227 * 1024 - 1024  # dynamic shared memory per block on Hopper, minus barriers
-
-
-def _ws_smem_bytes(cfg: dict, block_k: int) -> int:
-    bh, dqk, dv = _BLOCK_H, cfg["dqk"], cfg["dv"]
-    return (2 * bh * dv * 2 + bh * (dqk - dv) * 2 + block_k * dqk * 2 + 2 * bh * block_k * 2
-            + block_k * cfg["dkv_chunk"] * 4 + 2 * bh * 4)
 
 
 def _normalise_config(config: dict) -> dict:
@@ -106,16 +91,6 @@ def _normalise_config(config: dict) -> dict:
     for k, v in _default_tuning(cfg["dqk"], cfg["dv"]).items():
         cfg[k] = int(cfg.get(k) or v)
     cfg["store_dkv"] = bool(cfg.get("store_dkv", True))  # False: benchmark ablation only
-    cfg["schedule"] = str(cfg.get("schedule") or "sync")
-    if cfg["schedule"] not in ("sync", "ws"):
-        raise ValueError(f"schedule must be 'sync' or 'ws', got {cfg['schedule']!r}")
-    cfg["helper_regs"] = int(cfg.get("helper_regs") or 40)
-    cfg["consumer_regs"] = int(cfg.get("consumer_regs") or 232)
-    if cfg["schedule"] == "ws":
-        if "block_k" not in config and _ws_smem_bytes(cfg, 64) > _SMEM_LIMIT:
-            cfg["block_k"] = 32
-        if cfg["dqk"] - cfg["dv"] > cfg["dkv_chunk"] or cfg["dv"] % 64 or _ws_smem_bytes(cfg, cfg["block_k"]) > _SMEM_LIMIT:
-            raise ValueError(f"schedule 'ws' does not support {cfg}")
     cfg["stage_atomics"] = bool(cfg.get("stage_atomics", False))
     can_overlap = cfg["block_k"] == 64 and cfg["dqk"] - cfg["dv"] <= cfg["dkv_chunk"] and not cfg["stage_atomics"]
     # off by default: measured 3% slower than issuing the atomics after each chunk (H200)
@@ -379,212 +354,6 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
     return dsa_bwd_main
 
 
-def _main_ws_body(heads, dqk, dv, dtype, block_k, dkv_chunk, helper_regs, consumer_regs):
-    """Warp-specialised schedule (384 threads): two consumer warpgroups run the MMAs of one
-    (query, 64-head) tile; a helper warpgroup gathers the next kv block (cp.async, zero-fill for
-    invalid slots) and issues the dkv atomics from a shared fp32 staging chunk, so that the
-    atomics (L2-throughput bound) overlap the tensor-core work instead of stalling it."""
-    import tilelang.language as T
-
-    dt = T.bfloat16 if dtype == "bfloat16" else T.float16
-    f32 = T.float32
-    i32 = T.int32
-    BH = _BLOCK_H
-    BK = block_k
-    DT = dqk - dv
-    DC = dkv_chunk
-    NC = dv // DC
-    NHB = (heads + BH - 1) // BH
-    pad_h = heads % BH != 0
-    assert DT <= DC and BK % 16 == 0 and dv % 64 == 0
-    chunks = tuple([(c * DC, DC, True) for c in range(NC)] + ([(dv, DT, False)] if DT > 0 else []))
-    NCH = len(chunks)
-    chunk_ids = tuple(range(NCH))
-    pass_ids = tuple(range(BK // 16))  # helper: 8 threads per row, 16 rows per pass
-    v_cols = tuple(range(dv // 64))
-    t_cols = tuple(range((DT + 63) // 64))
-
-    Tq = T.dynamic("Tq")
-    N = T.dynamic("N")
-    Kp = T.dynamic("Kp")
-    ninf = -T.infinity(f32)
-
-    @T.macro
-    def gather(Idx, KV, t, kb, v_s, kt_s, ptx):
-        lane = ptx % 8
-        for r in pass_ids:
-            row = r * 16 + ptx // 8
-            idx = Idx[t, kb * BK + row]
-            if idx >= 0:
-                for u in v_cols:
-                    col = u * 64 + lane * 8
-                    with T.attr("default", "async_scope", 1):
-                        for v in T.vectorized(8):
-                            v_s[row, col + v] = KV[idx, col + v]
-                if DT > 0:
-                    for u in t_cols:
-                        col = u * 64 + lane * 8
-                        if col < DT:
-                            with T.attr("default", "async_scope", 1):
-                                for v in T.vectorized(8):
-                                    kt_s[row, col + v] = KV[idx, dv + col + v]
-            else:
-                # never dereference an invalid index: zero row (finite in the MMAs)
-                for u in v_cols:
-                    col = u * 64 + lane * 8
-                    for v in T.vectorized(8):
-                        v_s[row, col + v] = T.cast(0, dt)
-                if DT > 0:
-                    for u in t_cols:
-                        col = u * 64 + lane * 8
-                        if col < DT:
-                            for v in T.vectorized(8):
-                                kt_s[row, col + v] = T.cast(0, dt)
-
-    @T.macro
-    def scatter(Idx, dKV, t, kb, c0, w, stage_s, ptx):
-        per_row = w // 4
-        for it in T.unroll(BK * per_row // 128):
-            e = it * 128 + ptx
-            r = e // per_row
-            d4 = e % per_row
-            idx = Idx[t, kb * BK + r]
-            if idx >= 0:
-                T.atomic_addx4(dKV[idx, c0 + d4 * 4], stage_s[r, d4 * 4])
-
-    @T.prim_func
-    def dsa_bwd_main_ws(
-        Q: T.Tensor([Tq, heads, dqk], dt),
-        KV: T.Tensor([N, dqk], dt),
-        dO: T.Tensor([Tq, heads, dv], dt),
-        Idx: T.Tensor([Tq, Kp], i32),
-        Lse2: T.Tensor([Tq, heads], f32),
-        Delta: T.Tensor([Tq, heads], f32),
-        dQ: T.Tensor([Tq, heads, dqk], dt),
-        dKV: T.Tensor([N, dqk], f32),
-        scale: f32,
-        scale_log2: f32,
-    ):
-        with T.Kernel(Tq, NHB, threads=384) as (t, hb):
-            q_s = T.alloc_shared([BH, dv], dt)
-            do_s = T.alloc_shared([BH, dv], dt)
-            v_s = T.alloc_shared([BK, dv], dt)
-            p_s = T.alloc_shared([BH, BK], dt)
-            ds_s = T.alloc_shared([BH, BK], dt)
-            stage_s = T.alloc_shared([BK, DC], f32)
-            lse_s = T.alloc_shared([BH], f32)
-            delta_s = T.alloc_shared([BH], f32)
-            acc_s = T.alloc_fragment([BH, BK], f32)
-            acc_dp = T.alloc_fragment([BH, BK], f32)
-            acc_dq = T.alloc_fragment([BH, dv], f32)
-            acc_kv = T.alloc_fragment([BK, DC], f32)
-            qt_s = None
-            kt_s = None
-            acc_dqt = None
-            acc_kvt = None
-            if DT > 0:
-                qt_s = T.alloc_shared([BH, DT], dt)
-                kt_s = T.alloc_shared([BK, DT], dt)
-                acc_dqt = T.alloc_fragment([BH, DT], f32)
-                acc_kvt = T.alloc_fragment([BK, DT], f32)
-
-            bar_ready = T.alloc_barrier(256)  # 128 cp.async completions + 128 helper arrivals
-            bar_free = T.alloc_barrier(256)  # consumers done with the kv block
-            bar_stg_ready = T.alloc_barrier(256)  # consumers filled the staging chunk
-            bar_stg_free = T.alloc_barrier(128)  # helper issued the chunk's atomics
-
-            tx = T.get_thread_binding()
-            h0 = hb * BH
-            NB = Kp // BK
-
-            for i, d in T.Parallel(BH, dv):
-                q_s[i, d] = T.if_then_else(h0 + i < heads, Q[t, T.min(h0 + i, heads - 1), d], 0)
-                do_s[i, d] = T.if_then_else(h0 + i < heads, dO[t, T.min(h0 + i, heads - 1), d], 0)
-            if DT > 0:
-                for i, d in T.Parallel(BH, DT):
-                    qt_s[i, d] = T.if_then_else(h0 + i < heads, Q[t, T.min(h0 + i, heads - 1), dv + d], 0)
-            for i in T.Parallel(BH):
-                lse_s[i] = T.if_then_else(h0 + i < heads, Lse2[t, T.min(h0 + i, heads - 1)], T.infinity(f32))
-                delta_s[i] = T.if_then_else(h0 + i < heads, Delta[t, T.min(h0 + i, heads - 1)], 0)
-            T.fence_proxy_async()
-            T.sync_threads()
-
-            if tx >= 256:
-                T.set_max_nreg(helper_regs, 0)
-                ptx = tx - 256
-                gather(Idx, KV, t, 0, v_s, kt_s, ptx)
-                T.fence_proxy_async()
-                T.cp_async_barrier_noinc(bar_ready[0])
-                T.barrier_arrive(bar_ready[0])
-                for kb in T.serial(NB):
-                    if kb + 1 < NB:
-                        T.barrier_wait(bar_free[0], kb & 1)
-                        gather(Idx, KV, t, kb + 1, v_s, kt_s, ptx)
-                        T.fence_proxy_async()
-                        T.cp_async_barrier_noinc(bar_ready[0])
-                        T.barrier_arrive(bar_ready[0])
-                    for ci in chunk_ids:
-                        n = kb * NCH + ci
-                        T.barrier_wait(bar_stg_ready[0], n & 1)
-                        scatter(Idx, dKV, t, kb, chunks[ci][0], chunks[ci][1], stage_s, ptx)
-                        T.barrier_arrive(bar_stg_free[0])
-            else:
-                T.set_max_nreg(consumer_regs, 1)
-                T.clear(acc_dq)
-                if DT > 0:
-                    T.clear(acc_dqt)
-                for kb in T.serial(NB):
-                    T.barrier_wait(bar_ready[0], kb & 1)
-                    T.fence_proxy_async()
-                    for i, r in T.Parallel(BH, BK):
-                        acc_s[i, r] = T.if_then_else(Idx[t, kb * BK + r] >= 0, 0, ninf)
-                    T.gemm(q_s, v_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
-                    if DT > 0:
-                        T.gemm(qt_s, kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
-                    T.gemm(do_s, v_s, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
-                    for i, r in T.Parallel(BH, BK):
-                        acc_s[i, r] = T.exp2(acc_s[i, r] * scale_log2 - lse_s[i])
-                    for i, r in T.Parallel(BH, BK):
-                        acc_dp[i, r] = acc_s[i, r] * (acc_dp[i, r] - delta_s[i]) * scale
-                    T.copy(acc_s, p_s)
-                    T.copy(acc_dp, ds_s)
-                    T.fence_proxy_async()
-                    T.gemm(ds_s, v_s, acc_dq, policy=T.GemmWarpPolicy.FullCol)
-                    if DT > 0:
-                        T.gemm(ds_s, kt_s, acc_dqt, policy=T.GemmWarpPolicy.FullCol)
-                    T.barrier_arrive(bar_free[0])
-                    for ci in chunk_ids:
-                        c0, w, has_v = chunks[ci]
-                        n = kb * NCH + ci
-                        if has_v:
-                            T.gemm(ds_s, q_s[:, c0 : c0 + w], acc_kv, transpose_A=True,
-                                   policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
-                            T.gemm(p_s, do_s[:, c0 : c0 + w], acc_kv, transpose_A=True,
-                                   policy=T.GemmWarpPolicy.FullCol)
-                            T.barrier_wait(bar_stg_free[0], (n & 1) ^ 1)
-                            T.copy(acc_kv, stage_s)
-                        else:
-                            T.gemm(ds_s, qt_s, acc_kvt, transpose_A=True, policy=T.GemmWarpPolicy.FullCol,
-                                   clear_accum=True)
-                            T.barrier_wait(bar_stg_free[0], (n & 1) ^ 1)
-                            T.copy(acc_kvt, stage_s[:, 0:DT])
-                        T.barrier_arrive(bar_stg_ready[0])
-                if pad_h:
-                    for i, d in T.Parallel(BH, dv):
-                        if h0 + i < heads:
-                            dQ[t, h0 + i, d] = acc_dq[i, d]
-                    if DT > 0:
-                        for i, d in T.Parallel(BH, DT):
-                            if h0 + i < heads:
-                                dQ[t, h0 + i, dv + d] = acc_dqt[i, d]
-                else:
-                    T.copy(acc_dq, dQ[t, h0 : h0 + BH, 0:dv])
-                    if DT > 0:
-                        T.copy(acc_dqt, dQ[t, h0 : h0 + BH, dv:dqk])
-
-    return dsa_bwd_main_ws
-
-
 def _reduce_body(dqk, nhb, threads=64):
     """dKV[n] += sum of the contribution rows of kv row n, in sorted (fixed) order."""
     import tilelang.language as T
@@ -639,10 +408,9 @@ def _jit_factories(target_key):
 
     target = _target_from_key(target_key)
     main = tilelang.jit(target=target, pass_configs=_PASS_CONFIGS_MAIN)(_main_body)
-    main_ws = tilelang.jit(target=target, pass_configs=_PASS_CONFIGS_MAIN)(_main_ws_body)
     pre = tilelang.jit(target=target)(_preprocess_body)
     red = tilelang.jit(target=target)(_reduce_body)
-    return {"preprocess": pre, "main": main, "main_ws": main_ws, "reduce": red}
+    return {"preprocess": pre, "main": main, "reduce": red}
 
 
 def _target_key(target):
@@ -678,9 +446,6 @@ def _get(kind: str, target, *args):
 
 def _main_kernel(cfg: dict, deterministic: bool) -> tuple:
     """(program kind, compile args) of the main kernel the wrapper launches."""
-    if cfg["schedule"] == "ws" and not deterministic:
-        return "main_ws", (cfg["heads"], cfg["dqk"], cfg["dv"], cfg["dtype"], cfg["block_k"], cfg["dkv_chunk"],
-                           cfg["helper_regs"], cfg["consumer_regs"])
     return "main", _main_args(cfg, deterministic)
 
 
@@ -775,7 +540,7 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
     84.5 vs 21.6 ms (3.9x), V4 H128 k1024 31.2 vs 10.3 ms (3.0x). dq and dsink are deterministic
     in both modes (no atomics).
 
-    ``config`` overrides tuning keys (block_k, dkv_chunk, schedule "sync"/"ws", overlap, ...);
+    ``config`` overrides tuning keys (block_k, dkv_chunk, overlap, ...);
     the env variable DSA_PLUGINS_BWD_TUNING (JSON) does the same for experiments.
     """
     B, S, H, Dqk = q.shape
