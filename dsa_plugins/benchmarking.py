@@ -52,7 +52,11 @@ class Case:
 
 
 def time_callable(fn: Callable[[], object], device: torch.device, warmup: int = 5, reps: int = 30, min_time_s: float = 0.0):
-    """Median and 20/80% quantiles (ms) of ``reps`` timed calls after ``warmup`` calls; peak memory (GiB)."""
+    """Median and 20/80% quantiles (ms) and peak memory (GiB) of ``fn``.
+
+    On a GPU, calls under 0.5 s go through triton's do_bench (L2 flushed before each run, many
+    runs); slower ones (reference paths, dense baselines at long context) and CPU runs are timed
+    call by call (CUDA events / perf_counter) after a short warm-up."""
     for i in range(max(warmup, 1)):
         t0 = time.perf_counter()
         fn()
@@ -63,6 +67,19 @@ def time_callable(fn: Callable[[], object], device: torch.device, warmup: int = 
             break
     # and fewer repetitions: about 3 s per row, at least 3
     reps = max(3, min(reps, int(3.0 / max(first, 1e-6))))
+    if device.type == "cuda" and first < 0.5:
+        try:  # triton's do_bench: L2 flushed before each run, the launch queue kept full (as METHOD.md)
+            from triton.testing import do_bench
+        except ImportError:
+            do_bench = None
+        if do_bench is not None:
+            med, p20, p80 = do_bench(fn, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            fn()
+            torch.cuda.synchronize(device)
+            return med, p20, p80, (torch.cuda.max_memory_allocated(device) - base) / 2**30
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -91,16 +108,8 @@ def time_callable(fn: Callable[[], object], device: torch.device, warmup: int = 
 
 
 def median_ms(fn: Callable[[], object], device: torch.device | None = None) -> float:
-    """Median time of ``fn`` in ms: triton's do_bench where available (it also flushes L2 between
-    runs), else CUDA events / perf_counter through :func:`time_callable`. For kernel drivers."""
+    """Median time of ``fn`` in ms, measured as :func:`time_callable` does (for kernel drivers)."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        try:
-            from triton.testing import do_bench
-
-            return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
-        except ImportError:
-            pass
     return time_callable(fn, device)[0]
 
 
