@@ -1,6 +1,7 @@
 import logging
 
 import pytest
+import torch
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,6 +39,27 @@ def batch(seed: int = 0, batch_size: int = 2, seq_len: int = 14, pad: int = 3, v
 
 def output_tensor(out):
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def assert_greedy_generate_matches_eager(model, ids, mask, config_of=lambda m: m.config):
+    """Greedy generation (6 tokens, KV cache) under eager and dsa_tilelang: same tokens, same logits."""
+    seqs, logits = {}, {}
+    for impl in ("eager", "dsa_tilelang"):
+        model.set_attn_implementation(impl)
+        assert config_of(model)._attn_implementation == impl
+        with torch.no_grad():
+            out = model.generate(
+                ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=2,
+                output_logits=True, return_dict_in_generate=True,
+            )
+        seqs[impl], logits[impl] = out.sequences, torch.stack(out.logits)
+    assert torch.equal(seqs["dsa_tilelang"], seqs["eager"])
+    torch.testing.assert_close(logits["dsa_tilelang"], logits["eager"], rtol=1e-5, atol=2e-5)
+
+
+@pytest.fixture
+def greedy_matches_eager():
+    return assert_greedy_generate_matches_eager
 
 
 @pytest.fixture

@@ -110,22 +110,11 @@ def test_chunked_prefill_with_cache_matches_eager(registered, make_batch):
     torch.testing.assert_close(out["dsa_tilelang"], out["eager"], rtol=1e-5, atol=2e-5)
 
 
-def test_greedy_generate_matches_eager(registered, make_batch):
+def test_greedy_generate_matches_eager(registered, make_batch, greedy_matches_eager):
     """Batch 2 with left padding: prefill, then decode steps through the indexer cache."""
     model = _lm()
     ids, mask = make_batch(seed=2)
-    seqs, logits = {}, {}
-    for impl in ("eager", "dsa_tilelang"):
-        model.set_attn_implementation(impl)
-        assert model.config.text_config._attn_implementation == impl
-        with torch.no_grad():
-            out = model.generate(
-                ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=2,
-                output_logits=True, return_dict_in_generate=True,
-            )
-        seqs[impl], logits[impl] = out.sequences, torch.stack(out.logits)
-    assert torch.equal(seqs["dsa_tilelang"], seqs["eager"])
-    torch.testing.assert_close(logits["dsa_tilelang"], logits["eager"], rtol=1e-5, atol=2e-5)
+    greedy_matches_eager(model, ids, mask, config_of=lambda m: m.config.text_config)
 
 
 def test_model_built_before_and_after_registration(make_batch):

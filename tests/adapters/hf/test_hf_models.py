@@ -75,21 +75,11 @@ def test_gradient_checkpointing(registered, model_type, make_batch, output_of):
 
 
 @pytest.mark.parametrize("model_type", CAUSAL)
-def test_greedy_generate_matches_eager(registered, model_type, make_batch):
+def test_greedy_generate_matches_eager(registered, model_type, make_batch, greedy_matches_eager):
     _require(model_type)
     model = tiny.tiny_model(model_type)
     ids, mask = make_batch(seed=2)
-    seqs, logits = {}, {}
-    for impl in ("eager", "dsa_tilelang"):
-        model.set_attn_implementation(impl)
-        with torch.no_grad():
-            out = model.generate(
-                ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=2,
-                output_logits=True, return_dict_in_generate=True,
-            )
-        seqs[impl], logits[impl] = out.sequences, torch.stack(out.logits)
-    assert torch.equal(seqs["dsa_tilelang"], seqs["eager"])
-    torch.testing.assert_close(logits["dsa_tilelang"], logits["eager"], rtol=1e-5, atol=2e-5)
+    greedy_matches_eager(model, ids, mask)
 
 
 def test_topk_matters_in_tiny_configs(registered, make_batch, output_of):
