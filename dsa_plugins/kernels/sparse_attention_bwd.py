@@ -153,8 +153,26 @@ def _preprocess_body(heads, dv, has_sink, dtype, block_h=16, threads=128):
     return dsa_bwd_preprocess
 
 
+_SMEM_LIMIT = 232448  # bytes of shared memory one Hopper block may use (227 KiB)
+
+
+def _probs_batch(dqk: int, dv: int, block_k: int, threads: int, dkv_chunk: int, stage_atomics: bool) -> int:
+    """Slots per batched cross-warp AllReduce in the head sum of P [64, block_k] (one barrier pair
+    per batch instead of one per slot). A thread holds block_k * 128 / threads / 4 slots (FullCol
+    warps); the batch needs threads * batch fp32 of workspace in the shared memory the main
+    buffers leave (2 KiB for 576/512: batch 2; 512/512: batch 8)."""
+    used = 2 * 64 * (3 * dv + 2 * (dqk - dv)) + 2 * 2 * 64 * block_k + 2 * 4 * 64
+    if stage_atomics:
+        used += 4 * block_k * (dkv_chunk + (dqk - dv))
+    per_thread = max(1, block_k * 128 // threads // 4)
+    batch = per_thread
+    while batch > 1 and (per_thread % batch or used + threads * batch * 4 > _SMEM_LIMIT):
+        batch //= 2
+    return batch
+
+
 def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, deterministic, store_dkv=True,
-               stage_atomics=True, overlap=False):
+               stage_atomics=True, overlap=False, emit_probs=False):
     import tilelang.language as T
 
     dt = T.bfloat16 if dtype == "bfloat16" else T.float16
@@ -177,6 +195,7 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
         dkv_shape = [Tq, NHB, Kp, dqk]
     else:
         dkv_shape = [N, dqk]
+    probs_batch = _probs_batch(dqk, dv, BK, threads, DC, stage_atomics and not deterministic)
     if overlap:
         assert not deterministic and store_dkv and not stage_atomics and BK == 64 and DT <= DC
     # (first column, width, has a V part) of each dkv column chunk; static, unrolled
@@ -201,19 +220,8 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
             if Idx[t, kb * BK + r] >= 0:
                 T.atomic_add(dKV[Idx[t, kb * BK + r], c0 + d], acc[r, d])
 
-    @T.prim_func
-    def dsa_bwd_main(
-        Q: T.Tensor([Tq, heads, dqk], dt),
-        KV: T.Tensor([N, dqk], dt),
-        dO: T.Tensor([Tq, heads, dv], dt),
-        Idx: T.Tensor([Tq, Kp], i32),
-        Lse2: T.Tensor([Tq, heads], f32),
-        Delta: T.Tensor([Tq, heads], f32),
-        dQ: T.Tensor([Tq, heads, dqk], dt),
-        dKV: T.Tensor(dkv_shape, f32),
-        scale: f32,
-        scale_log2: f32,
-    ):
+    @T.macro
+    def _body(Q, KV, dO, Idx, Lse2, Delta, dQ, dKV, scale, scale_log2, Probs):
         with T.Kernel(Tq, NHB, threads=threads) as (t, hb):
             q_s = T.alloc_shared([BH, dv], dt)
             do_s = T.alloc_shared([BH, dv], dt)
@@ -226,6 +234,7 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
             acc_dp = T.alloc_fragment([BH, BK], f32)
             acc_dq = T.alloc_fragment([BH, dv], f32)
             acc_kv = T.alloc_fragment([BK, DC], f32)
+            psum_f = T.alloc_fragment([BK], f32) if emit_probs else None
             acc_kv_pair = [acc_kv, T.alloc_fragment([BK, DC], f32)] if overlap else [acc_kv]
             qt_s = None
             acc_kvt = None
@@ -278,6 +287,12 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
                 # P = exp(s * scale - lse'): masked slots and padded heads give exactly 0
                 for i, r in T.Parallel(BH, BK):
                     acc_s[i, r] = T.exp2(acc_s[i, r] * scale_log2 - lse_s[i])
+                if emit_probs:
+                    # sum of P over this CTA's heads, per slot: the indexer loss's attention target
+                    # (fp32, before P is rounded for the MMAs)
+                    T.reduce_sum(acc_s, psum_f, dim=0, clear=True, batch=probs_batch)
+                    for r in T.Parallel(BK):
+                        Probs[hb, t, kb * BK + r] = psum_f[r]
                 for i, r in T.Parallel(BH, BK):
                     acc_dp[i, r] = acc_s[i, r] * (acc_dp[i, r] - delta_s[i]) * scale
                 T.copy(acc_s, p_s)
@@ -350,6 +365,41 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
                 T.copy(acc_dq, dQ[t, h0 : h0 + BH, 0:dv])
                 if DT > 0:
                     T.copy(acc_dqt, dQ[t, h0 : h0 + BH, dv:dqk])
+
+    # the prim_funcs are built when defined: define only the one asked for
+    if emit_probs:
+        @T.prim_func
+        def dsa_bwd_main_probs(
+            Q: T.Tensor([Tq, heads, dqk], dt),
+            KV: T.Tensor([N, dqk], dt),
+            dO: T.Tensor([Tq, heads, dv], dt),
+            Idx: T.Tensor([Tq, Kp], i32),
+            Lse2: T.Tensor([Tq, heads], f32),
+            Delta: T.Tensor([Tq, heads], f32),
+            dQ: T.Tensor([Tq, heads, dqk], dt),
+            dKV: T.Tensor(dkv_shape, f32),
+            scale: f32,
+            scale_log2: f32,
+            Probs: T.Tensor([NHB, Tq, Kp], f32),
+        ):
+            _body(Q, KV, dO, Idx, Lse2, Delta, dQ, dKV, scale, scale_log2, Probs)
+
+        return dsa_bwd_main_probs
+
+    @T.prim_func
+    def dsa_bwd_main(
+        Q: T.Tensor([Tq, heads, dqk], dt),
+        KV: T.Tensor([N, dqk], dt),
+        dO: T.Tensor([Tq, heads, dv], dt),
+        Idx: T.Tensor([Tq, Kp], i32),
+        Lse2: T.Tensor([Tq, heads], f32),
+        Delta: T.Tensor([Tq, heads], f32),
+        dQ: T.Tensor([Tq, heads, dqk], dt),
+        dKV: T.Tensor(dkv_shape, f32),
+        scale: f32,
+        scale_log2: f32,
+    ):
+        _body(Q, KV, dO, Idx, Lse2, Delta, dQ, dKV, scale, scale_log2, None)
 
     return dsa_bwd_main
 
@@ -444,30 +494,28 @@ def _get(kind: str, target, *args):
     return prog
 
 
-def _main_kernel(cfg: dict, deterministic: bool) -> tuple:
+def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tuple:
     """(program kind, compile args) of the main kernel the wrapper launches."""
-    return "main", _main_args(cfg, deterministic)
+    return "main", _main_args(cfg, deterministic, emit_probs)
 
 
-def _main_args(cfg: dict, deterministic: bool) -> tuple:
-    args = (cfg["heads"], cfg["dqk"], cfg["dv"], cfg["dtype"], cfg["block_k"], cfg["num_stages"],
-            cfg["threads"], cfg["dkv_chunk"], bool(deterministic))
-    if cfg["overlap"] and not deterministic:
-        return args + (cfg["store_dkv"], False, True)
-    if not cfg["stage_atomics"]:
-        return args + (cfg["store_dkv"], False)
-    return args if cfg["store_dkv"] else args + (False,)
+def _main_args(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tuple:
+    # every argument of _main_body, positionally (one cache key per program)
+    return (cfg["heads"], cfg["dqk"], cfg["dv"], cfg["dtype"], cfg["block_k"], cfg["num_stages"],
+            cfg["threads"], cfg["dkv_chunk"], bool(deterministic), cfg["store_dkv"], cfg["stage_atomics"],
+            bool(cfg["overlap"] and not deterministic), bool(emit_probs))
 
 
 def build_bwd_kernels(config: dict, target="auto") -> dict:
-    """Compile every program one configuration needs (preprocess, main atomic + deterministic,
-    deterministic reduce). Returns {name: compiled kernel}."""
+    """Compile every program one configuration needs (preprocess; main atomic and deterministic, each
+    with and without the head-summed P output; deterministic reduce). Returns {name: compiled kernel}."""
     cfg = _normalise_config(config)
     nhb = (cfg["heads"] + _BLOCK_H - 1) // _BLOCK_H
     out = {"preprocess": _get("preprocess", target, cfg["heads"], cfg["dv"], cfg["has_sink"], cfg["dtype"])}
     for det in (False, True):
-        kind, args = _main_kernel(cfg, det)
-        out["main_det" if det else "main"] = _get(kind, target, *args)
+        for probs in (False, True):
+            kind, args = _main_kernel(cfg, det, probs)
+            out[("main_det" if det else "main") + ("_probs" if probs else "")] = _get(kind, target, *args)
     out["reduce"] = _get("reduce", target, cfg["dqk"], nhb)
     return out
 
@@ -520,7 +568,7 @@ def unsupported_reason(num_heads: int, dqk: int, dv: int, has_sink: bool, dtype:
 
 
 def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None, dv: int | None = None,
-                         deterministic: bool = False, *, config: dict | None = None):
+                         deterministic: bool = False, *, config: dict | None = None, return_probs: bool = False):
     """Backward of sparse attention over a shared latent.
 
     q [B,S,H,Dqk] bf16/fp16; kv [B,Skv,Dqk] q.dtype; indices [B,S,K] int32 (any K >= 1; entries
@@ -539,6 +587,10 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
     on an H200 (B1 S4096 Skv8192): MLA H64 k2048 32.1 ms vs 11.1 ms atomic (2.9x), MLA H128
     84.5 vs 21.6 ms (3.9x), V4 H128 k1024 31.2 vs 10.3 ms (3.0x). dq and dsink are deterministic
     in both modes (no atomics).
+
+    return_probs=True adds a fourth result, probs [B,S,K] fp32: sum over heads of the attention
+    probabilities P[h, j] = exp(scale * s_hj - lse'_h) of each slot (lse' with the sink), 0 for
+    invalid slots; the indexer KL loss's target, taken from the P the backward recomputes anyway.
 
     ``config`` overrides tuning keys (block_k, dkv_chunk, overlap, ...);
     the env variable DSA_PLUGINS_BWD_TUNING (JSON) does the same for experiments.
@@ -564,7 +616,10 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
                              "dtype": str(q.dtype).replace("torch.", ""), **(config or {})})
     if B * S == 0 or Skv == 0:
         dsink = torch.zeros(H, device=dev, dtype=torch.float32) if sink is not None else None
-        return (torch.zeros_like(q), torch.zeros(B, Skv, Dqk, device=dev, dtype=torch.float32), dsink)
+        res = (torch.zeros_like(q), torch.zeros(B, Skv, Dqk, device=dev, dtype=torch.float32), dsink)
+        if return_probs:
+            res += (torch.zeros(B, S, indices.shape[2], device=dev, dtype=torch.float32),)
+        return res
     BK = cfg["block_k"]
     target = runtime_target(dev)
     T_ = B * S
@@ -578,10 +633,17 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
     idx = _prepare_indices(indices, Skv, BK)
 
     with torch.cuda.device(dev):
-        return _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, deterministic, B, S, Skv)
+        res = _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, deterministic, B, S, Skv,
+                      return_probs)
+    if return_probs:
+        probs = res[3]
+        probs = probs[0] if probs.shape[0] == 1 else probs.sum(0)  # head blocks, fixed order
+        res = res[:3] + (probs[:, : indices.shape[2]].reshape(B, S, indices.shape[2]),)
+    return res
 
 
-def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, deterministic, B, S, Skv):
+def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, deterministic, B, S, Skv,
+            return_probs=False):
     dev = q2.device
     T_, H, Dqk = q2.shape
     dv = cfg["dv"]
@@ -596,12 +658,14 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
     dq = torch.empty(T_, H, Dqk, device=dev, dtype=q2.dtype)
     dkv = torch.zeros(N, Dqk, device=dev, dtype=torch.float32)
     s = float(scale)
-    kind, args = _main_kernel(cfg, deterministic)
+    kind, args = _main_kernel(cfg, deterministic, return_probs)
     main = _get(kind, target, *args)
+    nhb = (H + _BLOCK_H - 1) // _BLOCK_H
+    probs = torch.empty(nhb, T_, Kp, device=dev, dtype=torch.float32) if return_probs else None
+    extra = (probs,) if return_probs else ()
     if not deterministic:
-        main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E)
+        main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, *extra)
     else:
-        nhb = (H + _BLOCK_H - 1) // _BLOCK_H
         red = _get("reduce", target, Dqk, nhb)
         per_row = nhb * Kp * Dqk * 4
         chunk = max(1, min(T_, _DET_BUDGET_BYTES // per_row))
@@ -611,7 +675,7 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
             tc = t1 - t0
             cb = contrib[: tc * nhb * Kp]
             main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1],
-                 cb.view(tc, nhb, Kp, Dqk), s, s * _LOG2E)
+                 cb.view(tc, nhb, Kp, Dqk), s, s * _LOG2E, *(() if probs is None else (probs[:, t0:t1],)))
             keys = idx[t0:t1].reshape(-1)
             keys = torch.where(keys >= 0, keys, torch.full_like(keys, N))
             sorted_keys, order = torch.sort(keys, stable=True)
@@ -623,4 +687,6 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
         # d_sink_h = -sum_t Delta[t,h] * exp(z_h - lse'[t,h]); lse' = +inf rows give 0
         p_sink = torch.exp2(sink.view(1, H) * _LOG2E - lse2)
         dsink = -(delta * p_sink).sum(0)
+    if return_probs:
+        return dq.view(B, S, H, Dqk), dkv.view(B, Skv, Dqk), dsink, probs
     return dq.view(B, S, H, Dqk), dkv.view(B, Skv, Dqk), dsink

@@ -76,10 +76,13 @@ def sparse_attention_forward(q, kv, indices, scale: float, sink=None, dv: int | 
     return out.reshape(b, s, h, dv), lse.reshape(b, s, h)
 
 
-def sparse_attention_backward(q, kv, indices, out, lse, dout, scale: float, sink=None, dv: int | None = None):
+def sparse_attention_backward(q, kv, indices, out, lse, dout, scale: float, sink=None, dv: int | None = None,
+                              return_probs: bool = False):
     """Gradients (dq q.dtype, dkv float32/float64, dsink or None) of sparse_attention_forward.
 
     dkv is returned in the accumulation dtype so head-chunked callers can sum it before one cast.
+    return_probs=True adds probs [B,S,K] (accumulation dtype): sum over heads of the attention
+    probabilities of each slot (sink in the normaliser, 0 for invalid slots), the indexer loss target.
     """
     b, s, h, d = q.shape
     dv = d if dv is None else dv
@@ -93,6 +96,7 @@ def sparse_attention_backward(q, kv, indices, out, lse, dout, scale: float, sink
     dq = torch.empty(n, h, d, dtype=q.dtype, device=q.device)
     dkv = torch.zeros(kvf.shape[0], d, dtype=cdt, device=q.device)
     dsink = None if sink is None else torch.zeros(h, dtype=cdt, device=q.device)
+    probs = torch.zeros(n, k, dtype=cdt, device=q.device) if return_probs else None
     step = _rows_per_chunk(k, d, h, torch.finfo(cdt).bits // 8)
     for start in range(0, n, step):
         sl = slice(start, min(start + step, n))
@@ -101,6 +105,8 @@ def sparse_attention_backward(q, kv, indices, out, lse, dout, scale: float, sink
         scores = _chunk_scores(qc, kv_rows, valid[sl], scale)
         norm = _normaliser(lsef[sl], z)  # +inf for empty rows -> p = 0 everywhere
         p = torch.exp(scores - norm.unsqueeze(-1))
+        if probs is not None:
+            probs[sl] = p.sum(1)
         do = doutf[sl].to(cdt)
         delta = (outf[sl].to(cdt) * do).sum(-1)  # [c, H]
         dp = torch.einsum("chd,ckd->chk", do, kv_rows[..., :dv])
@@ -113,7 +119,8 @@ def sparse_attention_backward(q, kv, indices, out, lse, dout, scale: float, sink
         if dsink is not None:
             p_sink = torch.exp(z - norm)  # [c, H]; 0 for empty rows
             dsink -= (delta * p_sink).sum(0)
-    return dq.reshape(b, s, h, d), dkv.reshape(b, kv.shape[1], d), dsink
+    res = dq.reshape(b, s, h, d), dkv.reshape(b, kv.shape[1], d), dsink
+    return res + (probs.reshape(b, s, k),) if return_probs else res
 
 
 class SparseAttentionReference(torch.autograd.Function):

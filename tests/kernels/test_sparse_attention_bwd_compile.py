@@ -60,7 +60,8 @@ def test_bwd_flops_convention():
 def test_shipped_config_compiles_for_sm90a(config, caplog):
     with caplog.at_level(logging.INFO, logger="dsa_plugins"):
         progs = bwd.build_bwd_kernels(config, target=SM90A)
-    assert set(progs) == {"preprocess", "main", "main_det", "reduce"}
+    assert set(progs) == {"preprocess", "main", "main_det", "main_probs", "main_det_probs", "reduce"}
+    assert "AtomicAdd" in progs["main_probs"].get_kernel_source()
     src = progs["main"].get_kernel_source()
     assert "wgmma" in src  # Hopper tensor-core path
     assert "AtomicAdd" in src  # atomic dkv path

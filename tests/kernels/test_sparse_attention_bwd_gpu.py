@@ -240,3 +240,50 @@ def test_deterministic_chunking(monkeypatch):
     chunked = mod.sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv, deterministic=True)
     assert torch.equal(full[0], chunked[0])
     assert _rel(chunked[1], dkv_ref) < TOL
+
+
+def _given_probs(q, kv, idx, lse, scale, sink):
+    """float64 head sum of P per slot from the given lse (sink in the normaliser): [B, S, K]."""
+    q, kv = q.double(), kv.double()
+    B, S, H, D = q.shape
+    Skv = kv.shape[1]
+    valid = (idx >= 0) & (idx < Skv)
+    rows = torch.where(valid, idx, torch.zeros_like(idx)).long()
+    kvg = torch.gather(kv.unsqueeze(1).expand(B, S, Skv, D), 2, rows.unsqueeze(-1).expand(B, S, rows.shape[-1], D))
+    s = torch.einsum("bshd,bskd->bshk", q, kvg) * scale
+    norm = lse.double() if sink is None else torch.logaddexp(lse.double(), sink.double().view(1, 1, H))
+    ok = valid.unsqueeze(2) & torch.isfinite(norm).unsqueeze(-1)
+    p = torch.where(ok, torch.exp(s - torch.where(torch.isfinite(norm), norm, 0).unsqueeze(-1)), 0)
+    return p.sum(2)
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[1], CONFIGS[3], CONFIGS[4], CONFIGS[7], CONFIGS[8]],
+                         ids=lambda c: f"H{c[0]}-D{c[1]}-{c[2]}-{str(c[4])[6:]}")
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[5], BIG_CASES[0]], ids=lambda c: f"S{c[1]}K{c[3]}-{c[4]}")
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+def test_bwd_emits_head_summed_probs(cfg, case, deterministic):
+    """return_probs: the head sum of P per slot (the indexer loss target) matches float64 from the
+    same lse, is exactly 0 on invalid slots, and the gradients are those of the plain program."""
+    from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
+
+    H, Dqk, Dv, has_sink, dtype = cfg
+    if Dqk < 512 and case is BIG_CASES[0]:
+        pytest.skip("the big case runs on the model dims")
+    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=zlib.crc32(repr((cfg[:4], case, 1)).encode()) % 10_000)
+    out64, lse64, *_ = _reference(q, kv, idx, dout, sink, scale, Dv)
+    out, lse = out64.to(dtype), lse64.float()
+    plain = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv, deterministic=deterministic)
+    dq, dkv, dsink, probs = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv,
+                                                 deterministic=deterministic, return_probs=True)
+    assert probs.shape == idx.shape and probs.dtype == torch.float32
+    want = _given_probs(q, kv, idx, lse, scale, sink)
+    assert _rel(probs, want) < 2e-4, _rel(probs, want)  # fp32 scores from bf16 inputs, exp in fp32
+    invalid = ~((idx >= 0) & (idx < kv.shape[1]))
+    assert (probs[invalid] == 0).all()
+    assert (probs >= 0).all()
+    assert torch.equal(dq, plain[0])
+    assert _rel(dkv, plain[1]) < 1e-6
+    if deterministic:
+        assert torch.equal(dkv, plain[1])
+    if has_sink:
+        assert torch.equal(dsink, plain[2])
