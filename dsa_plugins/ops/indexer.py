@@ -184,24 +184,28 @@ def indexer_kl_loss(
 
 
 class _IndexerKLLossKernel(torch.autograd.Function):
-    """Sparse indexer KL loss through the TileLang kernels: per-row losses, mean over rows."""
+    """Sparse indexer KL loss through the TileLang kernels: per-row losses, mean over rows. The
+    loss program yields the gradients in the same pass as the value (for the mean's uniform
+    weight 1/T), so the forward keeps them and the backward only scales them."""
 
     @staticmethod
     def forward(ctx, index_q, index_k, weights, q, kv, attn_lse, topk_indices, scale, sink):
-        rows, kernel_ctx = load_kernel("indexer_kl_loss")(
+        t = index_q.shape[0]
+        wants_grad = any(ctx.needs_input_grad[:3])
+        grad_rows = torch.full((t,), 1.0 / max(t, 1), device=index_q.device) if wants_grad else None
+        rows, grads = load_kernel("indexer_kl_loss")(
             index_q.contiguous(), index_k.contiguous(), weights.contiguous(), q.contiguous(), kv.contiguous(),
-            attn_lse, topk_indices, scale, sink,
+            attn_lse, topk_indices, scale, sink, grad_rows=grad_rows,
         )
-        ctx.kernel_ctx = kernel_ctx
-        ctx.num_rows = rows.shape[0]
+        ctx.grads = grads
         ctx.dtypes = (index_q.dtype, index_k.dtype, weights.dtype)
-        return rows.sum() / max(rows.shape[0], 1)
+        return rows.sum() / max(t, 1)
 
     @staticmethod
     def backward(ctx, grad):
-        from ..kernels.indexer_loss import indexer_kl_loss_sparse_backward
-
-        grad_rows = (grad.float() / max(ctx.num_rows, 1)).expand(ctx.num_rows).contiguous()
-        d_iq, d_ik, d_w = indexer_kl_loss_sparse_backward(ctx.kernel_ctx, grad_rows)
+        d_iq, d_ik, d_w = ctx.grads
+        ctx.grads = None
+        g = grad.float()
         dt_q, dt_k, dt_w = ctx.dtypes
-        return d_iq.to(dt_q), d_ik.to(dt_k), d_w.to(dt_w), None, None, None, None, None, None
+        return ((d_iq.float() * g).to(dt_q), (d_ik * g).to(dt_k), (d_w * g).to(dt_w),
+                None, None, None, None, None, None)

@@ -33,19 +33,31 @@ def _row_slots(t0, t1, topk_indices, key_start, key_end, device):
     return cols.unsqueeze(0).expand_as(valid), valid
 
 
-def _chunk_terms(iq, ik_rows, w, q, kv_rows, valid, lse, sink, scale):
-    """Attention target p [c, n] (no grad), indexer logits relu part [c, Hi, n] and scores I [c, n]."""
-    s = torch.einsum("chd,cnd->chn", q, kv_rows) * scale
-    s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    norm = torch.logsumexp(s, dim=-1) if lse is None else lse
-    if sink is not None:
-        norm = torch.logaddexp(norm, sink.to(norm.dtype))
-    pa = torch.exp(s - norm.unsqueeze(-1)).nan_to_num(0.0).sum(1)  # [c, n]
+def _chunk_terms(iq, ik_rows, w, q, kv_rows, valid, lse, sink, scale, probs=None):
+    """Attention target p [c, n] (no grad), indexer logits relu part [c, Hi, n] and scores I [c, n].
+    probs [c, n]: the head sum of the attention probabilities, given (q and kv are then unused)."""
+    if probs is not None:
+        pa = torch.where(valid, probs, torch.zeros_like(probs))
+    else:
+        s = torch.einsum("chd,cnd->chn", q, kv_rows) * scale
+        s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
+        norm = torch.logsumexp(s, dim=-1) if lse is None else lse
+        if sink is not None:
+            norm = torch.logaddexp(norm, sink.to(norm.dtype))
+        pa = torch.exp(s - norm.unsqueeze(-1)).nan_to_num(0.0).sum(1)  # [c, n]
     total = pa.sum(-1, keepdim=True)
     p = torch.where(total > 0, pa / total.clamp_min(torch.finfo(pa.dtype).tiny), torch.zeros_like(pa))
     logits = torch.einsum("chd,cnd->chn", iq, ik_rows)
     scores = torch.einsum("chn,ch->cn", logits.clamp_min(0), w).masked_fill(~valid, float("-inf"))
     return p, logits, scores
+
+
+def _attention_chunk(q, kv, attn_lse, probs, rows, t0, t1, cdt):
+    """(q rows, gathered kv rows, lse or None) of rows t0..t1; Nones when the target comes as probs."""
+    if probs is not None:
+        return None, None, None
+    lse = None if attn_lse is None else attn_lse[t0:t1].to(cdt)
+    return q[t0:t1].to(cdt), kv[rows].to(cdt), lse
 
 
 def _chunks(t_total, n_slots, heads):
@@ -56,40 +68,48 @@ def _chunks(t_total, n_slots, heads):
 
 class IndexerKLLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, index_q, index_k, weights, q, kv, attn_lse, sink, topk_indices, key_start, key_end, scale):
+    def forward(ctx, index_q, index_k, weights, q, kv, attn_lse, sink, topk_indices, key_start, key_end, scale,
+                probs=None):
         cdt = torch.float64 if index_q.dtype == torch.float64 else torch.float32
-        t_total, h = q.shape[0], q.shape[1]
-        n_guess = topk_indices.shape[1] if topk_indices is not None else kv.shape[0]
-        loss = torch.zeros((), dtype=cdt, device=q.device)
+        t_total = index_q.shape[0]
+        h = 1 if probs is not None else q.shape[1]
+        n_guess = topk_indices.shape[1] if topk_indices is not None else index_k.shape[0]
+        loss = torch.zeros((), dtype=cdt, device=index_q.device)
         for t0, t1 in _chunks(t_total, n_guess, max(h, index_q.shape[1])):
-            rows, valid = _row_slots(t0, t1, topk_indices, key_start, key_end, q.device)
-            lse = None if attn_lse is None else attn_lse[t0:t1].to(cdt)
+            rows, valid = _row_slots(t0, t1, topk_indices, key_start, key_end, index_q.device)
+            qc, kv_rows, lse = _attention_chunk(q, kv, attn_lse, probs, rows, t0, t1, cdt)
             p, _, scores = _chunk_terms(
-                index_q[t0:t1].to(cdt), index_k[rows].to(cdt), weights[t0:t1].to(cdt),
-                q[t0:t1].to(cdt), kv[rows].to(cdt), valid, lse, sink, scale,
+                index_q[t0:t1].to(cdt), index_k[rows].to(cdt), weights[t0:t1].to(cdt), qc, kv_rows, valid, lse,
+                sink, scale, None if probs is None else probs[t0:t1].to(cdt),
             )
             logq = torch.log_softmax(scores, dim=-1)
             term = torch.where(p > 0, p * (torch.log(p.clamp_min(torch.finfo(cdt).tiny)) - logq), torch.zeros_like(p))
             loss = loss + term.sum()
-        ctx.save_for_backward(index_q, index_k, weights, q, kv, attn_lse, sink, topk_indices, key_start, key_end)
+        ctx.save_for_backward(index_q, index_k, weights, q, kv, attn_lse, sink, topk_indices, key_start, key_end,
+                              probs)
         ctx.scale = scale
         return loss / max(t_total, 1)
 
     @staticmethod
     def backward(ctx, grad):
-        index_q, index_k, weights, q, kv, attn_lse, sink, topk_indices, key_start, key_end = ctx.saved_tensors
+        index_q, index_k, weights, q, kv, attn_lse, sink, topk_indices, key_start, key_end, probs = ctx.saved_tensors
         cdt = torch.float64 if index_q.dtype == torch.float64 else torch.float32
-        t_total, h = q.shape[0], q.shape[1]
-        d_iq = torch.zeros(index_q.shape, dtype=cdt, device=q.device)
-        d_ik = torch.zeros(index_k.shape, dtype=cdt, device=q.device)
-        d_w = torch.zeros(weights.shape, dtype=cdt, device=q.device)
+        dev = index_q.device
+        t_total = index_q.shape[0]
+        h = 1 if probs is not None else q.shape[1]
+        d_iq = torch.zeros(index_q.shape, dtype=cdt, device=dev)
+        d_ik = torch.zeros(index_k.shape, dtype=cdt, device=dev)
+        d_w = torch.zeros(weights.shape, dtype=cdt, device=dev)
         coeff = grad.to(cdt) / max(t_total, 1)
-        n_guess = topk_indices.shape[1] if topk_indices is not None else kv.shape[0]
+        n_guess = topk_indices.shape[1] if topk_indices is not None else index_k.shape[0]
         for t0, t1 in _chunks(t_total, n_guess, max(h, index_q.shape[1])):
-            rows, valid = _row_slots(t0, t1, topk_indices, key_start, key_end, q.device)
-            lse = None if attn_lse is None else attn_lse[t0:t1].to(cdt)
+            rows, valid = _row_slots(t0, t1, topk_indices, key_start, key_end, dev)
             iq, ik_rows, w = index_q[t0:t1].to(cdt), index_k[rows].to(cdt), weights[t0:t1].to(cdt)
-            p, logits, scores = _chunk_terms(iq, ik_rows, w, q[t0:t1].to(cdt), kv[rows].to(cdt), valid, lse, sink, ctx.scale)
+            qc, kv_rows, lse = _attention_chunk(q, kv, attn_lse, probs, rows, t0, t1, cdt)
+            p, logits, scores = _chunk_terms(
+                iq, ik_rows, w, qc, kv_rows, valid, lse, sink, ctx.scale,
+                None if probs is None else probs[t0:t1].to(cdt),
+            )
             has_slot = valid.any(-1, keepdim=True)
             d_scores = torch.where(has_slot, torch.softmax(scores, dim=-1).nan_to_num(0.0) - p, torch.zeros_like(p))
             d_scores = d_scores.masked_fill(~valid, 0.0) * coeff  # [c, n]
@@ -98,21 +118,25 @@ class IndexerKLLoss(torch.autograd.Function):
             d_iq[t0:t1] = torch.einsum("chn,cnd->chd", d_logits, ik_rows)
             contrib = torch.einsum("chn,chd->cnd", d_logits, iq)
             d_ik.index_add_(0, rows[valid], contrib[valid])
-        return (d_iq.to(index_q.dtype), d_ik.to(index_k.dtype), d_w.to(weights.dtype)) + (None,) * 8
+        return (d_iq.to(index_q.dtype), d_ik.to(index_k.dtype), d_w.to(weights.dtype)) + (None,) * 9
 
 
 def indexer_kl_loss_reference(
     index_q, index_k, weights, q, kv, attn_lse, scale: float,
-    topk_indices=None, key_start=None, key_end=None, sink=None,
+    topk_indices=None, key_start=None, key_end=None, sink=None, attn_probs=None,
 ):
     """Scalar loss; gradients flow to index_q [T,Hi,Di], index_k [Tk,Di], weights [T,Hi] only.
 
     q [T,H,Dqk], kv [Tk,Dqk] (the attention's inputs, detached), attn_lse [T,H] or None,
     topk_indices [T,k] (sparse, global rows of kv, -1 = none) or key_start/key_end [T] (dense).
+    attn_probs [T,k] (sparse only): the head-summed attention probabilities of the slots, given
+    (what the attention backward emits); q, kv, attn_lse, sink and scale are then unused (None).
     """
+    if attn_probs is not None and topk_indices is None:
+        raise ValueError("attn_probs needs topk_indices (the sparse loss)")
     return IndexerKLLoss.apply(
-        index_q, index_k, weights, q.detach(), kv.detach(),
+        index_q, index_k, weights, None if q is None else q.detach(), None if kv is None else kv.detach(),
         None if attn_lse is None else attn_lse.detach(),
         None if sink is None else sink.detach(),
-        topk_indices, key_start, key_end, scale,
+        topk_indices, key_start, key_end, scale, None if attn_probs is None else attn_probs.detach(),
     )

@@ -17,16 +17,17 @@ HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
 
 
 def _cfg_id(cfg):
-    extra = f"-lse{int(cfg['lse_pass'])}" if "lse_pass" in cfg else f"-h{cfg['heads']}"
+    extra = f"-lse{int(cfg['lse_pass'])}" if "lse_pass" in cfg else f"-h{cfg['heads']}-grads{int(cfg['grads'])}"
     return f"{cfg['kind']}-d{cfg['dim']}{extra}"
 
 
 def test_module_imports_without_tilelang_side_effects():
-    assert callable(mod.indexer_kl_loss_sparse) and callable(mod.indexer_kl_loss_sparse_backward)
+    assert callable(mod.indexer_kl_loss_sparse) and callable(mod.indexer_kl_loss_from_probs)
     keys = {mod._normalise(c) for c in mod.SHIPPED_CONFIGS}
     assert len(keys) == len(mod.SHIPPED_CONFIGS), "SHIPPED_CONFIGS has duplicates"
     kinds = {c["kind"] for c in mod.SHIPPED_CONFIGS}
-    assert kinds == {"attn_probs", "indexer_logits", "indexer_bwd"}
+    assert kinds == {"attn_probs", "loss"}
+    assert {c["grads"] for c in mod.SHIPPED_CONFIGS if c["kind"] == "loss"} == {True, False}
     # both attention families (absorbed MLA 576, V4 512) with and without the in-kernel lse pass
     shapes = {(c["dim"], c["lse_pass"]) for c in mod.SHIPPED_CONFIGS if c["kind"] == "attn_probs"}
     assert shapes == {(576, False), (576, True), (512, False), (512, True)}
@@ -48,10 +49,12 @@ def test_config_validation():
     with pytest.raises(ValueError, match="dim"):
         mod._normalise({"kind": "attn_probs", "dim": 570, "lse_pass": False})
     with pytest.raises(ValueError, match="heads"):
-        mod._normalise({"kind": "indexer_bwd", "heads": 48, "dim": 128})
+        mod._normalise({"kind": "loss", "heads": 48, "dim": 128, "grads": True})
+    with pytest.raises(ValueError, match="needs 'grads'"):
+        mod._normalise({"kind": "loss", "heads": 64, "dim": 128})
     # float/bool noise normalises to one key
     a = mod._normalise({"kind": "attn_probs", "dim": 576, "lse_pass": 1})
-    b = mod._normalise({"kind": "attn_probs", "dim": 576.0, "lse_pass": True, "num_stages": 1})
+    b = mod._normalise({"kind": "attn_probs", "dim": 576.0, "lse_pass": True, "unused": 1})
     assert a == b
 
 
@@ -114,8 +117,8 @@ def test_shipped_config_compiles_for_sm90a(compiled, i, caplog):
     assert "cp_async" in src or "cp.async" in src  # gathered rows land through predicated async copies
     for name in ("n_rows", "n_keys", "topk_padded"):
         assert name in src, f"{name} is not a runtime parameter"
-    if cfg["kind"] == "indexer_bwd":
-        assert "AtomicAdd" in src
+    if cfg["kind"] == "loss":
+        assert ("AtomicAdd" in src) == cfg["grads"]  # d_index_k scatter only with the gradients
     # a second request is served from the cache, without compiling (nor logging) again
     with caplog.at_level(logging.INFO, logger="dsa_plugins"):
         again = mod.build_config(dict(cfg), target=SM90A)
