@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 _OPS = (
     "DeepSeekV4SparseAttention",
     "DeepSeekV4SparseAttentionHeadChunked",
+    "FusedIndexerLoss",
     "causal_key_windows",
     "indexer_kl_loss",
     "indexer_topk",

@@ -2,6 +2,7 @@
 backend rules in :mod:`dsa_plugins.ops.backend`."""
 
 from .backend import is_dsa_kernel_available, should_use_tilelang
+from .fused_indexer_loss import FusedIndexerLoss
 from .indexer import causal_key_windows, indexer_kl_loss, indexer_topk, tilelang_indexer_topk, topk_rows
 from .sparse_attention import (
     DeepSeekV4SparseAttention,
@@ -17,6 +18,7 @@ from .sparse_attention import (
 __all__ = [
     "DeepSeekV4SparseAttention",
     "DeepSeekV4SparseAttentionHeadChunked",
+    "FusedIndexerLoss",
     "causal_key_windows",
     "indexer_kl_loss",
     "indexer_topk",

@@ -68,24 +68,32 @@ def _forward_impl(q, kv, indices, sink, scale: float, dv: int, backend: str):
     return sparse_attention_forward(q, kv, indices, scale, sink, dv)
 
 
-def _backward_impl(q, kv, indices, sink, out, lse, dout, scale: float, dv: int, backend: str, deterministic: bool):
-    """(dq in q.dtype, dkv in float32 (float64 for float64 inputs), dsink or None)."""
+def _backward_impl(q, kv, indices, sink, out, lse, dout, scale: float, dv: int, backend: str, deterministic: bool,
+                   return_probs: bool = False):
+    """(dq in q.dtype, dkv in float32 (float64 for float64 inputs), dsink or None), plus with
+    return_probs the head sum of P per slot, probs [B, S, K] in the accumulation dtype."""
     if _trivial(q, kv):
-        return sparse_attention_backward(q, kv, indices, out, lse, dout, scale, sink, dv)
+        return sparse_attention_backward(q, kv, indices, out, lse, dout, scale, sink, dv, return_probs)
     if choose_kernel(backend, "sparse_attention_bwd", (q, kv), _shape_reason("sparse_attention_bwd", q, dv, sink)):
         kernel = load_kernel("sparse_attention_bwd")
-        dq, dkv, dsink = [], None, None
+        dq, dkv, dsink, probs = [], None, None, []
         for a, b in _query_chunks(q, indices, dv):
             sl = slice(a, b)
-            dq_c, dkv_c, dsink_c = kernel(
+            res = kernel(
                 q[:, sl].contiguous(), kv, indices[:, sl].contiguous(), out[:, sl].contiguous(),
                 lse[:, sl].contiguous(), dout[:, sl].contiguous(), scale, sink, dv, deterministic=deterministic,
+                **({"return_probs": True} if return_probs else {}),
             )
+            dq_c, dkv_c, dsink_c = res[:3]
             dq.append(dq_c)
+            probs.append(res[3] if return_probs else None)
             dkv = dkv_c if dkv is None else dkv.add_(dkv_c)  # fp32, fixed order: deterministic stays so
             dsink = dsink_c if dsink is None or dsink_c is None else dsink.add_(dsink_c)
-        return (dq[0] if len(dq) == 1 else torch.cat(dq, dim=1)), dkv, dsink
-    return sparse_attention_backward(q, kv, indices, out, lse, dout.contiguous(), scale, sink, dv)
+        res = (dq[0] if len(dq) == 1 else torch.cat(dq, dim=1)), dkv, dsink
+        if return_probs:
+            res += (probs[0] if len(probs) == 1 else torch.cat(probs, dim=1),)
+        return res
+    return sparse_attention_backward(q, kv, indices, out, lse, dout.contiguous(), scale, sink, dv, return_probs)
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -211,14 +219,24 @@ def sparse_attention(
     dv: int | None = None,
     backend: str | None = None,
     return_lse: bool = False,
+    indexer_loss=None,
 ):
     """Sparse attention over a shared latent (layouts in the module docstring).
 
     scale: the model's softmax scale (explicit; no default). sink: per-head attention sink [H]
     (float32), or None. dv: value width (default Dqk). backend: "auto" | "tilelang" | "torch"
     (None: env DSA_PLUGINS_BACKEND, default "auto"). Differentiable in q, kv and sink.
+    indexer_loss: a :class:`~dsa_plugins.ops.FusedIndexerLoss`; the sparse-stage indexer KL loss
+    over these slots is then computed inside this op's backward (its value lands in the handle).
     """
     q4, kv3, idx3, sink, scale, dv, packed = _normalise(q, kv, indices, scale, sink, dv)
+    if indexer_loss is not None:
+        if return_lse:
+            raise ValueError("return_lse is not available together with indexer_loss")
+        from .fused_indexer_loss import attention_with_indexer_loss
+
+        out = attention_with_indexer_loss(q4, kv3, idx3, sink, scale, dv, resolve_backend(backend), indexer_loss)
+        return out.squeeze(0) if packed else out
     out, lse = torch.ops.dsa_plugins.sparse_attention_fwd(q4, kv3, idx3, sink, scale, dv, resolve_backend(backend))
     if packed:
         out, lse = out.squeeze(0), lse.squeeze(0)
@@ -227,12 +245,13 @@ def sparse_attention(
 
 def sparse_mla(
     q: Tensor, kv_latent: Tensor, indices: Tensor, w_vc: Tensor, scale: float, backend: str | None = None,
-    sink: Tensor | None = None,
+    sink: Tensor | None = None, indexer_loss=None,
 ) -> Tensor:
     """Absorbed sparse MLA: latent attention (dv = kv_lora_rank) then the W_vc up-projection.
 
     q [.., H, kv_lora_rank + rope] = cat(q_nope @ W_kc, q_pe); kv_latent [.., Skv, kv_lora_rank + rope];
     w_vc [H, v_head_dim, kv_lora_rank]; sink [H] fp32 or None (per-head attention sink, e.g. hy_v4).
+    indexer_loss: a FusedIndexerLoss computed in the backward (see sparse_attention).
     Returns [.., H, v_head_dim] in q.dtype.
     """
     check_tensor("w_vc", w_vc, ndim=3, dtypes=FLOAT_DTYPES)
@@ -245,7 +264,8 @@ def sparse_mla(
         )
     if w_vc.device != q.device:
         raise ValueError(f"w_vc must be on {q.device} (the device of q), got {w_vc.device}")
-    latent = sparse_attention(q, kv_latent, indices, scale, sink=sink, dv=w_vc.shape[2], backend=backend)
+    latent = sparse_attention(q, kv_latent, indices, scale, sink=sink, dv=w_vc.shape[2], backend=backend,
+                              indexer_loss=indexer_loss)
     return project_values(latent, w_vc).to(q.dtype)
 
 

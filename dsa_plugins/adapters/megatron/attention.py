@@ -14,7 +14,11 @@ The indexer loss follows megatron 0.16's ``compute_dsa_indexer_loss``: KL(p || s
 p = main attention probabilities summed over all heads and L1-normalised, mean over query rows,
 times ``config.dsa_indexer_loss_coeff``, sparse over the top-k set when
 ``config.dsa_indexer_use_sparse_loss`` else dense over the causal keys; attached with megatron's
-``DSAIndexerLossAutoScaler`` and logged through ``DSAIndexerLossLoggingHelper``. Under tensor
+``DSAIndexerLossAutoScaler`` and logged through ``DSAIndexerLossLoggingHelper``. In the sparse
+stage on the absorbed path the loss is fused into the sparse attention's backward
+(:class:`dsa_plugins.ops.FusedIndexerLoss`: the attention target comes from the probabilities
+the backward recomputes anyway), so its value is logged from the backward; set
+``fuse_indexer_loss = False`` on the module for the standalone op in the forward. Under tensor
 parallelism each rank's target covers its own heads and the gradients reaching the (replicated)
 indexer are averaged over TP: megatron's gradient exactly (the KL gradient is linear in the
 target); the logged value is the mean of the per-rank KLs, which is >= megatron's value (it
@@ -143,6 +147,10 @@ class DSAttention(MegatronModule):
         if softmax_scale is None:
             softmax_scale = 1.0 / math.sqrt(k_channels if k_channels is not None else config.kv_channels)
         self.softmax_scale = softmax_scale
+        # sparse-stage indexer loss inside the attention backward (absorbed path); False: the
+        # standalone loss op in the forward (its value is logged there, at the cost of a second
+        # gather of every selected kv row)
+        self.fuse_indexer_loss = True
 
     # ------------------------------------------------------------------ helpers
     def _loss_enabled(self) -> bool:
@@ -210,9 +218,12 @@ class DSAttention(MegatronModule):
 
         q = _to_rows(query, packed)  # [T, np, D]
         need_loss = self.indexer is not None and self._loss_enabled()
+        fused_loss = None
+        if need_loss and absorbed and self.fuse_indexer_loss and getattr(self.config, "dsa_indexer_use_sparse_loss", False):
+            fused_loss = self._fused_indexer_loss(index_q, index_k, weights)
         if absorbed:
             kv = _to_rows(key, packed)  # [T, c + r]
-            out = ops.sparse_mla(q, kv, rows, w_vc, self.softmax_scale, backend=self.backend)
+            out = ops.sparse_mla(q, kv, rows, w_vc, self.softmax_scale, backend=self.backend, indexer_loss=fused_loss)
         else:
             k = _to_rows(key, packed)
             v = _to_rows(value, packed)
@@ -223,7 +234,7 @@ class DSAttention(MegatronModule):
         else:
             output = out.reshape(batch, seqlen, -1).transpose(0, 1).contiguous()
 
-        if need_loss:
+        if need_loss and fused_loss is None:
             loss = self._indexer_loss(index_q, index_k, weights, q, kv if absorbed else None, rows,
                                       key_start, key_end, query, key, batch, seqlen, absorbed, packed)
             mcore_dsa.DSAIndexerLossLoggingHelper.save_loss_to_tracker(
@@ -242,6 +253,33 @@ class DSAttention(MegatronModule):
             q_h = torch.cat([q.new_zeros(q.shape[0], 1, dv), q[:, h : h + 1]], dim=-1)
             outs.append(ops.sparse_attention(q_h, kv_h, rows, self.softmax_scale, dv=dv, backend=self.backend))
         return torch.cat(outs, dim=1)
+
+    def _fused_indexer_loss(self, index_q, index_k, weights):
+        """The sparse-stage loss computed inside the sparse attention's backward (no second gather
+        of the kv rows). Its gradient enters with coeff * DSAIndexerLossAutoScaler's scale, as
+        megatron's autoscaler gives it, and its value is logged from the backward."""
+        ops = _ops()
+        coeff = float(self.config.dsa_indexer_loss_coeff)
+        tp = self.pg_collection.tp
+        if tp.size() > 1:
+            index_q = _ReduceGradOverGroup.apply(index_q, tp, True)
+            index_k = _ReduceGradOverGroup.apply(index_k, tp, True)
+            weights = _ReduceGradOverGroup.apply(weights, tp, True)
+
+        def weight():
+            scale = mcore_dsa.DSAIndexerLossAutoScaler.main_loss_backward_scale
+            return coeff if scale is None else scale * coeff
+
+        def log(value):
+            value = value.detach() * coeff
+            if tp.size() > 1:  # mean over TP ranks (each saw its own heads)
+                torch.distributed.all_reduce(value, group=tp)
+                value = value / tp.size()
+            mcore_dsa.DSAIndexerLossLoggingHelper.save_loss_to_tracker(
+                loss=value, layer_number=self.layer_number, num_layers=self.config.num_layers
+            )
+
+        return ops.FusedIndexerLoss(index_q, index_k, weights, weight=weight, on_value=log)
 
     def _indexer_loss(self, index_q, index_k, weights, q, kv, rows, key_start, key_end,
                       query, key, batch, seqlen, absorbed, packed):

@@ -141,21 +141,30 @@ def _build_pair(config, monkeypatch, absorbed=True):
     return ref, ours
 
 
-@pytest.mark.parametrize("sparse_loss,absorbed", [(False, True), (True, True), (True, False)])
-def test_matches_megatron_dsa(megatron_env, tiny_config, monkeypatch, sparse_loss, absorbed):
-    """Same weights: logits, indexer loss and every gradient equal megatron's unfused DSA."""
+@pytest.mark.parametrize("sparse_loss,absorbed,fused", [(False, True, True), (True, True, True), (True, True, False),
+                                                        (True, False, True)])
+def test_matches_megatron_dsa(megatron_env, tiny_config, monkeypatch, sparse_loss, absorbed, fused):
+    """Same weights: logits, indexer loss and every gradient equal megatron's unfused DSA (the
+    sparse-stage loss fused into the attention backward, or the standalone op)."""
     from megatron.core.transformer.experimental_attention_variant import dsa as mdsa
+
+    from dsa_plugins.adapters.megatron.attention import DSAttention
 
     config = tiny_config(dsa_indexer_use_sparse_loss=sparse_loss)
     ref, ours = _build_pair(config, monkeypatch, absorbed)
+    for m in ours.modules():
+        if isinstance(m, DSAttention):
+            m.fuse_indexer_loss = fused
     losses = {}
 
     tok, pos = _tokens(1)
     results = {}
     for name, model in (("ref", ref), ("ours", ours)):
+        # the fused loss is logged from the backward (layers in reverse): key by layer
         monkeypatch.setattr(
             mdsa.DSAIndexerLossLoggingHelper, "save_loss_to_tracker",
-            staticmethod(lambda loss, layer_number, num_layers, _n=name, **kw: losses.setdefault(_n, []).append(loss.detach().clone())),
+            staticmethod(lambda loss, layer_number, num_layers, _n=name, **kw: losses.setdefault(_n, {}).setdefault(
+                layer_number, loss.detach().clone())),
         )
         model.train()
         logits = model(tok, pos, None)
@@ -163,9 +172,9 @@ def test_matches_megatron_dsa(megatron_env, tiny_config, monkeypatch, sparse_los
         results[name] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
 
     torch.testing.assert_close(results["ours"][0], results["ref"][0], rtol=1e-5, atol=1e-5)
-    assert len(losses["ours"]) == len(losses["ref"]) == config.num_layers
-    for a, b in zip(losses["ours"], losses["ref"]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert sorted(losses["ours"]) == sorted(losses["ref"]) == list(range(1, config.num_layers + 1))
+    for layer, b in losses["ref"].items():
+        torch.testing.assert_close(losses["ours"][layer], b, rtol=1e-4, atol=1e-6)
     g_ours, g_ref = results["ours"][1], results["ref"][1]
     assert g_ours.keys() == g_ref.keys()
     for n in g_ref:
