@@ -171,8 +171,9 @@ def _loss_program(heads: int, dim: int, grads: bool, threads: int = 128, ablate:
     ``ablate`` (benchmarks only, wrong gradients): "no_atomics" skips the d_index_k scatter.
 
     Measured on an H200 (T 8192, k 2048, causal top-k, Hi 64, Di 128): 6.3 ms with gradients, of
-    which pass 1 is 1.0 ms and the d_index_k atomics 2.0 ms (2.1 G fp32 adds: about the rate at
-    which L2 takes fp32 reductions, as in the attention backward's dkv)."""
+    which pass 1 is 1.2 ms and the d_index_k atomics 2.0 ms (2.1 G fp32 adds: about the rate at
+    which L2 takes fp32 reductions, as in the attention backward's dkv). 256 threads (heads split
+    over two warpgroups): 8.75 ms, slower."""
     import tilelang.language as T
 
     BK, HI, D = BLOCK_K, heads, dim
