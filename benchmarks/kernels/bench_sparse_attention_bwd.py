@@ -49,7 +49,7 @@ def _jobs(configs):
         nhb = (cfg["heads"] + 63) // 64
         jobs.append(("preprocess", (cfg["heads"], cfg["dv"], cfg["has_sink"], cfg["dtype"])))
         for det in ((False, True) if with_det else (False,)):
-            jobs.append(m._main_kernel(cfg, det))  # the plain programs (no probs output)
+            jobs.append(m._main_kernel(cfg, det))
         if with_det:
             jobs.append(("reduce", (cfg["dqk"], nhb)))
     out = []

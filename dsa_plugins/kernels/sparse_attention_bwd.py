@@ -366,25 +366,8 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
                 if DT > 0:
                     T.copy(acc_dqt, dQ[t, h0 : h0 + BH, dv:dqk])
 
-    # the prim_funcs are built when defined: define only the one asked for
-    if emit_probs:
-        @T.prim_func
-        def dsa_bwd_main_probs(
-            Q: T.Tensor([Tq, heads, dqk], dt),
-            KV: T.Tensor([N, dqk], dt),
-            dO: T.Tensor([Tq, heads, dv], dt),
-            Idx: T.Tensor([Tq, Kp], i32),
-            Lse2: T.Tensor([Tq, heads], f32),
-            Delta: T.Tensor([Tq, heads], f32),
-            dQ: T.Tensor([Tq, heads, dqk], dt),
-            dKV: T.Tensor(dkv_shape, f32),
-            scale: f32,
-            scale_log2: f32,
-            Probs: T.Tensor([NHB, Tq, Kp], f32),
-        ):
-            _body(Q, KV, dO, Idx, Lse2, Delta, dQ, dKV, scale, scale_log2, Probs)
-
-        return dsa_bwd_main_probs
+    # Probs [NHB, Tq, Kp] with emit_probs; otherwise a one-element placeholder the body never touches
+    probs_shape = [NHB, Tq, Kp] if emit_probs else [1]
 
     @T.prim_func
     def dsa_bwd_main(
@@ -398,8 +381,9 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
         dKV: T.Tensor(dkv_shape, f32),
         scale: f32,
         scale_log2: f32,
+        Probs: T.Tensor(probs_shape, f32),
     ):
-        _body(Q, KV, dO, Idx, Lse2, Delta, dQ, dKV, scale, scale_log2, None)
+        _body(Q, KV, dO, Idx, Lse2, Delta, dQ, dKV, scale, scale_log2, Probs)
 
     return dsa_bwd_main
 
@@ -642,6 +626,19 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
     return res
 
 
+_PLACEHOLDERS: dict = {}
+
+
+def _probs_arg(probs, device):
+    """The Probs argument of the main program: the buffer, or a cached one-element placeholder."""
+    if probs is not None:
+        return probs
+    ph = _PLACEHOLDERS.get(device)
+    if ph is None:
+        ph = _PLACEHOLDERS.setdefault(device, torch.zeros(1, device=device, dtype=torch.float32))
+    return ph
+
+
 def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, deterministic, B, S, Skv,
             return_probs=False):
     dev = q2.device
@@ -662,9 +659,8 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
     main = _get(kind, target, *args)
     nhb = (H + _BLOCK_H - 1) // _BLOCK_H
     probs = torch.empty(nhb, T_, Kp, device=dev, dtype=torch.float32) if return_probs else None
-    extra = (probs,) if return_probs else ()
     if not deterministic:
-        main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, *extra)
+        main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev))
     else:
         red = _get("reduce", target, Dqk, nhb)
         per_row = nhb * Kp * Dqk * 4
@@ -675,7 +671,7 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
             tc = t1 - t0
             cb = contrib[: tc * nhb * Kp]
             main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1],
-                 cb.view(tc, nhb, Kp, Dqk), s, s * _LOG2E, *(() if probs is None else (probs[:, t0:t1],)))
+                 cb.view(tc, nhb, Kp, Dqk), s, s * _LOG2E, _probs_arg(None if probs is None else probs[:, t0:t1], dev))
             keys = idx[t0:t1].reshape(-1)
             keys = torch.where(keys >= 0, keys, torch.full_like(keys, N))
             sorted_keys, order = torch.sort(keys, stable=True)

@@ -38,12 +38,10 @@ def _ref_forward(q, kv, indices, scale, sink, dv):
     return out, lse_out
 
 
-def _given_inputs_grads(q, kv, indices, out, lse, dout, scale, sink, dv):
-    """float64 gradients of the backward op for the inputs it is given: Delta from the given
-    (rounded) out, P from the given lse. Where the exact gradient cancels to ~0 (one valid key,
-    negligible sink), the bf16 rounding of out dominates every bf16 kernel's dq; this reference
-    carries the same rounding, so the kernel is judged on its own arithmetic."""
-    q, kv, out, dout = q.double(), kv.double(), out.double(), dout.double()
+def _given_p(q, kv, indices, lse, scale, sink):
+    """float64 (valid [B,S,K], clamped rows, gathered kv [B,S,K,D], P [B,S,H,K], normaliser [B,S,H])
+    from the given lse (sink in the normaliser; P = 0 on invalid slots and rows with lse +inf)."""
+    q, kv = q.double(), kv.double()
     B, S, H, D = q.shape
     Skv = kv.shape[1]
     valid = (indices >= 0) & (indices < Skv)
@@ -54,6 +52,18 @@ def _given_inputs_grads(q, kv, indices, out, lse, dout, scale, sink, dv):
     norm = lse if sink is None else torch.logaddexp(lse, sink.double().view(1, 1, H))
     ok = valid.unsqueeze(2) & torch.isfinite(norm).unsqueeze(-1)
     p = torch.where(ok, torch.exp(s - torch.where(torch.isfinite(norm), norm, 0).unsqueeze(-1)), 0)
+    return valid, idx, kvg, p, norm
+
+
+def _given_inputs_grads(q, kv, indices, out, lse, dout, scale, sink, dv):
+    """float64 gradients of the backward op for the inputs it is given: Delta from the given
+    (rounded) out, P from the given lse. Where the exact gradient cancels to ~0 (one valid key,
+    negligible sink), the bf16 rounding of out dominates every bf16 kernel's dq; this reference
+    carries the same rounding, so the kernel is judged on its own arithmetic."""
+    q, kv, out, dout = q.double(), kv.double(), out.double(), dout.double()
+    B, S, H, D = q.shape
+    Skv = kv.shape[1]
+    valid, idx, kvg, p, norm = _given_p(q, kv, indices, lse, scale, sink)
     dp = torch.einsum("bshd,bskd->bshk", dout, kvg[..., :dv])
     delta = (out * dout).sum(-1)
     ds = p * (dp - delta.unsqueeze(-1))
@@ -242,21 +252,6 @@ def test_deterministic_chunking(monkeypatch):
     assert _rel(chunked[1], dkv_ref) < TOL
 
 
-def _given_probs(q, kv, idx, lse, scale, sink):
-    """float64 head sum of P per slot from the given lse (sink in the normaliser): [B, S, K]."""
-    q, kv = q.double(), kv.double()
-    B, S, H, D = q.shape
-    Skv = kv.shape[1]
-    valid = (idx >= 0) & (idx < Skv)
-    rows = torch.where(valid, idx, torch.zeros_like(idx)).long()
-    kvg = torch.gather(kv.unsqueeze(1).expand(B, S, Skv, D), 2, rows.unsqueeze(-1).expand(B, S, rows.shape[-1], D))
-    s = torch.einsum("bshd,bskd->bshk", q, kvg) * scale
-    norm = lse.double() if sink is None else torch.logaddexp(lse.double(), sink.double().view(1, 1, H))
-    ok = valid.unsqueeze(2) & torch.isfinite(norm).unsqueeze(-1)
-    p = torch.where(ok, torch.exp(s - torch.where(torch.isfinite(norm), norm, 0).unsqueeze(-1)), 0)
-    return p.sum(2)
-
-
 @pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[1], CONFIGS[3], CONFIGS[4], CONFIGS[7], CONFIGS[8]],
                          ids=lambda c: f"H{c[0]}-D{c[1]}-{c[2]}-{str(c[4])[6:]}")
 @pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[5], BIG_CASES[0]], ids=lambda c: f"S{c[1]}K{c[3]}-{c[4]}")
@@ -276,7 +271,7 @@ def test_bwd_emits_head_summed_probs(cfg, case, deterministic):
     dq, dkv, dsink, probs = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv,
                                                  deterministic=deterministic, return_probs=True)
     assert probs.shape == idx.shape and probs.dtype == torch.float32
-    want = _given_probs(q, kv, idx, lse, scale, sink)
+    want = _given_p(q, kv, idx, lse, scale, sink)[3].sum(2)  # head sum per slot
     assert _rel(probs, want) < 2e-4, _rel(probs, want)  # fp32 scores from bf16 inputs, exp in fp32
     invalid = ~((idx >= 0) & (idx < kv.shape[1]))
     assert (probs[invalid] == 0).all()
