@@ -13,6 +13,7 @@ OPS = (
     ("sparse_attention", "sparse_attention_fwd + sparse_attention_bwd"),
     ("indexer", "indexer_topk"),
     ("topk", "topk_rows"),
+    ("indexer_loss", "indexer_kl_loss, sparse; fused into the attention backward with FusedIndexerLoss"),
 )
 
 
