@@ -268,8 +268,9 @@ def _loss_program(heads: int, dim: int, grads: bool, threads: int = 128, ablate:
     ):
         with T.Kernel(NT, threads=threads) as bx:
             iq_s = T.alloc_shared([HI, D], dtype)
-            ik0 = T.alloc_shared([BK, D], dtype)
+            ik0 = T.alloc_shared([BK, D], dtype)  # index_k rows of a block, double buffered
             ik1 = T.alloc_shared([BK, D], dtype)
+            bufs = (ik0, ik1)
             w_s = T.alloc_shared([HI], acc)
             row_s = T.alloc_shared([8], acc)  # lse, 1/psum, psum, loss, G
             lt = T.alloc_fragment([BK, HI], acc)
@@ -293,18 +294,14 @@ def _loss_program(heads: int, dim: int, grads: bool, threads: int = 128, ablate:
             T.fill(pl_l, 0)
 
             # pass 1: logits and row statistics
-            issue(Idx, IK, bx, 0, ik0, tx)
+            issue(Idx, IK, bx, 0, bufs[0], tx)
             for t in T.serial(nb // 2):
-                issue(Idx, IK, bx, 2 * t + 1, ik1, tx)
-                land()
-                logits(Idx, bx, 2 * t, ik0, iq_s, w_s, lt, ival)
-                stats_block(P, Iw, bx, 2 * t, ival, m_l, s_l, ps_l, pi_l, pl_l)
-                T.sync_threads()  # ik0 is free
-                issue(Idx, IK, bx, 2 * t + 2, ik0, tx)
-                land()
-                logits(Idx, bx, 2 * t + 1, ik1, iq_s, w_s, lt, ival)
-                stats_block(P, Iw, bx, 2 * t + 1, ival, m_l, s_l, ps_l, pi_l, pl_l)
-                T.sync_threads()  # ik1 is free
+                for st in (0, 1):  # static: block 2t + st computes on bufs[st], the next one lands in the other
+                    issue(Idx, IK, bx, 2 * t + st + 1, bufs[1 - st], tx)
+                    land()
+                    logits(Idx, bx, 2 * t + st, bufs[st], iq_s, w_s, lt, ival)
+                    stats_block(P, Iw, bx, 2 * t + st, ival, m_l, s_l, ps_l, pi_l, pl_l)
+                    T.sync_threads()  # bufs[st] is free
 
             # combine the lanes: lse(I), psum, sum P I, sum P log P -> the row's KL
             T.reduce_max(m_l, m_row, dim=0, clear=True)
@@ -342,20 +339,17 @@ def _loss_program(heads: int, dim: int, grads: bool, threads: int = 128, ablate:
                 dw_f = T.alloc_fragment([HI], acc)
                 T.fill(acc_q, 0)
                 T.fill(gacc, 0)
-                T.ptx_wait_group(0)  # pass 1's last (empty) prefetch has landed before ik0 is reused
+                T.ptx_wait_group(0)  # pass 1's last (empty) prefetch has landed before bufs[0] is reused
                 T.sync_threads()
                 # pass 2: gradients (the gathered rows are in L2 from pass 1)
-                issue(Idx, IK, bx, 0, ik0, tx)
+                issue(Idx, IK, bx, 0, bufs[0], tx)
                 for t in T.serial(nb // 2):
-                    issue(Idx, IK, bx, 2 * t + 1, ik1, tx)
-                    land()
-                    grad_block(Idx, P, Iw, DK, bx, 2 * t, ik0, iq_s, w_s, lt, gacc, acc_q, acc_k, dl_s, d_s, row_s)
-                    T.sync_threads()
-                    issue(Idx, IK, bx, 2 * t + 2, ik0, tx)
-                    land()
-                    grad_block(Idx, P, Iw, DK, bx, 2 * t + 1, ik1, iq_s, w_s, lt, gacc, acc_q, acc_k, dl_s, d_s,
-                               row_s)
-                    T.sync_threads()
+                    for st in (0, 1):
+                        issue(Idx, IK, bx, 2 * t + st + 1, bufs[1 - st], tx)
+                        land()
+                        grad_block(Idx, P, Iw, DK, bx, 2 * t + st, bufs[st], iq_s, w_s, lt, gacc, acc_q, acc_k, dl_s,
+                                   d_s, row_s)
+                        T.sync_threads()
                 # d_weights[h] = sum_j dI_j relu(L_jh)
                 T.copy(gacc, g_s)
                 for h, j in T.Parallel(HI, BK):

@@ -124,6 +124,14 @@ def _factory():
                 run = run + c
             T.sync_threads()
 
+        @T.macro
+        def load_chunk(S, bx, c0, c1, it, tx, vals):
+            # `unroll` float4 loads per thread: columns [c0, c1) in units of 4, chunk `it`
+            for u in T.unroll(unroll):
+                if c0 + (it * unroll + u) * threads + tx < c1:
+                    for v in T.vectorized(4):
+                        vals[u * 4 + v] = S[bx, c0 + (it * unroll + u) * threads + tx, v]
+
         @T.prim_func
         def main(
             S: T.Tensor([R, n4, 4], T.float32),
@@ -154,6 +162,19 @@ def _factory():
                 col = T.alloc_var(i32)
                 pos = T.alloc_var(i32)
                 tie = T.alloc_var(i32)
+                if agg:
+                    lane = T.alloc_var(i32)
+                    lt = T.alloc_var(u32)
+                    m1 = T.alloc_var(u32)
+                    m2 = T.alloc_var(u32)
+                    bA = T.alloc_var(i32)
+                    bB = T.alloc_var(i32)
+                    f1 = T.alloc_var(i32)
+                    f2 = T.alloc_var(i32)
+                    n1 = T.alloc_var(i32)
+                    n2 = T.alloc_var(i32)
+                    lane = tx % 32
+                    lt = (T.uint32(1) << T.cast(lane, u32)) - T.uint32(1)
 
                 start = T.max(Starts[bx], 0)
                 end = T.min(Ends[bx], n4 * 4)
@@ -175,10 +196,7 @@ def _factory():
 
                     # ---- pass 1: 12-bit histogram ------------------------------------
                     for it in T.serial(T.ceildiv(c1 - c0, threads * unroll)):
-                        for u in T.unroll(unroll):
-                            if c0 + (it * unroll + u) * threads + tx < c1:
-                                for v in T.vectorized(4):
-                                    vals[u * 4 + v] = S[bx, c0 + (it * unroll + u) * threads + tx, v]
+                        load_chunk(S, bx, c0, c1, it, tx, vals)
                         for u in T.unroll(unroll):
                             for v in T.unroll(4):
                                 col = (c0 + (it * unroll + u) * threads + tx) * 4 + v
@@ -196,22 +214,46 @@ def _factory():
 
                     # ---- pass 2: emit digits above b1, gather digit == b1 -------------
                     for it in T.serial(T.ceildiv(c1 - c0, threads * unroll)):
-                        for u in T.unroll(unroll):
-                            if c0 + (it * unroll + u) * threads + tx < c1:
-                                for v in T.vectorized(4):
-                                    vals[u * 4 + v] = S[bx, c0 + (it * unroll + u) * threads + tx, v]
+                        load_chunk(S, bx, c0, c1, it, tx, vals)
                         for u in T.unroll(unroll):
                             for v in T.unroll(4):
                                 col = (c0 + (it * unroll + u) * threads + tx) * 4 + v
-                                if col >= start and col < end:
+                                if agg:
+                                    # one shared atomic per warp and output: slots from ballots
                                     key = ordered(vals[u * 4 + v])
-                                    if (key >> T.uint32(20)) > b1:
-                                        pos = T.atomic_add(ctl[0], 1, return_prev=True)
-                                        Out[bx, pos] = col + out_offset
-                                    elif (key >> T.uint32(20)) == b1 and use_cand == 1:
-                                        pos = T.atomic_add(ctl[1], 1, return_prev=True)
-                                        ckey[pos] = key
-                                        cidx[pos] = col
+                                    f1 = T.if_then_else(
+                                        col >= start and col < end and (key >> T.uint32(20)) > b1, 1, 0)
+                                    f2 = T.if_then_else(
+                                        col >= start and col < end and (key >> T.uint32(20)) == b1 and use_cand == 1,
+                                        1, 0)
+                                    m1 = T.cast(T.ballot_sync(f1), u32)
+                                    m2 = T.cast(T.ballot_sync(f2), u32)
+                                    bA = 0
+                                    bB = 0
+                                    n1 = T.cast(T.popcount(m1), i32)
+                                    n2 = T.cast(T.popcount(m2), i32)
+                                    if lane == 0:
+                                        if n1 > 0:
+                                            bA = T.atomic_add(ctl[0], n1, return_prev=True)
+                                        if n2 > 0:
+                                            bB = T.atomic_add(ctl[1], n2, return_prev=True)
+                                    bA = T.shfl_sync(bA, 0)
+                                    bB = T.shfl_sync(bB, 0)
+                                    if f1 == 1:
+                                        Out[bx, bA + T.cast(T.popcount(m1 & lt), i32)] = col + out_offset
+                                    if f2 == 1:
+                                        ckey[bB + T.cast(T.popcount(m2 & lt), i32)] = key
+                                        cidx[bB + T.cast(T.popcount(m2 & lt), i32)] = col
+                                else:
+                                    if col >= start and col < end:
+                                        key = ordered(vals[u * 4 + v])
+                                        if (key >> T.uint32(20)) > b1:
+                                            pos = T.atomic_add(ctl[0], 1, return_prev=True)
+                                            Out[bx, pos] = col + out_offset
+                                        elif (key >> T.uint32(20)) == b1 and use_cand == 1:
+                                            pos = T.atomic_add(ctl[1], 1, return_prev=True)
+                                            ckey[pos] = key
+                                            cidx[pos] = col
                     T.sync_threads()
                     ncand = ctl[1]
                     prefix = b1
@@ -228,10 +270,7 @@ def _factory():
                                         )
                         else:
                             for it in T.serial(T.ceildiv(c1 - c0, threads * unroll)):
-                                for u in T.unroll(unroll):
-                                    if c0 + (it * unroll + u) * threads + tx < c1:
-                                        for v in T.vectorized(4):
-                                            vals[u * 4 + v] = S[bx, c0 + (it * unroll + u) * threads + tx, v]
+                                load_chunk(S, bx, c0, c1, it, tx, vals)
                                 for u in T.unroll(unroll):
                                     for v in T.unroll(4):
                                         col = (c0 + (it * unroll + u) * threads + tx) * 4 + v
@@ -252,6 +291,7 @@ def _factory():
                         T.sync_threads()
 
                     # ---- final pass: keys above the threshold, then `need` ties --------
+                    # (at most `cap` candidates, or few emits per row: per-element slots)
                     if use_cand == 1:
                         for it in T.serial(T.ceildiv(ncand, threads)):
                             if it * threads + tx < ncand:
@@ -266,10 +306,7 @@ def _factory():
                                         Out[bx, pos] = cidx[it * threads + tx] + out_offset
                     else:
                         for it in T.serial(T.ceildiv(c1 - c0, threads * unroll)):
-                            for u in T.unroll(unroll):
-                                if c0 + (it * unroll + u) * threads + tx < c1:
-                                    for v in T.vectorized(4):
-                                        vals[u * 4 + v] = S[bx, c0 + (it * unroll + u) * threads + tx, v]
+                            load_chunk(S, bx, c0, c1, it, tx, vals)
                             for u in T.unroll(unroll):
                                 for v in T.unroll(4):
                                     col = (c0 + (it * unroll + u) * threads + tx) * 4 + v
@@ -285,193 +322,7 @@ def _factory():
                                                     pos = T.atomic_add(ctl[0], 1, return_prev=True)
                                                     Out[bx, pos] = col + out_offset
 
-        @T.prim_func
-        def main_agg(
-            S: T.Tensor([R, n4, 4], T.float32),
-            Starts: T.Tensor([R], T.int32),
-            Ends: T.Tensor([R], T.int32),
-            out_offset: T.int32,
-            Out: T.Tensor([R, K], T.int32),
-        ):
-            with T.Kernel(R, threads=threads) as bx:
-                tx = T.get_thread_binding()
-                hist = T.alloc_shared([_NB1], i32)
-                ckey = T.alloc_shared([cap], u32)
-                cidx = T.alloc_shared([cap], i32)
-                wsum = T.alloc_shared([32], i32)
-                ctl = T.alloc_shared([8], i32)
-                vals = T.alloc_local([unroll * 4], T.float32)
-
-                start = T.alloc_var(i32)
-                end = T.alloc_var(i32)
-                c0 = T.alloc_var(i32)
-                c1 = T.alloc_var(i32)
-                need = T.alloc_var(i32)
-                b1 = T.alloc_var(u32)
-                prefix = T.alloc_var(u32)
-                use_cand = T.alloc_var(i32)
-                ncand = T.alloc_var(i32)
-                key = T.alloc_var(u32)
-                col = T.alloc_var(i32)
-                lane = T.alloc_var(i32)
-                lt = T.alloc_var(u32)
-                m1 = T.alloc_var(u32)
-                m2 = T.alloc_var(u32)
-                bA = T.alloc_var(i32)
-                bB = T.alloc_var(i32)
-                inb = T.alloc_var(i32)
-                f1 = T.alloc_var(i32)
-                f2 = T.alloc_var(i32)
-                n1 = T.alloc_var(i32)
-                n2 = T.alloc_var(i32)
-
-                lane = tx % 32
-                lt = (T.uint32(1) << T.cast(lane, u32)) - T.uint32(1)
-                start = T.max(Starts[bx], 0)
-                end = T.min(Ends[bx], n4 * 4)
-                if end - start <= K:
-                    for it in T.serial(T.ceildiv(K, threads)):
-                        if it * threads + tx < K:
-                            Out[bx, it * threads + tx] = T.if_then_else(
-                                it * threads + tx < end - start, start + it * threads + tx + out_offset, -1
-                            )
-                else:
-                    c0 = start // 4
-                    c1 = (end + 3) // 4
-                    for j in T.serial(_NB1 // threads):
-                        hist[j * threads + tx] = 0
-                    if tx < 8:
-                        ctl[tx] = 0
-                    T.sync_threads()
-
-                    # ---- pass 1: 12-bit histogram ------------------------------------
-                    for it in T.serial(T.ceildiv(c1 - c0, threads * unroll)):
-                        for u in T.unroll(unroll):
-                            if c0 + (it * unroll + u) * threads + tx < c1:
-                                for v in T.vectorized(4):
-                                    vals[u * 4 + v] = S[bx, c0 + (it * unroll + u) * threads + tx, v]
-                        for u in T.unroll(unroll):
-                            for v in T.unroll(4):
-                                col = (c0 + (it * unroll + u) * threads + tx) * 4 + v
-                                if col >= start and col < end:
-                                    key = ordered(vals[u * 4 + v])
-                                    T.atomic_add(hist[T.cast(key >> T.uint32(20), i32)], 1)
-                    T.sync_threads()
-                    find_threshold(hist, wsum, ctl, tx, bpt1, K)
-                    b1 = T.cast(ctl[3], u32)
-                    need = K - ctl[4]
-                    use_cand = T.if_then_else(hist[ctl[3]] <= cap, 1, 0)
-                    T.sync_threads()
-                    for j in T.serial(_NB2 // threads):
-                        hist[j * threads + tx] = 0
-
-                    # ---- pass 2: emit digits above b1, gather digit == b1 (warp-aggregated)
-                    for it in T.serial(T.ceildiv(c1 - c0, threads * unroll)):
-                        for u in T.unroll(unroll):
-                            if c0 + (it * unroll + u) * threads + tx < c1:
-                                for v in T.vectorized(4):
-                                    vals[u * 4 + v] = S[bx, c0 + (it * unroll + u) * threads + tx, v]
-                        for u in T.unroll(unroll):
-                            for v in T.unroll(4):
-                                col = (c0 + (it * unroll + u) * threads + tx) * 4 + v
-                                key = ordered(vals[u * 4 + v])
-                                f1 = T.if_then_else(col >= start and col < end and (key >> T.uint32(20)) > b1, 1, 0)
-                                f2 = T.if_then_else(
-                                    col >= start and col < end and (key >> T.uint32(20)) == b1 and use_cand == 1, 1, 0
-                                )
-                                m1 = T.cast(T.ballot_sync(f1), u32)
-                                m2 = T.cast(T.ballot_sync(f2), u32)
-                                bA = 0
-                                bB = 0
-                                n1 = T.cast(T.popcount(m1), i32)
-                                n2 = T.cast(T.popcount(m2), i32)
-                                if lane == 0:
-                                    if n1 > 0:
-                                        bA = T.atomic_add(ctl[0], n1, return_prev=True)
-                                    if n2 > 0:
-                                        bB = T.atomic_add(ctl[1], n2, return_prev=True)
-                                bA = T.shfl_sync(bA, 0)
-                                bB = T.shfl_sync(bB, 0)
-                                if f1 == 1:
-                                    Out[bx, bA + T.cast(T.popcount(m1 & lt), i32)] = col + out_offset
-                                if f2 == 1:
-                                    ckey[bB + T.cast(T.popcount(m2 & lt), i32)] = key
-                                    cidx[bB + T.cast(T.popcount(m2 & lt), i32)] = col
-                    T.sync_threads()
-                    ncand = ctl[1]
-                    prefix = b1
-
-                    # ---- rounds 2 and 3: 10-bit digits over the candidates ------------
-                    for r in T.unroll(2):
-                        if use_cand == 1:
-                            for it in T.serial(T.ceildiv(ncand, threads)):
-                                if it * threads + tx < ncand:
-                                    key = ckey[it * threads + tx]
-                                    if (key >> T.uint32(20 - 10 * r)) == prefix:
-                                        T.atomic_add(
-                                            hist[T.cast((key >> T.uint32(10 - 10 * r)) & T.uint32(1023), i32)], 1
-                                        )
-                        else:
-                            for it in T.serial(T.ceildiv(c1 - c0, threads * unroll)):
-                                for u in T.unroll(unroll):
-                                    if c0 + (it * unroll + u) * threads + tx < c1:
-                                        for v in T.vectorized(4):
-                                            vals[u * 4 + v] = S[bx, c0 + (it * unroll + u) * threads + tx, v]
-                                for u in T.unroll(unroll):
-                                    for v in T.unroll(4):
-                                        col = (c0 + (it * unroll + u) * threads + tx) * 4 + v
-                                        if col >= start and col < end:
-                                            key = ordered(vals[u * 4 + v])
-                                            if (key >> T.uint32(20 - 10 * r)) == prefix:
-                                                T.atomic_add(
-                                                    hist[T.cast((key >> T.uint32(10 - 10 * r)) & T.uint32(1023), i32)],
-                                                    1,
-                                                )
-                        T.sync_threads()
-                        find_threshold(hist, wsum, ctl, tx, bpt2, need)
-                        prefix = (prefix << T.uint32(10)) | T.cast(ctl[3], u32)
-                        need = need - ctl[4]
-                        T.sync_threads()
-                        for j in T.serial(_NB2 // threads):
-                            hist[j * threads + tx] = 0
-                        T.sync_threads()
-
-                    # ---- final pass: keys above the threshold, then `need` ties --------
-                    if use_cand == 1:
-                        # at most `cap` candidates: per-element slots are cheap enough here
-                        for it in T.serial(T.ceildiv(ncand, threads)):
-                            if it * threads + tx < ncand:
-                                key = ckey[it * threads + tx]
-                                if key > prefix:
-                                    f1 = T.atomic_add(ctl[0], 1, return_prev=True)
-                                    Out[bx, f1] = cidx[it * threads + tx] + out_offset
-                                elif key == prefix:
-                                    f2 = T.atomic_add(ctl[2], 1, return_prev=True)
-                                    if f2 < need:
-                                        f1 = T.atomic_add(ctl[0], 1, return_prev=True)
-                                        Out[bx, f1] = cidx[it * threads + tx] + out_offset
-                    else:
-                        for it in T.serial(T.ceildiv(c1 - c0, threads * unroll)):
-                            for u in T.unroll(unroll):
-                                if c0 + (it * unroll + u) * threads + tx < c1:
-                                    for v in T.vectorized(4):
-                                        vals[u * 4 + v] = S[bx, c0 + (it * unroll + u) * threads + tx, v]
-                            for u in T.unroll(unroll):
-                                for v in T.unroll(4):
-                                    col = (c0 + (it * unroll + u) * threads + tx) * 4 + v
-                                    key = ordered(vals[u * 4 + v])
-                                    if col >= start and col < end:
-                                        if (key >> T.uint32(20)) == b1:
-                                            if key > prefix:
-                                                f1 = T.atomic_add(ctl[0], 1, return_prev=True)
-                                                Out[bx, f1] = col + out_offset
-                                            elif key == prefix:
-                                                f2 = T.atomic_add(ctl[2], 1, return_prev=True)
-                                                if f2 < need:
-                                                    f1 = T.atomic_add(ctl[0], 1, return_prev=True)
-                                                    Out[bx, f1] = col + out_offset
-
-        return main_agg if agg else main
+        return main
 
     return radix_topk
 
