@@ -35,6 +35,7 @@ import threading
 import torch
 
 from .._config import logger
+from .._indices import as_int32
 
 __all__ = [
     "SHIPPED_CONFIGS",
@@ -510,7 +511,7 @@ def _slots(topk_indices, tk):
     k = topk_indices.shape[1]
     step = 2 * BLOCK_K  # the loss program walks the slot blocks in pairs (two gather buffers)
     kp = max(1, -(-k // step)) * step
-    idx = topk_indices.to(torch.int32)
+    idx = as_int32(topk_indices, tk)
     valid = (idx >= 0) & (idx < tk)
     idx = torch.where(valid, idx, -1)
     if kp != k:

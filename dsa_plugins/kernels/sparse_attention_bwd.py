@@ -36,6 +36,8 @@ import threading
 import torch
 from torch import Tensor
 
+from .._indices import global_rows
+
 __all__ = ["SHIPPED_CONFIGS", "build_bwd_kernels", "bwd_flops", "sparse_attention_bwd"]
 
 logger = logging.getLogger("dsa_plugins")
@@ -529,15 +531,12 @@ def _check(name, t, shape, dtype=None, device=None):
 
 def _prepare_indices(indices: Tensor, skv: int, block_k: int) -> Tensor:
     """[B,S,K] -> [B*S, Kp] int32 global kv rows (b*Skv + j), -1 for invalid and padding."""
-    B, S, K = indices.shape
+    K = indices.shape[-1]
     kp = max(block_k, (K + block_k - 1) // block_k * block_k)
-    idx = indices.to(torch.int32)
-    valid = (idx >= 0) & (idx < skv)
-    offs = (torch.arange(B, device=idx.device, dtype=torch.int32) * skv).view(B, 1, 1)
-    g = torch.where(valid, idx + offs, torch.full_like(idx, -1))
+    g = global_rows(indices, skv)
     if kp != K:
         g = torch.nn.functional.pad(g, (0, kp - K), value=-1)
-    return g.reshape(B * S, kp).contiguous()
+    return g.contiguous()
 
 
 def unsupported_reason(num_heads: int, dqk: int, dv: int, has_sink: bool, dtype: torch.dtype) -> str | None:

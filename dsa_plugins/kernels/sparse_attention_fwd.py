@@ -37,6 +37,7 @@ import threading
 import torch
 
 from .._config import logger
+from .._indices import as_int32
 from .._validation import check_scale, check_tensor
 
 __all__ = [
@@ -591,11 +592,7 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
     kernel = build_fwd_kernel(cfg, target=device_target(device_index))
     q = q.contiguous()
     kv = kv.contiguous()
-    if indices.dtype == torch.int64:
-        # clamp first: a cast alone would wrap e.g. 2**32 + 5 onto the valid row 5
-        idx = indices.clamp(-1, kv.shape[1]).to(torch.int32)
-    else:
-        idx = indices
+    idx = as_int32(indices, kv.shape[1])
     if kp != k:
         idx = torch.nn.functional.pad(idx, (0, kp - k), value=-1)
     idx = idx.contiguous()

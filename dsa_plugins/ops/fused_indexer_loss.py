@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .._config import deterministic_enabled, warn_once
+from .._indices import global_rows
 from .._validation import FLOAT_DTYPES, check_tensor
 from ..reference.indexer_loss import indexer_kl_loss_reference
 from .backend import choose_kernel, kernel_shape_reason
@@ -82,14 +83,6 @@ class FusedIndexerLoss:
             fn(value)
 
 
-def _global_rows(indices: Tensor, skv: int) -> Tensor:
-    """[B, S, K] per-batch rows -> [B*S, K] int32 global rows (b * Skv + j), -1 where invalid."""
-    b = indices.shape[0]
-    valid = (indices >= 0) & (indices < skv)
-    offs = (torch.arange(b, device=indices.device, dtype=torch.int32) * skv).view(b, 1, 1)
-    return torch.where(valid, indices + offs, -1).reshape(-1, indices.shape[-1]).to(torch.int32)
-
-
 def _loss_and_grads(loss: FusedIndexerLoss, probs: Tensor, rows: Tensor, backend: str):
     """(value, d_index_q, d_index_k, d_weights) of the loss whose attention target is ``probs``
     [T, K] (head sums, unnormalised). TileLang kernels by the backend rules, else the reference."""
@@ -133,7 +126,7 @@ class SparseAttentionIndexerLoss(torch.autograd.Function):
             q, kv, indices, sink, out, lse, dout.contiguous(), ctx.scale, ctx.dv, ctx.backend, ctx.deterministic,
             return_probs=True,
         )
-        rows = _global_rows(indices, kv.shape[1])
+        rows = global_rows(indices, kv.shape[1])
         value, d_iq, d_ik, d_w = _loss_and_grads(loss, probs.reshape(rows.shape), rows, ctx.backend)
         loss._publish(value)
         return (dq, dkv.to(kv.dtype), None, None if sink is None else dsink.to(sink.dtype),

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .._config import check_indices_enabled, resolve_backend
+from .._indices import as_int32
 from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_scale, check_tensor
 from ..kernels import load_kernel
 from ..reference.indexer import causal_key_windows, indexer_topk_reference, topk_rows_reference
@@ -162,7 +163,8 @@ def indexer_kl_loss(
         topk_indices = topk_indices.reshape(t, -1)
         if check_indices_enabled():
             check_index_range("topk_indices", topk_indices, kv.shape[0])
-        # out-of-range rows are "no key", as everywhere
+        # out-of-range rows are "no key", as everywhere (clamped before the int32 cast)
+        topk_indices = as_int32(topk_indices, kv.shape[0])
         topk_indices = torch.where(topk_indices < kv.shape[0], topk_indices, -1)
     else:
         if key_start is None or key_end is None:
@@ -175,7 +177,7 @@ def indexer_kl_loss(
     ):
         return _IndexerKLLossKernel.apply(
             index_q, index_k, weights.float(), q.detach(), kv.detach(),
-            None if attn_lse is None else attn_lse.detach().float(), topk_indices.to(torch.int32).contiguous(),
+            None if attn_lse is None else attn_lse.detach().float(), topk_indices.contiguous(),
             scale, None if sink is None else sink.detach().float(),
         )
     return indexer_kl_loss_reference(

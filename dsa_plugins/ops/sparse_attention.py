@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .._config import check_indices_enabled, deterministic_enabled, resolve_backend
+from .._indices import as_int32
 from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_scale, check_tensor
 from ..kernels import load_kernel
 from ..reference.mla import project_values
@@ -201,7 +202,7 @@ def _normalise(q, kv, indices, scale, sink, dv):
         sink = sink.to(_lse_dtype(q.dtype))
     if check_indices_enabled():
         check_index_range("indices", indices, kv.shape[1])
-    indices = indices.to(torch.int32) if indices.dtype != torch.int32 else indices
+    indices = as_int32(indices, kv.shape[1])
     if indices.shape[-1] == 0:  # no slot at all: one "no key" slot gives the empty-row result
         indices = indices.new_full((b, s, 1), -1)
     return q.contiguous(), kv.contiguous(), indices.contiguous(), sink, scale, dv, packed

@@ -90,6 +90,17 @@ def test_int64_indices_accepted():
     torch.testing.assert_close(ops.sparse_attention(q, kv, idx.long(), 0.5), ops.sparse_attention(q, kv, idx, 0.5))
 
 
+def test_int64_indices_beyond_int32_are_no_key():
+    """2**32 + j and -2**32 must not wrap onto row j / row 0 when converted to int32."""
+    q, kv, idx, _ = _batched()
+    wide = idx.long()
+    wide[..., 0] = 2**32 + 1
+    wide[..., 1] = -(2**32)
+    narrow = idx.clone()
+    narrow[..., :2] = -1
+    torch.testing.assert_close(ops.sparse_attention(q, kv, wide, 0.5), ops.sparse_attention(q, kv, narrow, 0.5))
+
+
 def test_custom_ops_pass_opcheck():
     q, kv, idx, sink = _batched(dtype=torch.float32)
     q.requires_grad_()
