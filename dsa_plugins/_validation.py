@@ -13,6 +13,7 @@ import torch
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
+FP8_DTYPES = (torch.float8_e4m3fn,)  # the fp8 indexer's q/k (inference)
 
 
 def _describe(t: torch.Tensor) -> str:

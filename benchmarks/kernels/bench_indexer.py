@@ -1,6 +1,9 @@
 """Scratch driver: timings of the TileLang indexer top-k and radix top-k on one GPU.
 
-    python benchmarks/kernels/bench_indexer.py [--out DIR] [--quick] [--sweep]
+    python benchmarks/kernels/bench_indexer.py [--out DIR] [--quick] [--sweep] [--fp8]
+
+--fp8 adds the fp8 (e4m3, per-key scales) indexer at the same shapes, and with --sweep its
+candidate configurations.
 
 Prints one line per measurement and appends rows to DIR/bench_indexer.csv.
 FLOPs of the indexer: 2 * Hi * Di per valid (causal) query-key pair, top-k time included.
@@ -59,24 +62,29 @@ def bench_topk():
                clustered_ms=t2, cfg=str(cfg or "default"))
 
 
-def bench_indexer(T, hi, di, k, config=None, split=True, topk_sweep=False):
+def bench_indexer(T, hi, di, k, config=None, split=True, topk_sweep=False, fp8=False):
     q, kk, w, ks, ke = inputs(T, hi, di)
+    k_scale = None
+    if fp8:
+        from dsa_plugins.ops import quantize_indexer_fp8
+
+        q, kk, k_scale, w = quantize_indexer_fp8(q, kk, w)
     pairs = T * (T + 1) / 2
     flops = 2.0 * hi * di * pairs
-    fn = lambda: K.indexer_topk(q, kk, w, ks, ke, k, config=config)  # noqa: E731
+    fn = lambda: K.indexer_topk(q, kk, w, ks, ke, k, config=config, index_k_scale=k_scale)  # noqa: E731
     out_c = fn()
     torch.cuda.synchronize()
     t = bench(fn)
-    row = dict(case="indexer_topk", T=T, hi=hi, di=di, k=k, ms=t, tflops=flops / t / 1e9,
-               cfg=str(config or K.default_config(hi, di)))
+    row = dict(case="indexer_topk_fp8" if fp8 else "indexer_topk", T=T, hi=hi, di=di, k=k, ms=t,
+               tflops=flops / t / 1e9, cfg=str(config or K.default_config(hi, di, fp8)))
     if config is not None:
         # same sets as the default configuration (the GPU tests verify the default)?
-        ref = K.indexer_topk(q, kk, w, ks, ke, k)
+        ref = K.indexer_topk(q, kk, w, ks, ke, k, index_k_scale=k_scale)
         same = (torch.sort(out_c, 1).values == torch.sort(ref, 1).values).all(1).float().mean().item()
         row["same_sets_as_default"] = same
     del out_c
     if split:
-        plan = K._Plan(q, kk, w, ks, ke, config, K.DEFAULT_MAX_CHUNK_BYTES)
+        plan = K._Plan(q, kk, w, ks, ke, config, K.DEFAULT_MAX_CHUNK_BYTES, k_scale)
 
         def scores_only():
             for c in plan.chunks:
@@ -116,6 +124,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--fp8", action="store_true")
     args = ap.parse_args()
     print("GPU:", torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
 
@@ -130,8 +139,21 @@ def main():
         {"heads": 32, "dim": 128, "block_q": 16, "block_k": 64, "threads": 256, "num_stages": 2, "ws": True,
          "split_n": True},
     ]
+    fp8_base = {"heads": 64, "dim": 128, "num_stages": 2, "ws": True, "fp8": True, "block_k": 128, "threads": 256}
+    fp8_sweep = [
+        {**fp8_base, "block_q": 4},
+        {**fp8_base, "block_q": 4, "num_stages": 3},
+        {**fp8_base, "block_q": 4, "split_n": True},
+        {**fp8_base, "block_q": 8, "split_n": True},
+        {**fp8_base, "block_q": 4, "block_k": 256, "split_n": True},
+        {**fp8_base, "heads": 32, "block_q": 8},
+        {**fp8_base, "heads": 32, "block_q": 8, "split_n": True},
+        {**fp8_base, "heads": 32, "block_q": 4},
+    ]
+    if not (args.sweep and args.fp8):
+        fp8_sweep = []
     t0 = time.time()
-    cfgs = list(K.SHIPPED_CONFIGS) + (sweep if args.sweep else [])
+    cfgs = list(K.SHIPPED_CONFIGS) + (sweep if args.sweep and not args.fp8 else []) + fp8_sweep
     with ThreadPoolExecutor(8) as ex:
         futs = [ex.submit(K.build_indexer, c) for c in cfgs] + [ex.submit(TK.build_topk, c) for c in TK.SHIPPED_CONFIGS]
         for f in futs:
@@ -143,9 +165,17 @@ def main():
     if args.compile_only:
         return
 
+    if args.fp8:
+        for c in fp8_sweep:
+            try:
+                bench_indexer(8192, c["heads"], 128, 2048, config=c, split=False, fp8=True)
+            except Exception as e:
+                print("fp8 sweep config failed:", c, repr(e)[:300], flush=True)
+        for T_, hi_ in ((8192, 64), (8192, 32)) + (() if args.quick else ((32768, 64), (65536, 64))):
+            bench_indexer(T_, hi_, 128, 2048, fp8=True)
     bench_topk()
     bench_indexer(8192, 64, 128, 2048, topk_sweep=True)
-    if args.sweep:
+    if args.sweep and not args.fp8:
         for c in sweep:
             try:
                 bench_indexer(8192, c["heads"], c["dim"], 2048, config=c, split=False)

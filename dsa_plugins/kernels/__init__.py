@@ -34,7 +34,8 @@ KERNELS: dict[str, KernelSpec] = {
     for spec in (
         KernelSpec("sparse_attention_fwd", "dsa_plugins.kernels.sparse_attention_fwd", "sparse_attention_fwd", _HALF),
         KernelSpec("sparse_attention_bwd", "dsa_plugins.kernels.sparse_attention_bwd", "sparse_attention_bwd", _HALF),
-        KernelSpec("indexer_topk", "dsa_plugins.kernels.indexer", "indexer_topk"),
+        KernelSpec("indexer_topk", "dsa_plugins.kernels.indexer", "indexer_topk",
+                   (torch.bfloat16, torch.float8_e4m3fn)),
         KernelSpec("topk_rows", "dsa_plugins.kernels.topk", "topk_rows", (torch.float32,)),
         KernelSpec("indexer_kl_loss", "dsa_plugins.kernels.indexer_loss", "indexer_kl_loss_sparse"),
     )

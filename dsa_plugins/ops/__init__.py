@@ -3,7 +3,14 @@ backend rules in :mod:`dsa_plugins.ops.backend`."""
 
 from .backend import is_dsa_kernel_available, should_use_tilelang
 from .fused_indexer_loss import FusedIndexerLoss
-from .indexer import causal_key_windows, indexer_kl_loss, indexer_topk, tilelang_indexer_topk, topk_rows
+from .indexer import (
+    causal_key_windows,
+    indexer_kl_loss,
+    indexer_topk,
+    quantize_indexer_fp8,
+    tilelang_indexer_topk,
+    topk_rows,
+)
 from .sparse_attention import (
     DeepSeekV4SparseAttention,
     DeepSeekV4SparseAttentionHeadChunked,
@@ -23,6 +30,7 @@ __all__ = [
     "indexer_kl_loss",
     "indexer_topk",
     "is_dsa_kernel_available",
+    "quantize_indexer_fp8",
     "should_use_tilelang",
     "sparse_attention",
     "sparse_attention_head_chunked",

@@ -13,9 +13,9 @@ from torch import Tensor
 
 from .._config import check_indices_enabled, resolve_backend
 from .._indices import as_int32
-from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_scale, check_tensor
+from .._validation import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_index_range, check_scale, check_tensor
 from ..kernels import load_kernel
-from ..reference.indexer import causal_key_windows, indexer_topk_reference, topk_rows_reference
+from ..reference.indexer import causal_key_windows, indexer_topk_reference, quantize_fp8_rows, topk_rows_reference
 from ..reference.indexer_loss import indexer_kl_loss_reference
 from .backend import choose_kernel, kernel_shape_reason
 
@@ -23,6 +23,7 @@ __all__ = [
     "causal_key_windows",
     "indexer_kl_loss",
     "indexer_topk",
+    "quantize_indexer_fp8",
     "tilelang_indexer_topk",
     "topk_rows",
 ]
@@ -30,18 +31,38 @@ __all__ = [
 
 @torch.library.custom_op("dsa_plugins::indexer_topk", mutates_args=())
 def _indexer_topk_op(
-    index_q: Tensor, index_k: Tensor, weights: Tensor, key_start: Tensor, key_end: Tensor, topk: int, backend: str
+    index_q: Tensor, index_k: Tensor, weights: Tensor, key_start: Tensor, key_end: Tensor, topk: int, backend: str,
+    index_k_scale: Tensor | None = None,
 ) -> Tensor:
     reason = kernel_shape_reason("indexer_topk", num_heads=index_q.shape[1], head_dim=index_q.shape[2], topk=topk,
                                  dtype=index_q.dtype)
     if choose_kernel(backend, "indexer_topk", (index_q, index_k), reason):
-        return load_kernel("indexer_topk")(index_q, index_k, weights, key_start, key_end, topk)
-    return indexer_topk_reference(index_q, index_k, weights, topk, key_start, key_end)
+        return load_kernel("indexer_topk")(index_q, index_k, weights, key_start, key_end, topk,
+                                           index_k_scale=index_k_scale)
+    return indexer_topk_reference(index_q, index_k, weights, topk, key_start, key_end, index_k_scale)
 
 
 @_indexer_topk_op.register_fake
-def _(index_q, index_k, weights, key_start, key_end, topk, backend):
+def _(index_q, index_k, weights, key_start, key_end, topk, backend, index_k_scale=None):
     return index_q.new_empty(index_q.shape[0], topk, dtype=torch.int32)
+
+
+def quantize_indexer_fp8(index_q: Tensor, index_k: Tensor, weights: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """fp8 inputs for :func:`indexer_topk`, as DeepSeek-V3.2 inference quantises them.
+
+    index_q [T, Hi, Di] and index_k [Tk, Di] (any float dtype) get one e4m3 scale per (token, head)
+    and per key row (amax / 448); the query scales fold into the weights, since
+    relu(a * x) = a * relu(x) for a > 0. Returns (index_q fp8 [T,Hi,Di], index_k fp8 [Tk,Di],
+    index_k_scale fp32 [Tk], weights fp32 [T,Hi]) to pass as indexer_topk(q8, k8, w8, ...,
+    index_k_scale=...). The scores are those of the quantised values: near-ties may change order.
+    """
+    check_tensor("index_q", index_q, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("index_k", index_k, ndim=2, dtypes=FLOAT_DTYPES, device=index_q.device, shape={1: index_q.shape[2]})
+    check_tensor("weights", weights, ndim=2, dtypes=FLOAT_DTYPES, device=index_q.device,
+                 shape={0: index_q.shape[0], 1: index_q.shape[1]})
+    q8, q_scale = quantize_fp8_rows(index_q)
+    k8, k_scale = quantize_fp8_rows(index_k)
+    return q8, k8, k_scale, (weights.float() * q_scale).contiguous()
 
 
 def _check_windows(key_start, key_end, tq: int, tk: int, device) -> tuple[Tensor, Tensor]:
@@ -55,21 +76,29 @@ def _check_windows(key_start, key_end, tq: int, tk: int, device) -> tuple[Tensor
 
 def indexer_topk(
     index_q: Tensor, index_k: Tensor, weights: Tensor, topk: int, key_start: Tensor, key_end: Tensor,
-    backend: str | None = None,
+    backend: str | None = None, index_k_scale: Tensor | None = None,
 ) -> Tensor:
     """Top-k keys of the lightning indexer within each query's window.
 
     index_q [T, Hi, Di] bf16 (rope applied); index_k [Tk, Di] same dtype; weights [T, Hi] float32 with the
     softmax scale folded in (weights_proj(x) * Hi**-0.5 * Di**-0.5); key_start/key_end [T] int32.
     Score I[t, s] = sum_h relu(<index_q[t,h], index_k[s]>) * weights[t,h].
+    fp8 (inference): index_q and index_k float8_e4m3fn, index_k_scale [Tk] float32 per-key scales (the
+    score of key s is multiplied by it; per-query scales go into weights); see quantize_indexer_fp8.
     Returns [T, topk] int32 global rows of index_k; -1 where the window has fewer than topk keys.
     The order of the selected keys inside a row is unspecified (compare as sets).
     """
-    check_tensor("index_q", index_q, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("index_q", index_q, ndim=3, dtypes=FLOAT_DTYPES + FP8_DTYPES)
     device = index_q.device
     tq, hi, di = index_q.shape
     check_tensor("index_k", index_k, ndim=2, dtypes=(index_q.dtype,), device=device, shape={1: di})
     check_tensor("weights", weights, ndim=2, dtypes=FLOAT_DTYPES, device=device, shape={0: tq, 1: hi})
+    if index_k_scale is not None:
+        if index_q.dtype not in FP8_DTYPES:
+            raise ValueError(f"index_k_scale goes with float8_e4m3fn index_q/index_k, got {index_q.dtype}")
+        check_tensor("index_k_scale", index_k_scale, ndim=1, dtypes=FLOAT_DTYPES, device=device,
+                     shape={0: index_k.shape[0]})
+        index_k_scale = index_k_scale.float().contiguous()
     topk = int(topk)
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
@@ -77,7 +106,7 @@ def indexer_topk(
     weights = weights.float() if weights.dtype != torch.float64 else weights
     return torch.ops.dsa_plugins.indexer_topk(
         index_q.contiguous(), index_k.contiguous(), weights.contiguous(), key_start, key_end, topk,
-        resolve_backend(backend),
+        resolve_backend(backend), index_k_scale,
     )
 
 
@@ -89,13 +118,15 @@ def tilelang_indexer_topk(
     index_topk: int,
     query_indices: Tensor | None = None,
     cu_seqlens_padded: Tensor | None = None,
+    index_k_scale: Tensor | None = None,
 ) -> Tensor:
     """Fused indexer top-k on packed (THD) sequences (NeMo AutoModel name).
 
     index_q [T, Hi, Di] bf16; index_k [Tk, Di] bf16 (all tokens; with context parallelism the
     all-gathered keys in global order); head_weights [T, Hi] fp32 (scale folded in);
     cu_seqlens [N+1]; query_indices [T] global positions of the local query rows (CP shard);
-    cu_seqlens_padded [N+1] offsets in the padded layout (CP padding keys excluded).
+    cu_seqlens_padded [N+1] offsets in the padded layout (CP padding keys excluded);
+    index_k_scale [Tk] with float8_e4m3fn index_q/index_k (see indexer_topk).
     Returns [T, 1, index_topk] int32 global rows of index_k, -1 where fewer keys are visible.
     """
     check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=INDEX_DTYPES)
@@ -108,7 +139,8 @@ def tilelang_indexer_topk(
         cu_seqlens.to(index_q.device), None if cu_seqlens_padded is None else cu_seqlens_padded.to(index_q.device),
         None if query_indices is None else query_indices.to(index_q.device), num_tokens=tk,
     )
-    return indexer_topk(index_q, index_k, head_weights, index_topk, start, end).unsqueeze(1)
+    return indexer_topk(index_q, index_k, head_weights, index_topk, start, end,
+                        index_k_scale=index_k_scale).unsqueeze(1)
 
 
 def topk_rows(scores: Tensor, lengths: Tensor | None, topk: int, backend: str | None = None) -> Tensor:

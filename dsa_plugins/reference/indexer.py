@@ -54,14 +54,17 @@ def causal_key_windows(
     return start.to(torch.int32), end.to(torch.int32)
 
 
-def indexer_scores(index_q, index_k, weights, key_start=None, key_end=None, key_lo: int = 0, key_hi: int | None = None):
+def indexer_scores(index_q, index_k, weights, key_start=None, key_end=None, key_lo: int = 0, key_hi: int | None = None,
+                   index_k_scale=None):
     """Scores [Tq, key_hi - key_lo] in float32 (float64 for float64 inputs) over keys [key_lo, key_hi),
-    -inf outside each query's window."""
+    -inf outside each query's window; times index_k_scale[s] when given (fp8 keys)."""
     cdt = torch.float64 if index_q.dtype == torch.float64 else torch.float32
     key_hi = index_k.shape[0] if key_hi is None else key_hi
     keys = index_k[key_lo:key_hi].to(cdt)
     logits = torch.einsum("thd,sd->ths", index_q.to(cdt), keys).clamp_min(0)
     scores = torch.einsum("ths,th->ts", logits, weights.to(cdt))
+    if index_k_scale is not None:
+        scores = scores * index_k_scale[key_lo:key_hi].to(cdt)[None, :]
     if key_start is not None:
         cols = torch.arange(key_lo, key_hi, device=scores.device)
         inside = (cols >= key_start.unsqueeze(1).long()) & (cols < key_end.unsqueeze(1).long())
@@ -88,9 +91,10 @@ def topk_rows_reference(scores: torch.Tensor, lengths: torch.Tensor | None, topk
     return out
 
 
-def indexer_topk_reference(index_q, index_k, weights, topk: int, key_start, key_end) -> torch.Tensor:
+def indexer_topk_reference(index_q, index_k, weights, topk: int, key_start, key_end, index_k_scale=None) -> torch.Tensor:
     """[Tq, topk] int32 global key rows of the topk largest scores in each window, sorted by score
-    descending, -1 where the window holds fewer than topk keys."""
+    descending, -1 where the window holds fewer than topk keys. index_k_scale [Tk]: per-key scales
+    of fp8 keys (see indexer_scores)."""
     tq, hi, _ = index_q.shape
     out = torch.full((tq, topk), -1, dtype=torch.int32, device=index_q.device)
     if tq == 0:
@@ -110,8 +114,17 @@ def indexer_topk_reference(index_q, index_k, weights, topk: int, key_start, key_
             lo, hi_, c = nlo, nhi, c + 1
         sl = slice(t, t + c)
         if hi_ > lo:
-            scores = indexer_scores(index_q[sl], index_k, weights[sl], starts[sl], ends[sl], lo, hi_)
+            scores = indexer_scores(index_q[sl], index_k, weights[sl], starts[sl], ends[sl], lo, hi_, index_k_scale)
             local = topk_rows_reference(scores, None, topk)
             out[sl] = torch.where(local >= 0, local + lo, local)
         t += c
     return out
+
+
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3 quantisation over the last dim: (x8 float8_e4m3fn, scale float32 [...]) with
+    x ~= x8 * scale[..., None]; scale = amax / 448 (1 for all-zero rows)."""
+    amax = x.float().abs().amax(-1)
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    x8 = (x.float() / scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return x8, scale

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+import torch
 
 from dsa_plugins.kernels import indexer as K
 from dsa_plugins.kernels import topk as TK
@@ -52,10 +53,14 @@ def _src(compiled, key):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "i", range(len(K.SHIPPED_CONFIGS)),
-    ids=[f"h{c['heads']}d{c['dim']}q{c['block_q']}k{c['block_k']}" for c in K.SHIPPED_CONFIGS],
+    ids=[f"h{c['heads']}d{c['dim']}q{c['block_q']}k{c['block_k']}{'fp8' if c.get('fp8') else ''}"
+         for c in K.SHIPPED_CONFIGS],
 )
 def test_indexer_configs_compile(compiled, i):
-    assert "wgmma" in _src(compiled, ("indexer", i))  # the score GEMM runs on Hopper tensor cores
+    src = _src(compiled, ("indexer", i))
+    assert "wgmma" in src  # the score GEMM runs on Hopper tensor cores
+    if K.SHIPPED_CONFIGS[i].get("fp8"):
+        assert "kFloat8_e4m3" in src and "KScale" in src
 
 
 @pytest.mark.slow
@@ -72,8 +77,11 @@ def test_supported_shapes_and_configs():
     assert K.unsupported_reason(64, 128, 2048) is None
     assert K.unsupported_reason(32, 128, 4096) is None
     assert K.unsupported_reason(12, 128, 2048) is not None
+    assert K.unsupported_reason(64, 128, 2048, torch.float8_e4m3fn) is None
+    assert "multiple of 32" in K.unsupported_reason(64, 48, 2048, torch.float8_e4m3fn)
+    assert "float8_e4m3fn" in K.unsupported_reason(64, 128, 2048, torch.float16)
     for cfg in K.SHIPPED_CONFIGS:
-        assert K.default_config(cfg["heads"], cfg["dim"]) == cfg
+        assert K.default_config(cfg["heads"], cfg["dim"], cfg.get("fp8", False)) == cfg
     assert TK.config_for_rows(64, 32768) == TK.DEFAULT_CONFIG
     assert TK.config_for_rows(8192, 8192) == TK.MANY_SHORT_ROWS_CONFIG
     assert TK.config_for_rows(4096, 65536) == TK.MANY_LONG_ROWS_CONFIG

@@ -254,3 +254,46 @@ def test_indexer_peak_memory_64k():
     assert peak < 2 * 2**30, f"peak {peak / 2**30:.2f} GiB"  # [T, T] fp32 would be 16 GiB
     rows = torch.tensor([0, 1, 2047, 2048, 40000, T - 1], device="cuda")
     assert check_indexer_rows(out[rows], q[rows], kk, w[rows], ks[rows], ke[rows], k) > 0.8
+
+
+# ---------------------------------------------------------------- fp8 indexer (inference)
+FP8_TOL = 2e-3  # Hopper's fp8 wgmma accumulates with fewer bits than fp32
+
+
+def _fp8_inputs(q, k, w):
+    """fp8 inputs and what the float64 oracle sees: the dequantised keys (relu(q.k s) = s relu(q.k), s > 0)."""
+    from dsa_plugins.ops import quantize_indexer_fp8
+
+    q8, k8, k_scale, w8 = quantize_indexer_fp8(q, k, w)
+    return q8, k8, k_scale, w8, q8.float(), k8.float() * k_scale[:, None]
+
+
+@pytest.mark.parametrize("hi", [64, 32])
+@pytest.mark.parametrize("T,k", [(1000, 256), (4096, 2048)])
+def test_indexer_fp8_causal(hi, T, k):
+    from dsa_plugins import ops
+
+    q, kk, w = make_inputs(T, T, hi, 128, seed=hi + T)
+    q8, k8, k_scale, w8, qd, kd = _fp8_inputs(q, kk, w)
+    ks, ke = causal_windows([T])
+    out = ops.indexer_topk(q8, k8, w8, k, ks, ke, backend="tilelang", index_k_scale=k_scale)
+    rate = check_indexer_rows(out, qd, kd, w8, ks, ke, k, rel_tol=FP8_TOL)
+    assert rate > 0.5, rate
+    # the scale matters: without it other keys win
+    out1 = K.indexer_topk(q8, k8, w8, ks, ke, k)
+    assert not torch.equal(out1.sort(1).values, out.sort(1).values)
+
+
+def test_indexer_fp8_windows_and_chunks():
+    Tk, rows, k = 5000, 600, 300
+    q, kk, w = make_inputs(rows, Tk, 64, 128, seed=21)
+    q8, k8, k_scale, w8, qd, kd = _fp8_inputs(q, kk, w)
+    g = torch.Generator(device="cuda").manual_seed(22)
+    a = torch.randint(0, Tk, (rows,), device="cuda", generator=g)
+    b = torch.randint(0, Tk + 1, (rows,), device="cuda", generator=g)
+    ks, ke = torch.minimum(a, b).int(), torch.maximum(a, b).int()
+    ke[:5] = ks[:5]  # empty windows
+    for budget in (K.DEFAULT_MAX_CHUNK_BYTES, 1 << 20):
+        out = K.indexer_topk(q8, k8, w8, ks, ke, k, index_k_scale=k_scale, max_chunk_bytes=budget)
+        check_indexer_rows(out, qd, kd, w8, ks, ke, k, rel_tol=FP8_TOL)
+        assert bool((out[:5] == -1).all())

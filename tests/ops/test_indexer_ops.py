@@ -50,6 +50,42 @@ def test_tilelang_indexer_topk_context_parallel_shard():
     assert not any(v in (6, 7, 15) for v in got.flatten().tolist())  # padding keys are never selected
 
 
+def test_fp8_indexer_reference_path():
+    """fp8 q/k with per-key scales: the selected keys are the top-k of the scores of the quantised values
+    (recomputed here in float64 from the dequantised tensors), and those scores track the unquantised ones."""
+    t, hi, di, topk = 48, 4, 32, 7
+    iq, ik, w = _indexer_inputs(t, hi, di, seed=5)
+    q8, k8, k_scale, w8 = ops.quantize_indexer_fp8(iq, ik, w)
+    assert q8.dtype == k8.dtype == torch.float8_e4m3fn and k_scale.shape == (t,) and w8.shape == (t, hi)
+    start, end = ops.causal_key_windows(torch.tensor([0, 20, t]))
+    got = ops.indexer_topk(q8, k8, w8, topk, start, end, backend="torch", index_k_scale=k_scale)
+    scores = torch.einsum("thd,sd->ths", q8.double(), k8.double() * k_scale.double()[:, None]).relu()
+    scores = (scores * w8.double()[:, :, None]).sum(1)
+    cols = torch.arange(t)
+    scores = scores.masked_fill((cols[None] < start[:, None]) | (cols[None] >= end[:, None]), float("-inf"))
+    _check_topk(got, scores, start, end, topk)
+    exact = indexer_scores(iq.double(), ik.double(), w.double(), start, end)
+    finite = exact.isfinite()
+    err = (scores[finite] - exact[finite]).abs().max() / exact[finite].abs().max()
+    assert 0 < err < 0.1  # e4m3 keeps 3 mantissa bits: close, not equal
+    # the custom op's fake (torch.compile); opcheck's schema test cannot multiply fp8 tensors on CPU
+    torch.library.opcheck(torch.ops.dsa_plugins.indexer_topk.default,
+                          (q8, k8, w8, start, end, topk, "torch", k_scale),
+                          test_utils=("test_faketensor", "test_autograd_registration"))
+
+
+def test_fp8_indexer_errors():
+    iq, ik, w = _indexer_inputs(6, 2, 32)
+    q8, k8, k_scale, w8 = ops.quantize_indexer_fp8(iq, ik, w)
+    start, end = ops.causal_key_windows(torch.tensor([0, 6]))
+    with pytest.raises(ValueError, match="index_k_scale goes with float8_e4m3fn"):
+        ops.indexer_topk(iq.bfloat16(), ik.bfloat16(), w, 2, start, end, index_k_scale=k_scale)
+    with pytest.raises(ValueError, match="index_k"):
+        ops.indexer_topk(q8, ik.bfloat16(), w8, 2, start, end, index_k_scale=k_scale)
+    with pytest.raises(ValueError, match="index_k_scale"):
+        ops.indexer_topk(q8, k8, w8, 2, start, end, index_k_scale=k_scale[:5])
+
+
 def test_topk_rows_op():
     scores = torch.randn(3, 20)
     got = ops.topk_rows(scores, torch.tensor([20, 2, 0], dtype=torch.int32), 4)
