@@ -173,8 +173,10 @@ def _loss_program(heads: int, dim: int, grads: bool, threads: int = 128, ablate:
 
     Measured on an H200 (T 8192, k 2048, causal top-k, Hi 64, Di 128): 6.3 ms with gradients, of
     which pass 1 is 1.2 ms and the d_index_k atomics 2.0 ms (2.1 G fp32 adds: about the rate at
-    which L2 takes fp32 reductions, as in the attention backward's dkv). 256 threads (heads split
-    over two warpgroups): 8.75 ms, slower."""
+    which L2 takes fp32 reductions, as in the attention backward's dkv; alone, that scatter takes
+    3.2 ms: benchmarks/results/scatter_floor.md). 256 threads (heads split over two warpgroups):
+    8.75 ms, slower. The d_index_k rows staged in shared memory and sent as TMA bulk reductions:
+    8.54 ms, slower."""
     import tilelang.language as T
 
     BK, HI, D = BLOCK_K, heads, dim
