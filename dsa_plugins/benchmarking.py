@@ -170,12 +170,14 @@ def _attention_case(op, b, s, skv, h, dqk, dv, k, sink, device, dtype, causal_in
     return Case(op, shape, flops, nbytes, make, ("fwd", "bwd"), {"sdpa_flops_scale": skv / k})
 
 
-def _indexer_case(t, hi, di, k, device, dtype):
-    from .ops import causal_key_windows, indexer_topk
+def _indexer_case(t, hi, di, k, device, dtype, fp8=False):
+    """Indexer + top-k over one causal sequence; fp8: e4m3 q/k with per-key scales (inference)."""
+    from .ops import causal_key_windows, indexer_topk, quantize_indexer_fp8
 
     pairs = t * (t + 1) / 2
     flops = {"fwd": 2 * hi * di * pairs}
-    nbytes = {"fwd": t * hi * di * 2 + t * di * 2 + t * hi * 4 + t * k * 4}
+    elem = 1 if fp8 else 2
+    nbytes = {"fwd": t * hi * di * elem + t * di * elem + t * hi * 4 + t * k * 4}
 
     def make(provider, mode):
         if provider not in ("tilelang", "torch"):
@@ -184,10 +186,14 @@ def _indexer_case(t, hi, di, k, device, dtype):
         iq = torch.randn(t, hi, di, device=device, dtype=dtype, generator=g)
         ik = torch.randn(t, di, device=device, dtype=dtype, generator=g)
         w = torch.rand(t, hi, device=device, generator=g) * (hi * di) ** -0.5
+        k_scale = None
+        if fp8:
+            iq, ik, k_scale, w = quantize_indexer_fp8(iq, ik, w)
         start, end = causal_key_windows(torch.tensor([0, t], device=device), num_tokens=t)
-        return lambda: indexer_topk(iq, ik, w, k, start, end, backend=provider)
+        return lambda: indexer_topk(iq, ik, w, k, start, end, backend=provider, index_k_scale=k_scale)
 
-    return Case("indexer_topk", f"T{t} Hi{hi} Di{di} k{k} causal", flops, nbytes, make)
+    return Case("indexer_topk_fp8" if fp8 else "indexer_topk", f"T{t} Hi{hi} Di{di} k{k} causal", flops, nbytes,
+                make)
 
 
 def _topk_case(rows, n, k, device):
@@ -209,7 +215,8 @@ def build_suite(name: str, device: torch.device, dtype=torch.bfloat16) -> list[C
     if name in ("smoke",):
         cases.append(_attention_case("sparse_mla", 1, 64, 128, 16, 64, 48, 32, False, device, dtype))
         cases.append(_attention_case("sparse_attention_sink", 1, 64, 128, 16, 64, 64, 32, True, device, dtype))
-        cases.append(_indexer_case(256, 4, 32, 16, device, dtype))
+        cases.append(_indexer_case(256, 8, 32, 16, device, dtype))  # Hi 8: the smallest the kernel takes
+        cases.append(_indexer_case(256, 8, 32, 16, device, dtype, fp8=True))
         cases.append(_topk_case(4, 512, 16, device))
     if name in ("attention", "all"):
         cases.append(_attention_case("sparse_mla", 1, 4096, 8192, 128, 576, 512, 2048, False, device, dtype))
@@ -221,6 +228,7 @@ def build_suite(name: str, device: torch.device, dtype=torch.bfloat16) -> list[C
     if name in ("indexer", "all"):
         for t in (8192, 32768, 65536):
             cases.append(_indexer_case(t, 64, 128, 2048, device, dtype))
+            cases.append(_indexer_case(t, 64, 128, 2048, device, dtype, fp8=True))
         cases.append(_topk_case(64, 32768, 2048, device))
     if not cases:
         raise ValueError(f"unknown suite {name!r}")

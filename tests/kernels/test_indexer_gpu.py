@@ -268,12 +268,14 @@ def _fp8_inputs(q, k, w):
     return q8, k8, k_scale, w8, q8.float(), k8.float() * k_scale[:, None]
 
 
-@pytest.mark.parametrize("hi", [64, 32])
-@pytest.mark.parametrize("T,k", [(1000, 256), (4096, 2048)])
-def test_indexer_fp8_causal(hi, T, k):
+@pytest.mark.parametrize("hi,di,T,k", [(64, 128, 1000, 256), (64, 128, 4096, 2048), (32, 128, 1000, 256),
+                                       (32, 128, 4096, 2048), (16, 64, 1000, 256), (8, 32, 700, 100),
+                                       (128, 128, 777, 300)])
+def test_indexer_fp8_causal(hi, di, T, k):
+    """Shipped (Hi 64 / 32, Di 128) and generic configurations."""
     from dsa_plugins import ops
 
-    q, kk, w = make_inputs(T, T, hi, 128, seed=hi + T)
+    q, kk, w = make_inputs(T, T, hi, di, seed=hi + T)
     q8, k8, k_scale, w8, qd, kd = _fp8_inputs(q, kk, w)
     ks, ke = causal_windows([T])
     out = ops.indexer_topk(q8, k8, w8, k, ks, ke, backend="tilelang", index_k_scale=k_scale)
