@@ -296,6 +296,8 @@ class _Plan:
             raise ValueError("index_k_scale is for float8_e4m3fn index_q/index_k; bfloat16 keys take no scale")
         else:
             self.k_scale = torch.ones(1, dtype=torch.float32, device=self.device)  # not read without fp8
+        if config is not None and "fp8" not in config:
+            config = {**config, "fp8": fp8}  # a partial config takes the input's precision
         cfg = dict(_norm_config(config if config is not None else default_config(Hi, Di, fp8)))
         if cfg["heads"] != Hi or cfg["dim"] != Di or cfg["fp8"] != fp8:
             raise ValueError(f"config is for heads={cfg['heads']} dim={cfg['dim']} fp8={cfg['fp8']}, inputs have "

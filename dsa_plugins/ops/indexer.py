@@ -60,8 +60,8 @@ def quantize_indexer_fp8(index_q: Tensor, index_k: Tensor, weights: Tensor) -> t
     check_tensor("index_k", index_k, ndim=2, dtypes=FLOAT_DTYPES, device=index_q.device, shape={1: index_q.shape[2]})
     check_tensor("weights", weights, ndim=2, dtypes=FLOAT_DTYPES, device=index_q.device,
                  shape={0: index_q.shape[0], 1: index_q.shape[1]})
-    q8, q_scale = quantize_fp8_rows(index_q)
-    k8, k_scale = quantize_fp8_rows(index_k)
+    q8, q_scale = quantize_fp8_rows(index_q, "index_q")
+    k8, k_scale = quantize_fp8_rows(index_k, "index_k")
     return q8, k8, k_scale, (weights.float() * q_scale).contiguous()
 
 
@@ -83,8 +83,9 @@ def indexer_topk(
     index_q [T, Hi, Di] bf16 (rope applied); index_k [Tk, Di] same dtype; weights [T, Hi] float32 with the
     softmax scale folded in (weights_proj(x) * Hi**-0.5 * Di**-0.5); key_start/key_end [T] int32.
     Score I[t, s] = sum_h relu(<index_q[t,h], index_k[s]>) * weights[t,h].
-    fp8 (inference): index_q and index_k float8_e4m3fn, index_k_scale [Tk] float32 per-key scales (the
-    score of key s is multiplied by it; per-query scales go into weights); see quantize_indexer_fp8.
+    fp8 (inference): index_q and index_k float8_e4m3fn, index_k_scale [Tk] float32 positive per-key scales
+    (required; the score of key s is multiplied by it; per-query scales go into weights); see
+    quantize_indexer_fp8. Non-finite inputs give unspecified selections.
     Returns [T, topk] int32 global rows of index_k; -1 where the window has fewer than topk keys.
     The order of the selected keys inside a row is unspecified (compare as sets).
     """
@@ -93,12 +94,17 @@ def indexer_topk(
     tq, hi, di = index_q.shape
     check_tensor("index_k", index_k, ndim=2, dtypes=(index_q.dtype,), device=device, shape={1: di})
     check_tensor("weights", weights, ndim=2, dtypes=FLOAT_DTYPES, device=device, shape={0: tq, 1: hi})
-    if index_k_scale is not None:
-        if index_q.dtype not in FP8_DTYPES:
-            raise ValueError(f"index_k_scale goes with float8_e4m3fn index_q/index_k, got {index_q.dtype}")
+    if index_q.dtype in FP8_DTYPES:
+        if index_k_scale is None:
+            raise ValueError("index_k_scale [Tk] is required with float8_e4m3fn index_q/index_k (the per-key scales "
+                             "of quantize_indexer_fp8; pass ones for unscaled keys)")
         check_tensor("index_k_scale", index_k_scale, ndim=1, dtypes=FLOAT_DTYPES, device=device,
-                     shape={0: index_k.shape[0]})
+                     shape={0: index_k.shape[0]}, unit_stride=False)
         index_k_scale = index_k_scale.float().contiguous()
+        if check_indices_enabled() and not bool(((index_k_scale > 0) & index_k_scale.isfinite()).all()):
+            raise ValueError("index_k_scale must be positive and finite (DSA_PLUGINS_CHECK_INDICES=1 checks it)")
+    elif index_k_scale is not None:
+        raise ValueError(f"index_k_scale goes with float8_e4m3fn index_q/index_k, got {index_q.dtype}")
     topk = int(topk)
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")

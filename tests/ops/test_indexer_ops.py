@@ -74,7 +74,7 @@ def test_fp8_indexer_reference_path():
                           test_utils=("test_faketensor", "test_autograd_registration"))
 
 
-def test_fp8_indexer_errors():
+def test_fp8_indexer_errors(monkeypatch):
     iq, ik, w = _indexer_inputs(6, 2, 32)
     q8, k8, k_scale, w8 = ops.quantize_indexer_fp8(iq, ik, w)
     start, end = ops.causal_key_windows(torch.tensor([0, 6]))
@@ -84,6 +84,31 @@ def test_fp8_indexer_errors():
         ops.indexer_topk(q8, ik.bfloat16(), w8, 2, start, end, index_k_scale=k_scale)
     with pytest.raises(ValueError, match="index_k_scale"):
         ops.indexer_topk(q8, k8, w8, 2, start, end, index_k_scale=k_scale[:5])
+    with pytest.raises(ValueError, match="index_k_scale .* is required"):
+        ops.indexer_topk(q8, k8, w8, 2, start, end)
+    bad_q = iq.clone()
+    bad_q[2, 1, 3] = float("nan")
+    with pytest.raises(ValueError, match="index_q has non-finite"):
+        ops.quantize_indexer_fp8(bad_q, ik, w)
+    # a strided scale is fine; a non-positive one is rejected when checks are on
+    strided = torch.stack([k_scale, k_scale], 1)[:, 0]
+    assert ops.indexer_topk(q8, k8, w8, 2, start, end, index_k_scale=strided).shape == (6, 2)
+    zero = k_scale.clone()
+    zero[1] = 0
+    ops.indexer_topk(q8, k8, w8, 2, start, end, index_k_scale=zero)  # unchecked by default (no sync)
+    monkeypatch.setenv("DSA_PLUGINS_CHECK_INDICES", "1")
+    with pytest.raises(ValueError, match="positive and finite"):
+        ops.indexer_topk(q8, k8, w8, 2, start, end, index_k_scale=zero)
+
+
+def test_quantize_fp8_rows_edges():
+    from dsa_plugins.reference.indexer import quantize_fp8_rows
+
+    x = torch.tensor([[0.0, 0.0, 0.0], [1e-44, 0.0, -1e-44], [1000.0, -3.0, 0.5]])
+    x8, scale = quantize_fp8_rows(x)
+    assert torch.isfinite(x8.float()).all() and (scale > 0).all() and scale[0] == 1
+    torch.testing.assert_close((x8.float() * scale[:, None])[2], x[2], rtol=0.07, atol=0)
+    assert x8.float().abs().max() <= 448
 
 
 def test_topk_rows_op():
