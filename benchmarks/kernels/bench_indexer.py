@@ -118,6 +118,36 @@ def bench_indexer(T, hi, di, k, config=None, split=True, topk_sweep=False, fp8=F
     report(**row)
 
 
+def bench_decode(batch, context, hi, di, k, fp8=False):
+    """Generation step: one query row per sequence over its whole cache (packed keys), with and
+    without the key-range splits (splits forced to 1 = the grid of one CTA per 4 query rows)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(batch, hi, di, device="cuda", generator=g).bfloat16()
+    kk = torch.randn(batch * context, di, device="cuda", generator=g).bfloat16()
+    w = torch.randn(batch, hi, device="cuda", generator=g) * (hi**-0.5 * di**-0.5)
+    k_scale = None
+    if fp8:
+        from dsa_plugins.ops import quantize_indexer_fp8
+
+        q, kk, k_scale, w = quantize_indexer_fp8(q, kk, w)
+    ks = (torch.arange(batch, device="cuda", dtype=torch.int32) * context).contiguous()
+    ke = ks + context
+    flops = 2.0 * hi * di * batch * context
+    fn = lambda: K.indexer_topk(q, kk, w, ks, ke, k, index_k_scale=k_scale)  # noqa: E731
+    out = fn()
+    t = bench(fn)
+    orig = K._splits
+    K._splits = lambda *a: 1
+    try:
+        out1 = fn()
+        t1 = bench(fn)
+    finally:
+        K._splits = orig
+    same = (torch.sort(out, 1).values == torch.sort(out1, 1).values).all(1).float().mean().item()
+    report(case="indexer_decode_fp8" if fp8 else "indexer_decode", B=batch, context=context, hi=hi, k=k, ms=t,
+           tflops=flops / t / 1e9, ms_without_splits=t1, speedup=t1 / t, same_sets=same)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -125,6 +155,7 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--decode", action="store_true", help="only the generation-step (decode) cases")
     args = ap.parse_args()
     print("GPU:", torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
 
@@ -165,6 +196,11 @@ def main():
     if args.compile_only:
         return
 
+    if args.decode:
+        for b, ctx in ((8, 32768), (32, 32768), (64, 8192), (128, 65536)):
+            for fp8 in (False, True):
+                bench_decode(b, ctx, 64, 128, 2048, fp8=fp8)
+        return
     if args.fp8:
         for c in fp8_sweep:
             try:

@@ -13,8 +13,11 @@ wgmma (keys are the M dimension, so the reduction over heads stays inside a thre
 then relu(S) * w[q, h] summed over heads, and stores the [block_q, block_k] tile. Entries
 of a computed tile outside a row's window hold scores of keys the row may not see; the
 top-k never reads them. Query blocks are launched last-first, so that under a causal mask
-the longest CTAs start early. When the whole [Tq, Tk] buffer fits the budget there is one
-chunk and no host synchronisation; otherwise one host sync plans the chunks.
+the longest CTAs start early. With few query blocks (generation: one row per sequence over a
+long cache) the key range of each block is split over several CTAs (a second grid dimension;
+each key tile still has one writer), so the GPU fills: 3-10x faster decode steps on an H200.
+When the whole [Tq, Tk] buffer fits the budget there is one chunk and no host
+synchronisation; otherwise one host sync plans the chunks.
 
 Measured on an H200 (bf16, Hi 64, Di 128, k 2048, one causal sequence, top-k included,
 2*Hi*Di FLOPs per causal pair): T 8K 1.24 ms = 442 TFLOP/s (scores alone 565, top-k 21%);
@@ -113,9 +116,12 @@ def _factory():
             BlkLo: T.Tensor([nqb], T.int32),
             BlkHi: T.Tensor([nqb], T.int32),
             base_blk: T.int32,
+            splits: T.int32,
             Scores: T.Tensor([nq, width], acc),
         ):
-            with T.Kernel(nqb, threads=threads) as bx:
+            # grid (query blocks, splits): split s of a query block takes the s-th part of its key
+            # blocks (each key block's tile is written by one CTA, so the splits need no merge)
+            with T.Kernel(nqb, splits, threads=threads) as (bx, by):
                 q_s = T.alloc_shared([block_q * heads, dim], dtype)
                 k_s = T.alloc_shared([block_k, dim], dtype)
                 s = T.alloc_fragment([block_k, block_q * heads], acc)
@@ -127,11 +133,12 @@ def _factory():
                 # Last query blocks first: under a causal mask they have the most key
                 # blocks, so the long CTAs start early and the tail of the grid is short.
                 qb = nqb - 1 - bx
-                lo = BlkLo[qb]
-                hi = BlkHi[qb]
+                per = T.ceildiv(BlkHi[qb] - BlkLo[qb], splits)
+                lo = BlkLo[qb] + by * per
+                hi = T.min(BlkHi[qb], lo + per)
                 T.copy(Q[qb * block_q * heads : (qb + 1) * block_q * heads, :], q_s)
                 T.copy(W[qb * block_q : (qb + 1) * block_q, :], w_f)
-                for i in T.Pipelined(hi - lo, num_stages=num_stages):
+                for i in T.Pipelined(T.max(hi - lo, 0), num_stages=num_stages):
                     T.copy(K[(lo + i) * block_k : (lo + i + 1) * block_k, :], k_s)
                     if fp8:
                         # staged by the producer like the keys: a global read in the epilogue would be
@@ -256,6 +263,23 @@ def unsupported_reason(num_heads: int, head_dim: int, topk: int, dtype=None):
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _splits(query_blocks: int, width_blocks: int, device) -> int:
+    """Key-range splits per query block: 1 when the query blocks alone fill the GPU (prefill);
+    with few query rows (decode: one row per sequence over a long cache) each block's key range is
+    cut into parts so that about two CTAs per SM run, at most one key block per part."""
+    target = 2 * _sm_count(device)
+    if query_blocks >= target:
+        return 1
+    return max(1, min(-(-target // max(query_blocks, 1)), width_blocks))
+
+
 class _Plan:
     """Inputs normalised once, per-query-block key ranges, and the chunk split."""
 
@@ -349,7 +373,7 @@ class _Plan:
         scores = torch.empty(r1 - r0, wblocks * self.bk, dtype=torch.float32, device=self.device)
         kern = build_indexer(self.cfg)
         kern(self.q[r0 * self.Hi : r1 * self.Hi], self.k, self.w[r0:r1], self.k_scale, self.blk_lo[qb0:qb1],
-             self.blk_hi[qb0:qb1], int(base_blk), scores)
+             self.blk_hi[qb0:qb1], int(base_blk), _splits(qb1 - qb0, wblocks, self.device), scores)
         return r0, r1, base_blk * self.bk, scores
 
     def chunk_topk(self, r0, r1, base, scores, topk, out, config=None):

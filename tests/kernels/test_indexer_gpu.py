@@ -299,3 +299,29 @@ def test_indexer_fp8_windows_and_chunks():
         out = K.indexer_topk(q8, k8, w8, ks, ke, k, index_k_scale=k_scale, max_chunk_bytes=budget)
         check_indexer_rows(out, qd, kd, w8, ks, ke, k, rel_tol=FP8_TOL)
         assert bool((out[:5] == -1).all())
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_indexer_decode_rows_split_key_ranges(fp8):
+    """Generation: one query row per sequence over its own cache (packed keys). Few query blocks, so
+    each block's key range is split over several CTAs; the answer is the same as one CTA per block."""
+    lens = [3000, 5000, 1, 8191, 4096, 2500, 7000, 6000, 129, 9000]
+    starts = torch.tensor([0] + lens[:-1], device="cuda").cumsum(0).to(torch.int32)
+    ks, ke = starts, starts + torch.tensor(lens, device="cuda", dtype=torch.int32)
+    B, Tk, k = len(lens), sum(lens), 2048
+    q, kk, w = make_inputs(B, Tk, 64, 128, seed=31)
+    k_scale = None
+    if fp8:
+        q, kk, k_scale, w, qd, kd = _fp8_inputs(q, kk, w)
+    else:
+        qd, kd = q, kk
+    assert K._splits(-(-B // 4), -(-Tk // 128), q.device) > 1
+    out = K.indexer_topk(q, kk, w, ks, ke, k, index_k_scale=k_scale)
+    check_indexer_rows(out, qd, kd, w, ks, ke, k, rel_tol=FP8_TOL if fp8 else 2e-5)
+    orig = K._splits
+    K._splits = lambda *a: 1
+    try:
+        one = K.indexer_topk(q, kk, w, ks, ke, k, index_k_scale=k_scale)
+    finally:
+        K._splits = orig
+    assert torch.equal(out.sort(1).values, one.sort(1).values)
