@@ -1,0 +1,48 @@
+"""Where a generation-step indexer call spends its time: host time per call (no sync), GPU time
+(CUDA graph replay), and the kernels it launches (torch.profiler)."""
+import time
+
+import torch
+
+from dsa_plugins import ops
+
+B, ctx, hi, di, k = 32, 32768, 64, 128, 2048
+g = torch.Generator(device="cuda").manual_seed(0)
+q = torch.randn(B, hi, di, device="cuda", generator=g).bfloat16()
+kk = torch.randn(B * ctx, di, device="cuda", generator=g).bfloat16()
+w = torch.randn(B, hi, device="cuda", generator=g) * (hi * di) ** -0.5
+ks = torch.arange(B, device="cuda", dtype=torch.int32) * ctx
+ke = ks + ctx
+fn = lambda: ops.indexer_topk(q, kk, w, k, ks, ke, backend="tilelang")  # noqa: E731
+for _ in range(5):
+    fn()
+torch.cuda.synchronize()
+n = 200
+t0 = time.perf_counter()
+for _ in range(n):
+    fn()
+t1 = time.perf_counter()
+torch.cuda.synchronize()
+t2 = time.perf_counter()
+print(f"host per call {1e3 * (t1 - t0) / n:.3f} ms; wall per call incl. drain {1e3 * (t2 - t0) / n:.3f} ms")
+s = torch.cuda.Stream()
+s.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(s):
+    fn()
+torch.cuda.current_stream().wait_stream(s)
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    out = fn()
+graph.replay()
+torch.cuda.synchronize()
+e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+e0.record()
+for _ in range(n):
+    graph.replay()
+e1.record()
+torch.cuda.synchronize()
+print(f"CUDA graph replay per call {e0.elapsed_time(e1) / n:.3f} ms (graph-capturable: yes)")
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
+    fn()
+    torch.cuda.synchronize()
+print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
