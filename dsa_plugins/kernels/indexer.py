@@ -161,7 +161,52 @@ def _factory():
 
         return main
 
-    return indexer_scores
+    @tilelang.jit
+    def block_ranges(block_q: int, block_k: int, threads: int = 128):
+        """Windows -> per query block key-block ranges, in one launch (the plan of every call).
+
+        KS/KE [nq] int32 windows -> KSo/KEo clamped to [0, n_keys] with KEo >= KSo, and per
+        query block Lo/Hi [nqb]: the key blocks [Lo, Hi) covering its rows' non-empty windows
+        (0, 0 when all are empty)."""
+        nq = T.dynamic("nq")
+        nqb = T.dynamic("nqb")
+        i32 = T.int32
+        big = 2**31 - 1
+
+        @T.prim_func
+        def main(
+            KS: T.Tensor([nq], i32),
+            KE: T.Tensor([nq], i32),
+            n_keys: i32,
+            KSo: T.Tensor([nq], i32),
+            KEo: T.Tensor([nq], i32),
+            Lo: T.Tensor([nqb], i32),
+            Hi: T.Tensor([nqb], i32),
+        ):
+            with T.Kernel(T.ceildiv(nqb, threads), threads=threads) as bx:
+                tx = T.get_thread_binding()
+                qb = bx * threads + tx
+                lo = T.alloc_var(i32, init=big)
+                hi = T.alloc_var(i32, init=0)
+                if qb < nqb:
+                    for r in T.unroll(block_q):
+                        row = qb * block_q + r
+                        if row < nq:
+                            st = T.min(T.max(KS[row], 0), n_keys)
+                            en = T.max(T.min(T.max(KE[row], 0), n_keys), st)
+                            KSo[row] = st
+                            KEo[row] = en
+                            if en > st:
+                                lo = T.min(lo, st)
+                                hi = T.max(hi, en)
+                    blo = lo // block_k
+                    bhi = (hi + block_k - 1) // block_k
+                    Lo[qb] = T.if_then_else(bhi > blo, blo, 0)
+                    Hi[qb] = T.if_then_else(bhi > blo, bhi, 0)
+
+        return main
+
+    return indexer_scores, block_ranges
 
 
 def _norm_config(config: dict) -> tuple:
@@ -190,7 +235,7 @@ def build_indexer(config: dict, target=None):
         params = dict(key)
         ws = params.pop("ws")
         with _BUILD_LOCK:  # TIR construction is not thread-safe; nvcc below runs in parallel
-            tir = _factory().get_tir(**params)
+            tir = _factory()[0].get_tir(**params)
         kern = tilelang.compile(tir, target=target if target is not None else "auto", pass_configs=_pass_configs(ws))
         logger.info("compiled TileLang indexer_scores %s target=%s", dict(key), tkey)
         with _BUILD_LOCK:
@@ -198,9 +243,26 @@ def build_indexer(config: dict, target=None):
     return kern
 
 
+def build_block_ranges(block_q: int, block_k: int, target=None):
+    """Compile the plan program (windows -> key-block ranges) for a (block_q, block_k) tiling."""
+    import tilelang
+
+    key = (("block_ranges", int(block_q), int(block_k)), repr(target))
+    kern = _BUILT.get(key)
+    if kern is None:
+        with _BUILD_LOCK:
+            tir = _factory()[1].get_tir(block_q=int(block_q), block_k=int(block_k))
+        kern = tilelang.compile(tir, target=target if target is not None else "auto")
+        with _BUILD_LOCK:
+            kern = _BUILT.setdefault(key, kern)
+    return kern
+
+
 def build_all(target=None):
-    """Compile every shipped configuration (indexer scores and radix top-k)."""
+    """Compile every shipped configuration (indexer scores, their plan programs and radix top-k)."""
     out = [build_indexer(cfg, target=target) for cfg in SHIPPED_CONFIGS]
+    out += [build_block_ranges(bq, bk, target=target)
+            for bq, bk in sorted({(c["block_q"], c["block_k"]) for c in SHIPPED_CONFIGS})]
     out += [_topk.build_topk(cfg, target=target) for cfg in _topk.SHIPPED_CONFIGS]
     return out
 
@@ -264,6 +326,14 @@ def unsupported_reason(num_heads: int, head_dim: int, topk: int, dtype=None):
 
 
 @functools.lru_cache(maxsize=None)
+def _unit_scale(device):
+    """A one-element fp32 placeholder for the KScale argument of the bf16 programs (never read)."""
+    import torch
+
+    return torch.ones(1, dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=None)
 def _sm_count(device) -> int:
     import torch
 
@@ -320,7 +390,7 @@ class _Plan:
         elif index_k_scale is not None:
             raise ValueError("index_k_scale is for float8_e4m3fn index_q/index_k; bfloat16 keys take no scale")
         else:
-            self.k_scale = torch.ones(1, dtype=torch.float32, device=self.device)  # not read without fp8
+            self.k_scale = _unit_scale(self.device)  # not read without fp8
         if config is not None and "fp8" not in config:
             config = {**config, "fp8": fp8}  # a partial config takes the input's precision
         cfg = dict(_norm_config(config if config is not None else default_config(Hi, Di, fp8)))
@@ -333,27 +403,18 @@ class _Plan:
         self.q = index_q.contiguous().view(Tq * Hi, Di)
         self.k = index_k.contiguous()
         self.w = weights.float().contiguous()
-        ks = key_start.clamp(0, Tk)
-        ke = torch.maximum(key_end.clamp(0, Tk), ks)
-        self.ks, self.ke = ks.contiguous(), ke.contiguous()
         self.chunks = []
-        if Tq == 0 or Tk == 0:
-            return
-        # Per query block: the key-block range [lo, hi) covering the windows of its rows.
         nqb = (Tq + bq - 1) // bq
-        pad = nqb * bq - Tq
-        empty = ke <= ks
-        big = torch.iinfo(torch.int32).max
-        s_eff = torch.where(empty, torch.full_like(ks, big), ks)
-        e_eff = torch.where(empty, torch.zeros_like(ke), ke)
-        if pad:
-            s_eff = torch.cat([s_eff, s_eff.new_full((pad,), big)])
-            e_eff = torch.cat([e_eff, e_eff.new_zeros(pad)])
-        blk_lo = torch.div(s_eff.view(nqb, bq).amin(1), bk, rounding_mode="floor")
-        blk_hi = torch.div(e_eff.view(nqb, bq).amax(1) + bk - 1, bk, rounding_mode="floor")
-        has = blk_hi > blk_lo
-        self.blk_lo = torch.where(has, blk_lo, torch.zeros_like(blk_lo)).to(torch.int32).contiguous()
-        self.blk_hi = torch.where(has, blk_hi, torch.zeros_like(blk_hi)).to(torch.int32).contiguous()
+        self.ks = torch.empty(Tq, dtype=torch.int32, device=self.device)
+        self.ke = torch.empty_like(self.ks)
+        self.blk_lo = torch.empty(nqb, dtype=torch.int32, device=self.device)
+        self.blk_hi = torch.empty_like(self.blk_lo)
+        if Tq == 0:
+            return
+        build_block_ranges(bq, bk)(key_start.contiguous(), key_end.contiguous(), Tk, self.ks, self.ke, self.blk_lo,
+                                   self.blk_hi)
+        if Tk == 0:
+            return
         full_blocks = (Tk + bk - 1) // bk
         if Tq * full_blocks * bk * 4 <= max_chunk_bytes:
             # Everything fits in one buffer covering all keys: no host sync needed.
@@ -380,7 +441,10 @@ class _Plan:
         if scores is None:
             out[r0:r1].fill_(-1)
             return
-        _topk.topk_rows_ranges(scores, self.ks[r0:r1] - base, self.ke[r0:r1] - base, topk,
+        starts, ends = self.ks[r0:r1], self.ke[r0:r1]
+        if base:
+            starts, ends = starts - base, ends - base
+        _topk.topk_rows_ranges(scores, starts, ends, topk,
                                out_offset=base, out=out[r0:r1], config=config)
 
 

@@ -23,6 +23,10 @@ def _need_toolchain():
         pytest.skip("nvcc not found")
 
 
+#: the (block_q, block_k) tilings of the shipped score programs: each has a plan program
+RANGE_TILINGS = sorted({(c["block_q"], c["block_k"]) for c in K.SHIPPED_CONFIGS})
+
+
 @pytest.fixture(scope="module")
 def compiled():
     """Every shipped program, compiled for sm_90a with one worker per CPU (nvcc runs in
@@ -30,10 +34,13 @@ def compiled():
     _need_toolchain()
     jobs = [("indexer", i, c) for i, c in enumerate(K.SHIPPED_CONFIGS)]
     jobs += [("topk", i, c) for i, c in enumerate(TK.SHIPPED_CONFIGS)]
+    jobs += [("ranges", i, c) for i, c in enumerate(RANGE_TILINGS)]
 
     def build(job):
         kind, _, cfg = job
         try:
+            if kind == "ranges":
+                return K.build_block_ranges(*cfg, target=SM90).get_kernel_source()
             fn = K.build_indexer if kind == "indexer" else TK.build_topk
             return fn(cfg, target=SM90).get_kernel_source()
         except Exception as exc:  # reported by the test of that configuration
@@ -61,6 +68,12 @@ def test_indexer_configs_compile(compiled, i):
     assert "wgmma" in src  # the score GEMM runs on Hopper tensor cores
     if K.SHIPPED_CONFIGS[i].get("fp8"):
         assert "kFloat8_e4m3" in src and "KScale" in src
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i", range(len(RANGE_TILINGS)), ids=[f"q{q}k{k}" for q, k in RANGE_TILINGS])
+def test_block_ranges_programs_compile(compiled, i):
+    assert "__global__" in _src(compiled, ("ranges", i))
 
 
 @pytest.mark.slow
