@@ -206,7 +206,7 @@ def _factory():
 
         return main
 
-    return indexer_scores, block_ranges
+    return {"indexer_scores": indexer_scores, "block_ranges": block_ranges}
 
 
 def _norm_config(config: dict) -> tuple:
@@ -223,39 +223,35 @@ _BUILD_LOCK = threading.Lock()
 _BUILT: dict = {}
 
 
+def _compiled(program: str, key: tuple, params: dict, target, pass_configs=None):
+    """The compiled ``program`` of :func:`_factory` for ``params`` and ``target``, built once per key."""
+    import tilelang
+
+    key = (program, key, repr(target))
+    kern = _BUILT.get(key)
+    if kern is None:
+        with _BUILD_LOCK:  # TIR construction is not thread-safe; nvcc below runs in parallel
+            tir = _factory()[program].get_tir(**params)
+        kern = tilelang.compile(tir, target=target if target is not None else "auto", pass_configs=pass_configs)
+        logger.info("compiled TileLang %s %s target=%s", program, params, key[2])
+        with _BUILD_LOCK:
+            kern = _BUILT.setdefault(key, kern)
+    return kern
+
+
 def build_indexer(config: dict, target=None):
     """Compile the score kernel for ``config`` (a SHIPPED_CONFIGS-like dict) and ``target``
     (default: the current CUDA device; ``{"kind": "cuda", "arch": "sm_90a"}`` compiles on CPU)."""
-    import tilelang
-
     key = _norm_config(config)
-    tkey = repr(target)
-    kern = _BUILT.get((key, tkey))
-    if kern is None:
-        params = dict(key)
-        ws = params.pop("ws")
-        with _BUILD_LOCK:  # TIR construction is not thread-safe; nvcc below runs in parallel
-            tir = _factory()[0].get_tir(**params)
-        kern = tilelang.compile(tir, target=target if target is not None else "auto", pass_configs=_pass_configs(ws))
-        logger.info("compiled TileLang indexer_scores %s target=%s", dict(key), tkey)
-        with _BUILD_LOCK:
-            kern = _BUILT.setdefault((key, tkey), kern)
-    return kern
+    params = dict(key)
+    ws = params.pop("ws")
+    return _compiled("indexer_scores", key, params, target, _pass_configs(ws))
 
 
 def build_block_ranges(block_q: int, block_k: int, target=None):
     """Compile the plan program (windows -> key-block ranges) for a (block_q, block_k) tiling."""
-    import tilelang
-
-    key = (("block_ranges", int(block_q), int(block_k)), repr(target))
-    kern = _BUILT.get(key)
-    if kern is None:
-        with _BUILD_LOCK:
-            tir = _factory()[1].get_tir(block_q=int(block_q), block_k=int(block_k))
-        kern = tilelang.compile(tir, target=target if target is not None else "auto")
-        with _BUILD_LOCK:
-            kern = _BUILT.setdefault(key, kern)
-    return kern
+    params = {"block_q": int(block_q), "block_k": int(block_k)}
+    return _compiled("block_ranges", tuple(params.items()), params, target)
 
 
 def build_all(target=None):

@@ -302,7 +302,7 @@ def test_indexer_fp8_windows_and_chunks():
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_indexer_decode_rows_split_key_ranges(fp8):
+def test_indexer_decode_rows_split_key_ranges(fp8, monkeypatch):
     """Generation: one query row per sequence over its own cache (packed keys). Few query blocks, so
     each block's key range is split over several CTAs; the answer is the same as one CTA per block."""
     lens = [3000, 5000, 1, 8191, 4096, 2500, 7000, 6000, 129, 9000]
@@ -318,10 +318,6 @@ def test_indexer_decode_rows_split_key_ranges(fp8):
     assert K._splits(-(-B // 4), -(-Tk // 128), q.device) > 1
     out = K.indexer_topk(q, kk, w, ks, ke, k, index_k_scale=k_scale)
     check_indexer_rows(out, qd, kd, w, ks, ke, k, rel_tol=FP8_TOL if fp8 else 2e-5)
-    orig = K._splits
-    K._splits = lambda *a: 1
-    try:
-        one = K.indexer_topk(q, kk, w, ks, ke, k, index_k_scale=k_scale)
-    finally:
-        K._splits = orig
+    monkeypatch.setattr(K, "_splits", lambda *a: 1)
+    one = K.indexer_topk(q, kk, w, ks, ke, k, index_k_scale=k_scale)
     assert torch.equal(out.sort(1).values, one.sort(1).values)
