@@ -11,7 +11,7 @@ keeps its MoE block, shrunk to 4 experts), bf16 on GPU, batch 1, causal, no KV c
 embeddings require grad, loss = mean(last_hidden_state^2). GLM-5 dims (zai-org/GLM-5 config.json):
 hidden 6144, 64 heads, q_lora 2048, kv_lora 512, rope 64, nope 192, v_head 256, indexer 32 x 128,
 top-k 2048. Rows (median, 20/80% quantiles, peak memory; an out-of-memory is a row too) go to
-``benchmarks/results/hf_layer.{csv,md}`` through ``dsa_plugins.benchmarking``. The baselines measured
+``benchmarks/results/hf_layer.{csv,md}`` through ``dsa_plugins.bench.runner``. The baselines measured
 on an H200 with transformers 5.17 are in DSA.md section 5 (sdpa: 126.6 ms / 19.0 GiB at 8K, OOM at 32K).
 """
 
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
 
     import dsa_plugins.hf
-    from dsa_plugins.benchmarking import _env_info, time_callable, write_results
+    from dsa_plugins.bench.runner import env_info, time_callable, write_results
 
     dsa_plugins.hf.register()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     providers = args.providers.split(",")
     if DIMS[args.model][0] == "deepseek_v4":  # V4 supports only eager in transformers
         providers = [p for p in providers if p != "sdpa"]
-    env = _env_info(device)
+    env = env_info(device)
     rows = []
     for seqlen in seqlens:
         for provider in providers:

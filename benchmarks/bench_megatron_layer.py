@@ -8,7 +8,7 @@ loss): dsa_plugins' modules vs megatron-core's own DSAttention (dense fp32 ``unf
 Layer: MLA + DSA self-attention (model dims below) and a small dense MLP (ffn 1024, as the HF
 baseline in DSA.md), bf16 on GPU, batch 1, causal, indexer loss on (sparse KL, coefficient 1),
 local (non-TE) linears for both providers. Rows (median, 20/80% quantiles, peak memory) are
-appended to ``benchmarks/results/megatron_layer.csv`` through ``dsa_plugins.benchmarking``. An
+appended to ``benchmarks/results/megatron_layer.csv`` through ``dsa_plugins.bench.runner``. An
 out-of-memory is a row too. megatron's Hadamard rotation needs ``fast_hadamard_transform``; when
 missing it is replaced by the identity (it is orthonormal: same index scores up to rounding).
 """
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
 
-    from dsa_plugins.benchmarking import _env_info, time_callable, write_results
+    from dsa_plugins.bench.runner import env_info, time_callable, write_results
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if device.type == "cpu" and not args.smoke:
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     dtype = torch.float32 if args.smoke else torch.bfloat16
     _init_megatron(device)
     config = _config(dims, dtype, device.type == "cpu")
-    env = _env_info(device)
+    env = env_info(device)
     rows = []
     for seqlen in seqlens:
         name = "smoke" if args.smoke else args.model

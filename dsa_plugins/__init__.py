@@ -1,7 +1,12 @@
 """dsa_plugins: fast DeepSeek Sparse Attention for Hugging Face Transformers and Megatron-core.
 
 Public ops live in :mod:`dsa_plugins.ops` (re-exported here); framework adapters in
-:mod:`dsa_plugins.hf` and :mod:`dsa_plugins.megatron`.
+:mod:`dsa_plugins.hf` and :mod:`dsa_plugins.megatron` (shortcuts to :mod:`dsa_plugins.adapters`).
+
+Layers, each importing only from the ones before it: ``common`` (settings, index convention,
+input checks) and ``patches`` (generic patch machinery) -> ``kernels`` (TileLang programs) and
+``reference`` (torch oracle and CPU path) -> ``ops`` (public autograd / custom ops) ->
+``adapters`` (``hf``, ``megatron``) -> entry points, CLI and ``bench``.
 
 The names are resolved lazily (PEP 562): torch imports ``dsa_plugins._autoload`` at the end of
 every ``import torch`` (entry point group ``torch.backends``), which imports this package first,
@@ -13,7 +18,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from . import _moved
+
+__version__ = "0.2.0"
 
 _OPS = (
     "DeepSeekV4SparseAttention",
@@ -33,9 +40,11 @@ _OPS = (
     "tilelang_sparse_attention",
     "topk_rows",
 )
-_SUBMODULES = ("ops", "kernels", "reference", "adapters", "patches", "hf", "megatron")
+_SUBMODULES = ("ops", "kernels", "reference", "adapters", "patches", "common", "bench", "hf", "megatron")
 
 __all__ = ["__version__", *_OPS]
+
+_moved.install()  # old import paths (0.1) keep working for one release, with a DeprecationWarning
 
 if TYPE_CHECKING:  # pragma: no cover
     from .ops import *  # noqa: F401,F403

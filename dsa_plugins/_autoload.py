@@ -1,177 +1,34 @@
-"""Zero-code-change activation: the ``torch.backends`` entry point and post-import hooks.
+"""Zero-code-change activation: the ``torch.backends`` entry point.
 
 torch imports every entry point of the group ``torch.backends`` at the end of ``import torch``
-and calls it. :func:`autoload` is ours. It only arranges for the adapters to be registered when
-their framework finishes importing (``transformers``, ``megatron.core``); it imports neither
-framework, never raises (a failure is logged once), and costs well under a millisecond.
-``DSA_PLUGINS_AUTOLOAD=0`` turns it off.
+and calls it. :func:`autoload` is ours. It only arranges, through post-import hooks
+(:mod:`dsa_plugins.patches.import_hooks`), for the adapters of the ``dsa_plugins.adapters`` entry
+point group to be registered when their framework finishes importing (``transformers``,
+``megatron.core``); it imports neither framework, never raises (a failure is logged once), and
+costs well under a millisecond. ``DSA_PLUGINS_AUTOLOAD=0`` turns it off.
 
-Post-import hooks: :func:`when_imported` runs a callback once a module has *finished* executing
-(immediately when it already has). A hook that patches a modeling module therefore never sees a
-partially initialised module, and no hook imports another framework module itself.
-
-Why not ``wrapt.register_post_import_hook``: importing wrapt costs about 60 ms, far above the
-budget of a hook that runs inside every ``import torch``; the finder below does the same job for
-the handful of module names we need with the standard ``importlib`` protocol.
-
-This module must stay light: it imports nothing from torch or from the rest of dsa_plugins at
-module level.
+This module must stay light: it imports nothing from torch, and from dsa_plugins only the
+standard-library-only hook module, at module level.
 """
 
 from __future__ import annotations
 
-import importlib.abc
 import logging
 import os
-import sys
 import threading
 from collections.abc import Callable
+
+from dsa_plugins.patches.import_hooks import log_once, pending_hooks, when_imported
 
 logger = logging.getLogger("dsa_plugins")
 
 ENV_DISABLE = "DSA_PLUGINS_AUTOLOAD"
 TRIGGERS = ("transformers", "megatron.core")
 
-_lock = threading.RLock()
-_hooks: dict[str, list[Callable]] = {}
-_deferred: dict[str, list[Callable]] = {}  # modules in sys.modules but still executing
-_finder: _PostImportFinder | None = None
+_lock = threading.Lock()
 _autoloaded = False
-_logged: set[str] = set()
 
-
-def _log_once(key: str, msg: str, *args) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        logger.warning(msg, *args)
-
-
-def _run(name: str, hook: Callable, module) -> None:
-    try:
-        hook(module)
-    except Exception as exc:  # a hook must never break the user's import
-        _log_once(
-            f"hook:{name}:{getattr(hook, '__qualname__', hook)}",
-            "dsa_plugins: post-import hook for %s failed: %s: %s",
-            name,
-            type(exc).__name__,
-            exc,
-        )
-
-
-class _LoaderWithHooks:
-    """Delegates to the real loader, then runs the hooks once the module has executed."""
-
-    def __init__(self, loader, name: str):
-        self._dsa_loader = loader
-        self._dsa_name = name
-
-    def __getattr__(self, attr):
-        return getattr(self._dsa_loader, attr)
-
-    def create_module(self, spec):
-        create = getattr(self._dsa_loader, "create_module", None)
-        return create(spec) if create is not None else None
-
-    def exec_module(self, module):
-        loader = self._dsa_loader
-        # Leave no trace of the wrapper on the module (inspect, linecache, resources use __loader__).
-        try:
-            module.__loader__ = loader
-            if getattr(module, "__spec__", None) is not None:
-                module.__spec__.loader = loader
-        except Exception:
-            pass
-        loader.exec_module(module)
-        _fire(self._dsa_name, sys.modules.get(self._dsa_name, module))
-
-
-class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """Meta-path finder that wraps the loader of watched module names; it finds nothing itself."""
-
-    def __init__(self):
-        self._busy = threading.local()
-
-    def find_spec(self, fullname, path=None, target=None):
-        if _deferred:
-            _sweep()
-        if fullname not in _hooks:
-            return None
-        busy = getattr(self._busy, "names", None)
-        if busy is None:
-            busy = self._busy.names = set()
-        if fullname in busy:
-            return None
-        busy.add(fullname)
-        try:
-            for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    break
-            else:
-                return None
-        finally:
-            busy.discard(fullname)
-        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        spec.loader = _LoaderWithHooks(spec.loader, fullname)
-        return spec
-
-
-def _fire(name: str, module) -> None:
-    with _lock:
-        hooks = _hooks.pop(name, [])
-    for hook in hooks:
-        _run(name, hook, module)
-
-
-def _sweep() -> None:
-    """Fire the hooks of deferred modules that have finished executing since."""
-    ready = []
-    with _lock:
-        for name in list(_deferred):
-            module = sys.modules.get(name)
-            if module is None:  # its import failed: wait for the next attempt
-                _hooks.setdefault(name, []).extend(_deferred.pop(name))
-            elif not _is_initialising(module):
-                ready.append((name, module, _deferred.pop(name)))
-    for name, module, hooks in ready:
-        for hook in hooks:
-            _run(name, hook, module)
-
-
-def when_imported(name: str, hook: Callable) -> None:
-    """Call ``hook(module)`` once ``name`` has finished importing (now, if it already has).
-
-    A module that is still executing (the hook was asked for from inside its import chain) gets
-    its hooks at the first import anywhere after it has finished.
-    """
-    global _finder
-    module = sys.modules.get(name)
-    if module is not None and not _is_initialising(module):
-        _run(name, hook, module)
-        return
-    with _lock:
-        (_deferred if module is not None else _hooks).setdefault(name, []).append(hook)
-        if _finder is None or _finder not in sys.meta_path:
-            _finder = _PostImportFinder()
-            sys.meta_path.insert(0, _finder)
-
-
-def _is_initialising(module) -> bool:
-    spec = getattr(module, "__spec__", None)
-    return bool(getattr(spec, "_initializing", False))
-
-
-def pending_hooks() -> dict[str, int]:
-    """Module names still watched, with their number of hooks (for tests and debugging)."""
-    with _lock:
-        out = {name: len(hooks) for name, hooks in _hooks.items()}
-        for name, hooks in _deferred.items():
-            out[name] = out.get(name, 0) + len(hooks)
-        return out
+__all__ = ["TRIGGERS", "autoload", "pending_hooks", "when_imported"]
 
 
 def _on_framework(trigger: str) -> Callable:
@@ -184,7 +41,7 @@ def _on_framework(trigger: str) -> Callable:
             try:
                 adapter.register()
             except Exception as exc:
-                _log_once(
+                log_once(
                     f"adapter:{adapter.name}",
                     "dsa_plugins: the %s adapter did not register: %s: %s",
                     adapter.name,
@@ -209,4 +66,4 @@ def autoload() -> None:
         for trigger in TRIGGERS:
             when_imported(trigger, _on_framework(trigger))
     except Exception as exc:  # pragma: no cover - defensive: never break `import torch`
-        _log_once("autoload", "dsa_plugins: autoload failed: %s: %s", type(exc).__name__, exc)
+        log_once("autoload", "dsa_plugins: autoload failed: %s: %s", type(exc).__name__, exc)

@@ -29,7 +29,7 @@ def doctor(_args=None) -> int:
     import torch
 
     from . import __version__
-    from ._config import autoload_enabled, default_backend
+    from .common.settings import autoload_enabled, default_backend
     from .adapters import discover_adapters
     from .kernels import device_unavailable_reason, kernel_unavailable_reason
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.command == "doctor":
         return doctor(args)
-    target = {"demo": "dsa_plugins.demo", "bench": "dsa_plugins.benchmarking", "convert": "dsa_plugins.convert"}
+    target = {"demo": "dsa_plugins.demo", "bench": "dsa_plugins.bench.suites", "convert": "dsa_plugins.convert"}
     return _delegate(target[args.command], rest)
 
 

@@ -14,7 +14,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _fresh_warnings(monkeypatch):
     """Each test starts with the one-time warnings forgotten and default env settings."""
-    from dsa_plugins._config import reset_warnings
+    from dsa_plugins.common.settings import reset_warnings
 
     for name in ("DSA_PLUGINS_BACKEND", "DSA_PLUGINS_CHECK_INDICES", "DSA_PLUGINS_DETERMINISTIC"):
         monkeypatch.delenv(name, raising=False)

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from dsa_plugins.benchmarking import median_ms  # noqa: E402
+from dsa_plugins.bench.runner import median_ms  # noqa: E402
 from dsa_plugins.kernels import indexer as K  # noqa: E402
 from dsa_plugins.kernels import topk as TK  # noqa: E402
 

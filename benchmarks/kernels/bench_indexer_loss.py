@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from dsa_plugins import ops  # noqa: E402
-from dsa_plugins.benchmarking import median_ms  # noqa: E402
+from dsa_plugins.bench.runner import median_ms  # noqa: E402
 from dsa_plugins.kernels import indexer_loss as L  # noqa: E402
 from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd  # noqa: E402
 from dsa_plugins.kernels.sparse_attention_fwd import sparse_attention_fwd  # noqa: E402

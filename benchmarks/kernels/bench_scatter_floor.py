@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from dsa_plugins.benchmarking import median_ms  # noqa: E402
+from dsa_plugins.bench.runner import median_ms  # noqa: E402
 
 BULK_PRELUDE = r"""
 __device__ __forceinline__ void bench_bulk_add_f32(const float* smem, float* gmem, int bytes) {

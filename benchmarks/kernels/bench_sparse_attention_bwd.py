@@ -83,7 +83,7 @@ def warmup(configs, jobs_n):
 
 
 def _bench(fn):
-    from dsa_plugins.benchmarking import median_ms
+    from dsa_plugins.bench.runner import median_ms
 
     return median_ms(fn)
 

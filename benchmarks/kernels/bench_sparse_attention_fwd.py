@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from dsa_plugins.benchmarking import median_ms  # noqa: E402
+from dsa_plugins.bench.runner import median_ms  # noqa: E402
 
 
 def bench_ms(fn, warmup=5, rep=30):

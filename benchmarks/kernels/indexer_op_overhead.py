@@ -1,5 +1,5 @@
 import torch
-from dsa_plugins.benchmarking import median_ms, time_callable
+from dsa_plugins.bench.runner import median_ms, time_callable
 from dsa_plugins import ops
 from dsa_plugins.kernels import indexer as K, topk as TK
 dev = torch.device("cuda")

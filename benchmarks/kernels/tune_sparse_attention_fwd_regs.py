@@ -6,7 +6,7 @@ import multiprocessing as mp
 
 import torch
 
-from dsa_plugins.benchmarking import median_ms
+from dsa_plugins.bench.runner import median_ms
 from dsa_plugins.kernels import sparse_attention_fwd as F
 
 CANDIDATES = [

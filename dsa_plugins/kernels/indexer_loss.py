@@ -25,6 +25,9 @@ Index heads (at most 64) are padded to 64 by the wrapper (zero queries, zero wei
 below 64 are padded inside the kernel (zero rows with norm = +inf, so they contribute nothing).
 
 TileLang is imported lazily so that this module imports without TileLang or a GPU.
+
+Size: one file for the loss family (the attn_probs and loss programs with their macros, the
+config table and the Python wrapper), so that a change to the loss is read and compiled in one place.
 """
 
 # no "from __future__ import annotations": TileLang evaluates the prim_func annotations
@@ -34,8 +37,8 @@ import threading
 
 import torch
 
-from .._config import logger
-from .._indices import as_int32
+from ..common.settings import logger
+from ..common.indices import as_int32
 
 __all__ = [
     "SHIPPED_CONFIGS",

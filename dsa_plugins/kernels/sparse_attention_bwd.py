@@ -25,6 +25,9 @@ Measured on an H200 (bf16, B1 S4096 Skv8192, whole wrapper incl. preprocess and 
 absorbed MLA 576/512 k2048 H64 266 TFLOP/s (11.1 ms), H128 274 (21.6 ms); V4 D512 sink H128
 k1024 268 (10.2 ms); TileLang's example: 190. Without the dkv atomics (ablation) the same kernel
 runs at 460-470 TFLOP/s: the fp32 scatter-add into L2 is the bottleneck.
+
+Size: one file for the backward family (preprocess, the main wgmma program with its atomic and
+deterministic dkv paths, the config table and the wrapper); they share layouts and must stay in step.
 """
 
 import functools
@@ -36,7 +39,7 @@ import threading
 import torch
 from torch import Tensor
 
-from .._indices import global_rows
+from ..common.indices import global_rows
 
 __all__ = ["SHIPPED_CONFIGS", "build_bwd_kernels", "bwd_flops", "sparse_attention_bwd"]
 

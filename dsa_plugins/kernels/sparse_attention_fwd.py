@@ -26,6 +26,9 @@ Design (one CTA per (64-head block, query token, batch), 3 warpgroups, 384 threa
 B, S, H, Skv and the padded K are dynamic symbols and the scale is a runtime scalar, so a program
 is compiled once per (Dqk, Dv, sink, dtype, block sizes). K is padded with -1 to a multiple of
 2 * block_k by the wrapper (the main loop handles the two buffers per trip).
+
+Size: one file for the forward family (producer, the two consumer schedules, the config table
+and the wrapper); the schedules share the producer and must stay in step with it.
 """
 
 # no "from __future__ import annotations": TileLang evaluates the prim_func annotations
@@ -36,9 +39,9 @@ import threading
 
 import torch
 
-from .._config import logger
-from .._indices import as_int32
-from .._validation import check_scale, check_tensor
+from ..common.settings import logger
+from ..common.indices import as_int32
+from ..common.validation import check_scale, check_tensor
 
 __all__ = [
     "DEFAULT_CONFIG",

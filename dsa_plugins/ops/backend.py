@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from .._config import resolve_backend, warn_once
+from ..common.settings import resolve_backend, warn_once
 from ..kernels import KERNEL_GROUPS, KERNELS, kernel_unavailable_reason, load_kernel
 
 

@@ -27,10 +27,11 @@ from typing import Callable, Union
 import torch
 from torch import Tensor
 
-from .._config import deterministic_enabled, warn_once
-from .._indices import global_rows
-from .._validation import FLOAT_DTYPES, check_tensor
+from ..common.settings import deterministic_enabled, warn_once
+from ..common.indices import global_rows
+from ..common.validation import FLOAT_DTYPES, check_tensor
 from ..reference.indexer_loss import indexer_kl_loss_reference
+from .attention_custom_ops import attention_backward
 from .backend import choose_kernel, kernel_shape_reason
 
 __all__ = ["FusedIndexerLoss"]
@@ -118,11 +119,9 @@ class SparseAttentionIndexerLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        from .sparse_attention import _backward_impl
-
         q, kv, indices, sink, out, lse = ctx.saved_tensors
         loss: FusedIndexerLoss = ctx.loss
-        dq, dkv, dsink, probs = _backward_impl(
+        dq, dkv, dsink, probs = attention_backward(
             q, kv, indices, sink, out, lse, dout.contiguous(), ctx.scale, ctx.dv, ctx.backend, ctx.deterministic,
             return_probs=True,
         )

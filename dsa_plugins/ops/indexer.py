@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._config import check_indices_enabled, resolve_backend
-from .._indices import as_int32
-from .._validation import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_index_range, check_scale, check_tensor
+from ..common.settings import check_indices_enabled, resolve_backend
+from ..common.indices import as_int32
+from ..common.validation import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_index_range, check_scale, check_tensor
 from ..kernels import load_kernel
 from ..reference.indexer import causal_key_windows, indexer_topk_reference, quantize_fp8_rows, topk_rows_reference
 from ..reference.indexer_loss import indexer_kl_loss_reference

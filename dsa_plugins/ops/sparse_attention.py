@@ -10,202 +10,21 @@ Returns out [.., H, dv] in q.dtype and, on request, lse [.., H] float32 (natural
 excluded, +inf for a row with no valid key, whose output is 0 and whose gradients are 0).
 
 The forward and backward are ``torch.library`` custom ops (``dsa_plugins::sparse_attention_fwd``
-and ``dsa_plugins::sparse_attention_bwd``) with fake implementations, so torch.compile traces
-them; each picks the TileLang kernel or the torch reference by the backend rules of ``backend.py``.
+and ``dsa_plugins::sparse_attention_bwd``, in :mod:`.attention_custom_ops`) with fake
+implementations, so torch.compile traces them; each picks the TileLang kernel or the torch
+reference by the backend rules of :mod:`.backend`.
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
-from .._config import check_indices_enabled, deterministic_enabled, resolve_backend
-from .._indices import as_int32
-from .._validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_scale, check_tensor
-from ..kernels import load_kernel
+from ..common.settings import deterministic_enabled, resolve_backend
+from ..common.validation import FLOAT_DTYPES, check_tensor
 from ..reference.mla import project_values
-from ..reference.sparse_attention import sparse_attention_backward, sparse_attention_forward
-from .backend import choose_kernel, kernel_shape_reason
-
-
-# ----------------------------------------------------------------------------- implementation
-
-
-def _shape_reason(kernel: str, q: Tensor, dv: int, sink: Optional[Tensor]) -> str | None:
-    return kernel_shape_reason(kernel, num_heads=q.shape[2], dqk=q.shape[3], dv=dv, has_sink=sink is not None,
-                               dtype=q.dtype)
-
-
-# The kernels address tensors with int32 offsets: longer inputs run in query chunks below this.
-_MAX_KERNEL_ELEMENTS = 2**31 - 1
-
-
-def _query_chunks(q: Tensor, indices: Tensor, dv: int) -> list[tuple[int, int]]:
-    """Ranges of the query axis whose q / out / indices slices each stay under 2**31 elements
-    (one range, the whole axis, for every realistic batch; 64K+ tokens x 64 heads x 576 need more)."""
-    b, s, h, d = q.shape
-    per_query = b * max(h * max(d, dv), indices.shape[-1] + 128)  # + the kernel's K padding
-    step = max(1, _MAX_KERNEL_ELEMENTS // per_query)
-    return [(a, min(a + step, s)) for a in range(0, s, step)]
-
-
-def _trivial(q, kv) -> bool:
-    """No query or no key: nothing for a kernel to do (and a grid of size 0 is not launched)."""
-    return q.numel() == 0 or kv.shape[1] == 0
-
-
-def _forward_impl(q, kv, indices, sink, scale: float, dv: int, backend: str):
-    if _trivial(q, kv):
-        return sparse_attention_forward(q, kv, indices, scale, sink, dv)
-    if choose_kernel(backend, "sparse_attention_fwd", (q, kv), _shape_reason("sparse_attention_fwd", q, dv, sink)):
-        kernel = load_kernel("sparse_attention_fwd")
-        parts = [kernel(q[:, a:b].contiguous(), kv, indices[:, a:b].contiguous(), scale, sink, dv)
-                 for a, b in _query_chunks(q, indices, dv)]
-        if len(parts) == 1:
-            return parts[0]
-        return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
-    return sparse_attention_forward(q, kv, indices, scale, sink, dv)
-
-
-def _backward_impl(q, kv, indices, sink, out, lse, dout, scale: float, dv: int, backend: str, deterministic: bool,
-                   return_probs: bool = False):
-    """(dq in q.dtype, dkv in float32 (float64 for float64 inputs), dsink or None), plus with
-    return_probs the head sum of P per slot, probs [B, S, K] in the accumulation dtype."""
-    if _trivial(q, kv):
-        return sparse_attention_backward(q, kv, indices, out, lse, dout, scale, sink, dv, return_probs)
-    if choose_kernel(backend, "sparse_attention_bwd", (q, kv), _shape_reason("sparse_attention_bwd", q, dv, sink)):
-        kernel = load_kernel("sparse_attention_bwd")
-        dq, dkv, dsink, probs = [], None, None, []
-        for a, b in _query_chunks(q, indices, dv):
-            sl = slice(a, b)
-            res = kernel(
-                q[:, sl].contiguous(), kv, indices[:, sl].contiguous(), out[:, sl].contiguous(),
-                lse[:, sl].contiguous(), dout[:, sl].contiguous(), scale, sink, dv, deterministic=deterministic,
-                **({"return_probs": True} if return_probs else {}),
-            )
-            dq_c, dkv_c, dsink_c = res[:3]
-            dq.append(dq_c)
-            probs.append(res[3] if return_probs else None)
-            dkv = dkv_c if dkv is None else dkv.add_(dkv_c)  # fp32, fixed order: deterministic stays so
-            dsink = dsink_c if dsink is None or dsink_c is None else dsink.add_(dsink_c)
-        res = (dq[0] if len(dq) == 1 else torch.cat(dq, dim=1)), dkv, dsink
-        if return_probs:
-            res += (probs[0] if len(probs) == 1 else torch.cat(probs, dim=1),)
-        return res
-    return sparse_attention_backward(q, kv, indices, out, lse, dout.contiguous(), scale, sink, dv, return_probs)
-
-
-def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-# ----------------------------------------------------------------------------- custom ops
-
-
-@torch.library.custom_op("dsa_plugins::sparse_attention_fwd", mutates_args=())
-def _sparse_attention_fwd_op(
-    q: Tensor, kv: Tensor, indices: Tensor, sink: Optional[Tensor], scale: float, dv: int, backend: str
-) -> tuple[Tensor, Tensor]:
-    out, lse = _forward_impl(q, kv, indices, sink, scale, dv, backend)
-    return out, lse
-
-
-@_sparse_attention_fwd_op.register_fake
-def _(q, kv, indices, sink, scale, dv, backend):
-    b, s, h, _ = q.shape
-    return q.new_empty(b, s, h, dv), q.new_empty(b, s, h, dtype=_lse_dtype(q.dtype))
-
-
-@torch.library.custom_op("dsa_plugins::sparse_attention_bwd", mutates_args=())
-def _sparse_attention_bwd_op(
-    q: Tensor, kv: Tensor, indices: Tensor, sink: Optional[Tensor], out: Tensor, lse: Tensor, dout: Tensor,
-    scale: float, dv: int, backend: str, deterministic: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    dq, dkv, dsink = _backward_impl(q, kv, indices, sink, out, lse, dout, scale, dv, backend, deterministic)
-    if dsink is None:  # custom ops return tensors only
-        dsink = q.new_zeros(0, dtype=_lse_dtype(q.dtype))
-    return dq, dkv, dsink
-
-
-@_sparse_attention_bwd_op.register_fake
-def _(q, kv, indices, sink, out, lse, dout, scale, dv, backend, deterministic):
-    dsink_shape = (0,) if sink is None else tuple(sink.shape)
-    acc = _lse_dtype(q.dtype)
-    return torch.empty_like(q), kv.new_empty(kv.shape, dtype=acc), q.new_empty(dsink_shape, dtype=acc)
-
-
-def _setup_context(ctx, inputs, output):
-    q, kv, indices, sink, scale, dv, backend = inputs
-    out, lse = output
-    ctx.save_for_backward(q, kv, indices, sink, out, lse)
-    ctx.scale, ctx.dv, ctx.backend = scale, dv, backend
-    ctx.deterministic = deterministic_enabled()
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, dout, _dlse):
-    q, kv, indices, sink, out, lse = ctx.saved_tensors
-    dq, dkv, dsink = torch.ops.dsa_plugins.sparse_attention_bwd(
-        q, kv, indices, sink, out, lse, dout.contiguous(), ctx.scale, ctx.dv, ctx.backend, ctx.deterministic
-    )
-    return dq, dkv.to(kv.dtype), None, (None if sink is None else dsink.to(sink.dtype)), None, None, None
-
-
-_sparse_attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-# ----------------------------------------------------------------------------- validation
-
-
-def _normalise(q, kv, indices, scale, sink, dv):
-    """Validate and bring inputs to the batched layout. Returns (q, kv, indices, sink, scale, dv, packed)."""
-    check_tensor("q", q, ndim=(3, 4), dtypes=FLOAT_DTYPES)
-    packed = q.dim() == 3
-    device = q.device
-    if packed:
-        check_tensor("kv", kv, ndim=(2, 3), dtypes=FLOAT_DTYPES, device=device)
-        check_tensor("indices", indices, ndim=(2, 3), dtypes=INDEX_DTYPES, device=device)
-        if kv.dim() == 3:
-            check_tensor("kv", kv, shape={1: 1})
-            kv = kv.squeeze(1)
-        if indices.dim() == 3:
-            check_tensor("indices", indices, shape={1: 1})
-            indices = indices.squeeze(1)
-        q, kv, indices = q.unsqueeze(0), kv.unsqueeze(0), indices.unsqueeze(0)
-    else:
-        check_tensor("kv", kv, ndim=(3, 4), dtypes=FLOAT_DTYPES, device=device)
-        check_tensor("indices", indices, ndim=(3, 4), dtypes=INDEX_DTYPES, device=device)
-        if kv.dim() == 4:
-            check_tensor("kv", kv, shape={2: 1})
-            kv = kv.squeeze(2)
-        if indices.dim() == 4:
-            check_tensor("indices", indices, shape={2: 1})
-            indices = indices.squeeze(2)
-    b, s, h, d = q.shape
-    what = "packed [T, H, D] q" if packed else "batched [B, S, H, D] q"
-    if kv.dtype != q.dtype:
-        raise ValueError(f"kv must have the dtype of q ({q.dtype}), got {kv.dtype}")
-    if kv.shape[0] != b or kv.shape[2] != d:
-        raise ValueError(f"kv must be [{'Tkv' if packed else f'{b}, Skv'}, {d}] for {what} of shape {tuple(q.shape[packed:])}, got {tuple(kv.shape[packed:])}")
-    if indices.shape[0] != b or indices.shape[1] != s:
-        raise ValueError(f"indices must be [{'' if packed else f'{b}, '}{s}, K] for {what} of shape {tuple(q.shape[packed:])}, got {tuple(indices.shape[packed:])}")
-    if h == 0 or d == 0:
-        raise ValueError(f"q must have at least one head and one feature, got shape {tuple(q.shape)}")
-    scale = check_scale(scale)
-    dv = d if dv is None else int(dv)
-    if not 1 <= dv <= d:
-        raise ValueError(f"dv must be in [1, {d}] (the value width is a prefix of kv), got {dv}")
-    if sink is not None:
-        check_tensor("sink", sink, ndim=1, dtypes=FLOAT_DTYPES, device=device, shape={0: h})
-        sink = sink.to(_lse_dtype(q.dtype))
-    if check_indices_enabled():
-        check_index_range("indices", indices, kv.shape[1])
-    indices = as_int32(indices, kv.shape[1])
-    if indices.shape[-1] == 0:  # no slot at all: one "no key" slot gives the empty-row result
-        indices = indices.new_full((b, s, 1), -1)
-    return q.contiguous(), kv.contiguous(), indices.contiguous(), sink, scale, dv, packed
+from .attention_custom_ops import attention_backward, attention_forward, normalise_inputs
+from .fused_indexer_loss import attention_with_indexer_loss
 
 
 # ----------------------------------------------------------------------------- public ops
@@ -230,12 +49,10 @@ def sparse_attention(
     indexer_loss: a :class:`~dsa_plugins.ops.FusedIndexerLoss`; the sparse-stage indexer KL loss
     over these slots is then computed inside this op's backward (its value lands in the handle).
     """
-    q4, kv3, idx3, sink, scale, dv, packed = _normalise(q, kv, indices, scale, sink, dv)
+    q4, kv3, idx3, sink, scale, dv, packed = normalise_inputs(q, kv, indices, scale, sink, dv)
     if indexer_loss is not None:
         if return_lse:
             raise ValueError("return_lse is not available together with indexer_loss")
-        from .fused_indexer_loss import attention_with_indexer_loss
-
         out = attention_with_indexer_loss(q4, kv3, idx3, sink, scale, dv, resolve_backend(backend), indexer_loss)
         return out.squeeze(0) if packed else out
     out, lse = torch.ops.dsa_plugins.sparse_attention_fwd(q4, kv3, idx3, sink, scale, dv, resolve_backend(backend))
@@ -281,7 +98,7 @@ def _chunked_forward(ctx, q, kv, indices, sink, scale, dv, max_heads, backend):
     outs, lses = [], []
     for h0 in range(0, h, step):
         hs = slice(h0, min(h0 + step, h))
-        o, l = _forward_impl(q[:, :, hs].contiguous(), kv, indices, None if sink is None else sink[hs].contiguous(), scale, dv, backend)
+        o, l = attention_forward(q[:, :, hs].contiguous(), kv, indices, None if sink is None else sink[hs].contiguous(), scale, dv, backend)
         outs.append(o)
         lses.append(l)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
@@ -301,7 +118,7 @@ def _chunked_backward(ctx, dout):
     dsink = None if sink is None else torch.empty_like(sink)
     for h0 in range(0, h, ctx.step):
         hs = slice(h0, min(h0 + ctx.step, h))
-        dq_c, dkv_c, dsink_c = _backward_impl(
+        dq_c, dkv_c, dsink_c = attention_backward(
             q[:, :, hs].contiguous(), kv, indices, None if sink is None else sink[hs].contiguous(),
             out[:, :, hs].contiguous(), lse[:, :, hs].contiguous(), dout[:, :, hs].contiguous(),
             ctx.scale, ctx.dv, ctx.backend, ctx.deterministic,
@@ -315,7 +132,7 @@ def _chunked_backward(ctx, dout):
 
 def _v4_inputs(q, kv, attn_sink, topk_idxs, sm_scale):
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    q, kv, idx, sink, scale, dv, _ = _normalise(q, kv, topk_idxs, scale, attn_sink, None)
+    q, kv, idx, sink, scale, dv, _ = normalise_inputs(q, kv, topk_idxs, scale, attn_sink, None)
     return q, kv, idx, sink, scale, dv
 
 
@@ -368,7 +185,7 @@ def sparse_attention_head_chunked(
     q, kv, indices, scale, max_heads_per_kernel: int, sink=None, dv=None, backend: str | None = None
 ) -> Tensor:
     """sparse_attention (batched layout) in head groups of at most ``max_heads_per_kernel``."""
-    q_, kv_, idx, sink_, scale_, dv_, packed = _normalise(q, kv, indices, scale, sink, dv)
+    q_, kv_, idx, sink_, scale_, dv_, packed = normalise_inputs(q, kv, indices, scale, sink, dv)
     out = _HeadChunked.apply(q_, kv_, idx, sink_, scale_, dv_, max_heads_per_kernel, resolve_backend(backend))
     return out.squeeze(0) if packed else out
 

@@ -161,7 +161,7 @@ def test_query_chunking_for_int32_kernels_is_exact(monkeypatch):
     """Inputs over the kernels' int32 range run in query chunks; the split must not change results."""
     import importlib
 
-    sa = importlib.import_module("dsa_plugins.ops.sparse_attention")  # the module, not the function
+    sa = importlib.import_module("dsa_plugins.ops.attention_custom_ops")
 
     q, kv, idx, sink = _batched(b=2, s=9, h=4, d=16, k=6, seed=8)
     calls = []

@@ -1,39 +1,34 @@
 """Hugging Face Transformers adapter: ``attn_implementation="dsa_tilelang"``.
 
-``register()`` makes the name valid and routes every supported DSA model through dsa_plugins'
-sparse ops (see :mod:`dsa_plugins.patches.transformers`). It is idempotent and works before or
-after transformers (or a modeling module) is imported: each patch is applied by a post-import
-hook once its module has finished importing, or at once when it already has. ``unregister()``
-reverts everything. The entry point ``dsa_plugins.adapters: transformers`` exposes ``ADAPTER`` so
-that ``import torch`` (through ``dsa_plugins._autoload``) registers it with no code change.
+Where things live:
+
+* :mod:`.models`: the table of supported model types and what each gets (one module per family:
+  ``models/v32_family.py`` for GLM-5 / DeepSeek-V3.2 and kin, ``models/deepseek_v4.py``,
+  ``models/glm5_next.py``);
+* :mod:`.attention`: the attention function (absorbed sparse MLA, per-model handlers, SDPA
+  fallback); :mod:`.indexer`: top-k through the fused indexer op; :mod:`.masks`: the lazy mask;
+* :mod:`.interfaces`: registration with transformers' attention and mask interfaces;
+* :mod:`.tiny`: tiny random configs of every supported model (tests, demo).
+
+``register()`` makes the name valid and routes every supported DSA model through the sparse ops.
+It is idempotent and works before or after transformers (or a modeling module) is imported: each
+patch is applied by a post-import hook once its module has finished importing, or at once when it
+already has. ``unregister()`` reverts everything. The entry point ``dsa_plugins.adapters:
+transformers`` exposes ``ADAPTER`` so that ``import torch`` (through ``dsa_plugins._autoload``)
+registers it with no code change. This module stays light: the adapter's modules are imported by
+``register()``.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import threading
 
-from dsa_plugins._autoload import when_imported
-from dsa_plugins.adapters import Adapter
+from ...patches.import_hooks import when_imported
+from .. import Adapter
+from .constants import ATTN_NAME, PATCH_KEY
 
 _lock = threading.RLock()
 _active = False
-
-
-def _models_dir() -> str | None:
-    spec = importlib.util.find_spec("transformers")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return os.path.join(next(iter(spec.submodule_search_locations)), "models")
-
-
-def available_models() -> list[str]:
-    """Supported DSA model types that the installed transformers ships."""
-    from dsa_plugins.patches.transformers import MODELS
-
-    root = _models_dir()
-    return [m for m in MODELS if root is not None and os.path.isdir(os.path.join(root, m))]
 
 
 def _guarded(fn):
@@ -41,8 +36,15 @@ def _guarded(fn):
         if _active:
             fn(module)
 
-    hook.__qualname__ = f"dsa_plugins.hf[{getattr(fn, '__name__', fn)}]"
+    hook.__qualname__ = f"dsa_plugins.hf[{getattr(fn, '__qualname__', fn)}]"
     return hook
+
+
+def available_models() -> list[str]:
+    """Supported DSA model types that the installed transformers ships."""
+    from .models import available_models as _available
+
+    return _available()
 
 
 def register() -> None:
@@ -51,27 +53,37 @@ def register() -> None:
     Raises UnsupportedVersion when the installed transformers is outside the supported range.
     """
     global _active
-    from dsa_plugins.patches import transformers as tp
+    from . import interfaces
+    from .models import MODELS
 
-    tp.check_version()
+    interfaces.check_version()
     with _lock:
         _active = True
-        when_imported("transformers.modeling_utils", _guarded(tp.register_attention))
-        when_imported("transformers.masking_utils", _guarded(tp.register_mask))
+        when_imported("transformers.modeling_utils", _guarded(interfaces.register_attention))
+        when_imported("transformers.masking_utils", _guarded(interfaces.register_mask))
         for model_type in available_models():
-            name, patch = tp.MODELS[model_type]
-            when_imported(name, _guarded(patch))
+            entry = MODELS[model_type]
+            when_imported(entry.module, _guarded(entry.patch))
 
 
-def unregister() -> None:
-    """Revert every patch and remove "dsa_tilelang" from transformers' interfaces."""
+def unregister() -> int:
+    """Revert every patch and remove "dsa_tilelang" from transformers' interfaces. Returns how many
+    attributes were restored."""
     global _active
+    import sys
+
+    from ...patches.attributes import revert_patches
+
     with _lock:
         _active = False
-        import sys
+        if f"{__name__}.interfaces" not in sys.modules:  # nothing was ever registered
+            return 0
+        from .attention import clear_handlers
+        from .interfaces import unregister_interfaces
 
-        if "dsa_plugins.patches.transformers" in sys.modules:
-            sys.modules["dsa_plugins.patches.transformers"].unpatch_all()
+        clear_handlers()
+        unregister_interfaces()
+        return revert_patches(f"{PATCH_KEY}.", prefix=True)
 
 
 def is_registered() -> bool:
@@ -86,4 +98,4 @@ ADAPTER = Adapter(
     is_registered=is_registered,
 )
 
-__all__ = ["ADAPTER", "available_models", "is_registered", "register", "unregister"]
+__all__ = ["ADAPTER", "ATTN_NAME", "available_models", "is_registered", "register", "unregister"]

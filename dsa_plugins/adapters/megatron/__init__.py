@@ -1,32 +1,31 @@
 """Megatron-core adapter: DSA modules (absorbed MLA + sparse attention + lightning indexer),
 layer/block specs, and the patch that lets megatron's own spec functions build them.
 
+Where things live: :mod:`.attention` (the DSA core attention and the absorbed-MLA self-attention
+that hands the kv latent to ``sparse_mla``), :mod:`.indexer` (the lightning indexer on
+``indexer_topk``), :mod:`.layers` (small shared modules: duplicated linear, Hadamard, rope
+config), :mod:`.specs` (module specs and per-model presets), :mod:`.spec_patches` (megatron's
+own spec functions patched to build them), :mod:`.keymap` (HF <-> Megatron checkpoint keys).
+
 Importing this package does not import megatron; the submodules do. ``ADAPTER.register()`` (called
 on ``import megatron.core`` by ``dsa_plugins._autoload``) applies
-:func:`dsa_plugins.patches.megatron.apply_dsa_to_megatron` to megatron's spec module, at once when
-it is imported already, else when it finishes importing (a post-import hook: ``import megatron.core``
-stays as cheap as it was).
+:func:`.spec_patches.apply_dsa_to_megatron` to megatron's spec module, at once when it is imported
+already, else when it finishes importing (a post-import hook: ``import megatron.core`` stays as
+cheap as it was).
 """
 
 from __future__ import annotations
 
-import sys
-
-from dsa_plugins.adapters import Adapter
+from ...patches.import_hooks import is_imported, when_imported
+from .. import Adapter
 
 SPECS_MODULE = "megatron.core.models.gpt.experimental_attention_variant_module_specs"
 _state = {"wanted": False, "hooked": False}
 
 
-def _imported(name: str) -> bool:
-    module = sys.modules.get(name)
-    spec = getattr(module, "__spec__", None)
-    return module is not None and not getattr(spec, "_initializing", False)
-
-
 def _apply_if_wanted(_module=None) -> None:
     if _state["wanted"]:
-        from dsa_plugins.patches.megatron import apply_dsa_to_megatron
+        from .spec_patches import apply_dsa_to_megatron
 
         apply_dsa_to_megatron()
 
@@ -34,11 +33,9 @@ def _apply_if_wanted(_module=None) -> None:
 def register() -> None:
     """Patch megatron's spec functions (idempotent; deferred until the spec module is imported)."""
     _state["wanted"] = True
-    if _imported(SPECS_MODULE):
+    if is_imported(SPECS_MODULE):
         _apply_if_wanted()  # errors (unsupported version, moved patch point) raise here
     elif not _state["hooked"]:
-        from dsa_plugins._autoload import when_imported
-
         _state["hooked"] = True
         when_imported(SPECS_MODULE, _apply_if_wanted)
 
@@ -46,16 +43,16 @@ def register() -> None:
 def unregister() -> None:
     """Restore megatron's spec functions (and cancel a deferred registration)."""
     _state["wanted"] = False
-    from dsa_plugins.patches.megatron import revert_dsa_from_megatron
+    from .spec_patches import revert_dsa_from_megatron
 
     revert_dsa_from_megatron()
 
 
 def is_registered() -> bool:
     """True when the patch is applied, or will be as soon as megatron's spec module is imported."""
-    from dsa_plugins.patches.megatron import is_applied
+    from .spec_patches import is_applied
 
-    return is_applied() or (_state["wanted"] and not _imported(SPECS_MODULE))
+    return is_applied() or (_state["wanted"] and not is_imported(SPECS_MODULE))
 
 
 ADAPTER = Adapter(

@@ -45,13 +45,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import build_module
 
+from ... import ops
+from ...common.settings import warn_once
 from .indexer import is_packed, packed_windows
-
-
-def _ops():
-    from dsa_plugins import ops
-
-    return ops
 
 
 class _ReduceGradOverGroup(torch.autograd.Function):
@@ -197,7 +193,6 @@ class DSAttention(MegatronModule):
                 "DSAttention handles self-attention over the whole sequence (training, prefill); "
                 f"got {query.shape[0]} query and {key.shape[0]} key positions (a KV cache?)"
             )
-        ops = _ops()
         packed = is_packed(packed_seq_params)
         absorbed = w_vc is not None
         if packed:
@@ -245,7 +240,6 @@ class DSAttention(MegatronModule):
 
     def _per_head_attention(self, q, k, v, rows):
         """Per-head K/V (megatron's unabsorbed MLA): one MQA call per head, kv = [v, k], q = [0, q]."""
-        ops = _ops()
         dv = v.shape[-1]
         outs = []
         for h in range(q.shape[1]):
@@ -258,7 +252,6 @@ class DSAttention(MegatronModule):
         """The sparse-stage loss computed inside the sparse attention's backward (no second gather
         of the kv rows). Its gradient enters with coeff * DSAIndexerLossAutoScaler's scale, as
         megatron's autoscaler gives it, and its value is logged from the backward."""
-        ops = _ops()
         coeff = float(self.config.dsa_indexer_loss_coeff)
         tp = self.pg_collection.tp
         if tp.size() > 1:
@@ -299,7 +292,6 @@ class DSAttention(MegatronModule):
                 scores, pos.view(batch, seqlen, -1), query.detach(), key.detach(), self.softmax_scale,
                 coeff, sparse, self.pg_collection,
             )
-        ops = _ops()
         if tp.size() > 1:
             index_q = _ReduceGradOverGroup.apply(index_q, tp, True)
             index_k = _ReduceGradOverGroup.apply(index_k, tp, True)
@@ -386,8 +378,6 @@ class AbsorbedMLASelfAttention(MLASelfAttention):
             or not isinstance(self.core_attention, DSAttention)
         )
         if self.training and (self.recompute_up_proj or self.checkpoint_core_attention):
-            from dsa_plugins._config import warn_once
-
             warn_once(
                 "megatron.dsa.recompute",
                 "dsa_plugins: selective recompute of 'mla_up_proj' falls back to megatron's per-head MLA path "

@@ -30,15 +30,10 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
+from ... import ops
 from .layers import hadamard_rotate, rope_config
 
 ROPE_LAYOUTS = ("pe_first", "nope_first")
-
-
-def _ops():
-    from dsa_plugins import ops
-
-    return ops
 
 
 def is_packed(packed_seq_params: Optional[PackedSeqParams]) -> bool:
@@ -50,7 +45,6 @@ def packed_windows(packed_seq_params: Optional[PackedSeqParams], batch: int, seq
 
     bshd input is packed batch-major (row = b * seqlen + s); THD uses ``cu_seqlens_q`` (and
     ``cu_seqlens_q_padded``, whose padding rows are never keys)."""
-    ops = _ops()
     if is_packed(packed_seq_params):
         cu = packed_seq_params.cu_seqlens_q.to(device=device, dtype=torch.int32)
         cu_pad = packed_seq_params.cu_seqlens_q_padded
@@ -217,7 +211,7 @@ class DSAIndexer(MegatronModule):
     def select(self, index_q, index_k, weights, key_start, key_end) -> torch.Tensor:
         """Top-k rows [T, topk] int32 (global rows into ``index_k``, -1 where fewer keys exist)."""
         with torch.no_grad():
-            return _ops().indexer_topk(
+            return ops.indexer_topk(
                 index_q.detach(), index_k.detach(), weights.detach(), self.index_topk, key_start, key_end
             )
 

@@ -142,7 +142,8 @@ def test_model_built_before_and_after_registration(make_batch):
 
 def test_prefill_builds_no_dense_mask(registered, make_batch, monkeypatch):
     """No [B, S, T] visibility / mask tensors: the attention gets the selection, not a mask."""
-    from dsa_plugins.patches import transformers as tp
+    from dsa_plugins.adapters.hf import attention
+    from dsa_plugins.adapters.hf.masks import TopkSelection
 
     m = _modeling()
 
@@ -152,18 +153,18 @@ def test_prefill_builds_no_dense_mask(registered, make_batch, monkeypatch):
     monkeypatch.setattr(m.Glm5NextTextIndexer, "get_visible_tokens", forbidden)
     monkeypatch.setattr(m.Glm5NextTextIndexer, "append_visible_tail", forbidden)
     seen = []
-    real = tp._sparse_mla_forward
+    real = attention.absorbed_mla_forward
 
     def spy(module, query, latent, attention_mask, *args, **kwargs):
         seen.append(type(attention_mask))
         return real(module, query, latent, attention_mask, *args, **kwargs)
 
-    monkeypatch.setattr(tp, "_sparse_mla_forward", spy)
+    monkeypatch.setattr(attention, "absorbed_mla_forward", spy)
     model = _model(attn_implementation="dsa_tilelang")
     ids, mask = make_batch()
     with torch.no_grad():
         model(ids, attention_mask=mask)
-    assert seen == [tp.TopkSelection] * 3  # the three indexed-attention layers
+    assert seen == [TopkSelection] * 3  # the three indexed-attention layers
 
 
 def _indexer_inputs(model, B, S, padding, seed=3):
@@ -179,7 +180,7 @@ def _indexer_inputs(model, B, S, padding, seed=3):
 )
 def test_indexer_selects_what_hf_selects(registered, overrides):
     """The patched indexer picks the same key sets as transformers' own (holes in the padding included)."""
-    from dsa_plugins.patches._core import _records
+    from dsa_plugins.patches import original_attribute
 
     model = _model(**overrides)
     B, S = 3, 23
@@ -187,7 +188,7 @@ def test_indexer_selects_what_hf_selects(registered, overrides):
     padding[1, :5] = False  # left padding
     padding[2, 7:9] = False  # a hole
     indexer, args = _indexer_inputs(model, B, S, padding)
-    original = next(r.original for r in _records if r.owner is type(indexer) and r.name == "forward")
+    original = original_attribute(type(indexer), "forward")
     model.set_attn_implementation("dsa_tilelang")
     with torch.no_grad():
         ref = original(indexer, **args)
@@ -202,7 +203,7 @@ def test_indexer_selects_what_hf_selects(registered, overrides):
 
 def test_selection_is_a_set():
     """Out-of-range and repeated columns go to -1 (the eager mask counts a column once)."""
-    from dsa_plugins.patches.transformers import unique_key_columns
+    from dsa_plugins.adapters.hf.masks import unique_key_columns
 
     idx = torch.tensor([[[3, 1, 3, -1, 7, 1, 0]]])
     out = unique_key_columns(idx, kv_length=5)
@@ -212,7 +213,8 @@ def test_selection_is_a_set():
 
 def test_rows_without_keys_give_zeros(registered):
     """A query row with no selected key (padding query) gives zeros and zero gradients, never NaN."""
-    from dsa_plugins.patches.transformers import TopkSelection, dsa_attention_forward
+    from dsa_plugins.adapters.hf.attention import dsa_attention_forward
+    from dsa_plugins.adapters.hf.masks import TopkSelection
 
     model = _model(attn_implementation="dsa_tilelang")
     attn = model.layers[0].self_attn
@@ -229,17 +231,17 @@ def test_rows_without_keys_give_zeros(registered):
 
 
 def test_patch_points_and_status(registered):
-    from dsa_plugins.patches import transformers as tp
-    from dsa_plugins.patches._core import applied_keys
+    from dsa_plugins.adapters.hf.models import patch_model, supported_models
+    from dsa_plugins.patches import applied_keys
 
     m = _modeling()
     assert "hf.glm5_next" in applied_keys()
-    assert tp.supported_models()[MODEL].startswith("patched")
+    assert supported_models()[MODEL].startswith("patched")
     for cls, name in ((m.Glm5NextTextAttention, "expand_kv"), (m.Glm5NextTextAttention, "build_attention_mask_from_topk"),
                       (m.Glm5NextTextIndexer, "forward")):
         assert inspect.unwrap(cls.__dict__[name]) is not cls.__dict__[name], (cls, name)
     patched = {name: m.Glm5NextTextAttention.__dict__[name] for name in ("expand_kv", "build_attention_mask_from_topk")}
-    tp.patch_model(MODEL)  # a second application is a no-op
+    patch_model(MODEL)  # a second application is a no-op
     assert applied_keys().count("hf.glm5_next") == 1
     assert all(m.Glm5NextTextAttention.__dict__[n] is fn for n, fn in patched.items())
     registered.unregister()  # reverted: the originals are back
@@ -286,9 +288,6 @@ def test_no_tail_config_warns(registered, make_batch, caplog):
     """index_kpool_always_select_tail=False leaves the first tokens without keys: zeros, and a warning."""
     import logging
 
-    from dsa_plugins.patches import transformers as tp
-
-    tp._warned.discard("glm5_next_tail")
     model = _model(index_kpool_always_select_tail=False, attn_implementation="dsa_tilelang")
     ids, mask = make_batch()
     with caplog.at_level(logging.WARNING, logger="dsa_plugins"), torch.no_grad():

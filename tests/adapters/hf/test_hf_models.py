@@ -97,12 +97,12 @@ def test_topk_matters_in_tiny_configs(registered, make_batch, output_of):
 def test_prefill_builds_no_dense_mask(registered, model_type, make_batch, monkeypatch):
     """Causal / sliding masks with left padding stay lazy: nothing materialises [B, 1, S, T]."""
     _require(model_type)
-    from dsa_plugins.patches import transformers as tp
+    from dsa_plugins.adapters.hf.masks import LazyMask
 
     def forbidden(self):
         raise AssertionError("the dense mask was materialised")
 
-    monkeypatch.setattr(tp.LazyMask, "dense", forbidden)
+    monkeypatch.setattr(LazyMask, "dense", forbidden)
     model = tiny.tiny_model(model_type, attn_implementation="dsa_tilelang")
     ids, mask = make_batch()
     with torch.no_grad():
@@ -113,12 +113,12 @@ def test_prefill_builds_no_dense_mask(registered, model_type, make_batch, monkey
 def test_indexer_selects_what_hf_selects(registered, model_type):
     """The patched indexer (indexer_topk) picks the same key sets as transformers' own indexer."""
     _require(model_type)
-    from dsa_plugins.patches import transformers as tp
-    from dsa_plugins.patches._core import _records
+    from dsa_plugins.adapters.hf.masks import dsa_mask
+    from dsa_plugins.patches import original_attribute
 
     model = tiny.tiny_model(model_type)
     indexer = next(m for m in model.modules() if type(m).__name__.endswith("Indexer"))
-    original = next(r.original for r in _records if r.owner is type(indexer) and r.name == "forward")
+    original = original_attribute(type(indexer), "forward")
     B, S = 2, 16
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(B, S, model.config.hidden_size, generator=g)
@@ -130,7 +130,7 @@ def test_indexer_selects_what_hf_selects(registered, model_type):
     pos_emb = (emb.cos(), emb.sin())
     padding = torch.ones(B, S, dtype=torch.bool)
     padding[1, :4] = False
-    lazy = tp.dsa_mask(B, S, S, attention_mask=padding)
+    lazy = dsa_mask(B, S, S, attention_mask=padding)
     dense = lazy.dense()[:, 0]
     params = list(__import__("inspect").signature(original).parameters)
     args = dict(hidden_states=hidden, position_embeddings=pos_emb, position_ids=position_ids, past_key_values=None)
@@ -150,7 +150,8 @@ def test_indexer_selects_what_hf_selects(registered, model_type):
 
 def test_vision_like_module_falls_back_to_sdpa(registered):
     """A module with no indices and full K/V (a vision or audio tower) goes through SDPA."""
-    from dsa_plugins.patches.transformers import dsa_attention_forward, dsa_mask
+    from dsa_plugins.adapters.hf.attention import dsa_attention_forward
+    from dsa_plugins.adapters.hf.masks import dsa_mask
 
     module = torch.nn.Module()
     module.is_causal = False

@@ -9,12 +9,10 @@ import types
 import pytest
 import torch
 
-from dsa_plugins.patches import transformers as tp
-from dsa_plugins.patches._core import (
-    PatchPointMissing,
-    UnsupportedVersion,
-    applied_keys,
-)
+from dsa_plugins.adapters.hf.attention import dsa_attention_forward
+from dsa_plugins.adapters.hf.masks import dsa_mask, mask_indices
+from dsa_plugins.adapters.hf.models import MODELS, patch_model, supported_models
+from dsa_plugins.patches import PatchPointMissing, UnsupportedVersion, applied_keys
 
 
 def _interfaces():
@@ -40,8 +38,8 @@ def test_register_twice_is_a_noop(registered):
     assert applied_keys() == keys
     assert _glm().GlmMoeDsaAttention.expand_kv is expand
     attn, masks = _interfaces()
-    assert attn["dsa_tilelang"] is tp.dsa_attention_forward
-    assert masks["dsa_tilelang"] is tp.dsa_mask
+    assert attn["dsa_tilelang"] is dsa_attention_forward
+    assert masks["dsa_tilelang"] is dsa_mask
     assert hf.is_registered()
 
 
@@ -76,7 +74,7 @@ def test_register_before_transformers_is_imported(tmp_path):
         import torch
         from dsa_plugins.adapters.hf.tiny import tiny_model
         m = tiny_model("glm_moe_dsa", attn_implementation="dsa_tilelang")
-        from dsa_plugins.patches._core import applied_keys
+        from dsa_plugins.patches import applied_keys
         assert "hf.glm_moe_dsa" in applied_keys(), applied_keys()
         ids = torch.randint(3, 100, (1, 9))
         assert torch.isfinite(m(ids).logits).all()
@@ -91,10 +89,10 @@ def test_register_before_transformers_is_imported(tmp_path):
 def test_version_out_of_range_refuses(monkeypatch):
     from packaging.version import Version
 
-    import dsa_plugins.patches._core as core
+    import dsa_plugins.patches.versions as versions
     from dsa_plugins import hf
 
-    monkeypatch.setattr(core, "installed_version", lambda package: Version("4.57.0"))
+    monkeypatch.setattr(versions, "installed_version", lambda package: Version("4.57.0"))
     with pytest.raises(UnsupportedVersion, match="transformers"):
         hf.register()
 
@@ -102,17 +100,17 @@ def test_version_out_of_range_refuses(monkeypatch):
 def test_moved_patch_point_fails_loudly():
     fake = types.ModuleType("transformers.models.glm_moe_dsa.modeling_fake")
     with pytest.raises(PatchPointMissing, match="GlmMoeDsaAttention"):
-        tp.MODELS["glm_moe_dsa"][1](fake)
+        MODELS["glm_moe_dsa"].patch(fake)
     fake.GlmMoeDsaAttention = type("GlmMoeDsaAttention", (), {})
     fake.GlmMoeDsaIndexer = type("GlmMoeDsaIndexer", (), {"forward": lambda self: None})
     with pytest.raises(PatchPointMissing, match="expand_kv"):
-        tp.MODELS["glm_moe_dsa"][1](fake)
+        MODELS["glm_moe_dsa"].patch(fake)
 
 
 def test_unknown_and_unsupported_models():
     with pytest.raises(KeyError, match="unknown model type"):
-        tp.patch_model("llama")
-    status = tp.supported_models()
+        patch_model("llama")
+    status = supported_models()
     assert "glm_moe_dsa" in status and "glm5_next" in status
     # every model type is supported now: none is reported with a reason
     assert all(v == "not in this transformers" or v.startswith(("patched", "available")) for v in status.values())
@@ -189,7 +187,7 @@ def test_lazy_mask_matches_dense(case):
             padding[b, :p] = False
     fn = causal_mask_function if case["window"] is None else sliding_window_causal_mask_function(case["window"])
     kwargs = dict(q_offset=case["q_offset"], kv_offset=case["kv_offset"], mask_function=fn, attention_mask=padding)
-    lazy = tp.dsa_mask(B, S, T, local_size=case["window"], **kwargs)
+    lazy = dsa_mask(B, S, T, local_size=case["window"], **kwargs)
     assert lazy.is_simple
     dense = sdpa_mask(batch_size=B, q_length=S, kv_length=T, allow_is_causal_skip=False, **kwargs)
     dense = dense.expand(B, 1, S, T)[:, 0]
@@ -202,4 +200,4 @@ def test_lazy_mask_matches_dense(case):
     assert torch.equal(lazy.dense()[:, 0], dense)
     idx = torch.randint(-2, T + 2, (B, S, 5))
     want = torch.where((idx >= 0) & (idx < T) & dense.gather(-1, idx.clamp(0, T - 1)), idx, -1)
-    assert torch.equal(tp.mask_indices(idx, lazy).long(), want)
+    assert torch.equal(mask_indices(idx, lazy).long(), want)

@@ -91,7 +91,7 @@ def test_patch_is_idempotent_and_reversible(megatron_env, tiny_config):
     import megatron.core.models.gpt.experimental_attention_variant_module_specs as mod
 
     from dsa_plugins.adapters.megatron import ADAPTER
-    from dsa_plugins.patches.megatron import apply_dsa_to_megatron, revert_dsa_from_megatron
+    from dsa_plugins.adapters.megatron.spec_patches import apply_dsa_to_megatron, revert_dsa_from_megatron
 
     was_registered = ADAPTER.is_registered()  # autoload may have registered it on import
     ADAPTER.unregister()
@@ -271,7 +271,7 @@ def test_unsupported_version_refuses_to_patch(megatron_env, monkeypatch):
     import megatron.core.models.gpt.experimental_attention_variant_module_specs as mod
 
     from dsa_plugins.patches import UnsupportedVersion
-    from dsa_plugins.patches import megatron as patch
+    from dsa_plugins.adapters.megatron import spec_patches as patch
 
     was_registered = patch.is_applied()
     patch.revert_dsa_from_megatron()

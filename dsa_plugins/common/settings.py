@@ -1,4 +1,4 @@
-"""Settings read from the environment, and the one-time warning helper.
+"""Settings read from the environment, and the one-time warning helper (used by every layer).
 
 - ``DSA_PLUGINS_BACKEND``: default backend of every op, "auto" | "tilelang" | "torch" (default "auto").
 - ``DSA_PLUGINS_CHECK_INDICES=1``: check every index against its range before running (costs a

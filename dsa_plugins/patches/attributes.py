@@ -7,12 +7,9 @@ object carries the marker attribute ``__dsa_plugins_patch__`` so a second call c
 
 from __future__ import annotations
 
-import importlib.metadata
 import threading
 from dataclasses import dataclass
 from typing import Any
-
-from packaging.version import Version
 
 _MARKER = "__dsa_plugins_patch__"
 _MISSING = object()
@@ -20,10 +17,6 @@ _MISSING = object()
 
 class PatchPointMissing(RuntimeError):
     """The attribute a patch expects is not where it should be (the framework moved it)."""
-
-
-class UnsupportedVersion(RuntimeError):
-    """The installed framework version is outside the range a patch was written for."""
 
 
 @dataclass
@@ -96,22 +89,33 @@ def revert_patches(key: str | None = None, *, prefix: bool = False) -> int:
         return len(undo)
 
 
-def installed_version(package: str) -> Version | None:
-    """Version of an installed distribution, or None when it is not installed."""
-    try:
-        return Version(importlib.metadata.version(package))
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def require_version(package: str, minimum: str, below: str | None = None) -> Version:
-    """Raise UnsupportedVersion unless ``minimum <= version(package) < below``."""
-    version = installed_version(package)
-    if version is None:
-        raise UnsupportedVersion(f"dsa_plugins needs {package} >= {minimum}, which is not installed")
-    if version < Version(minimum) or (below is not None and version >= Version(below)):
-        upper = f" and < {below}" if below else ""
-        raise UnsupportedVersion(
-            f"dsa_plugins patches for {package} support versions >= {minimum}{upper}; found {version}"
+def class_in(module: Any, name: str) -> type:
+    """``module.name``, a class a patch targets; PatchPointMissing when the module has none."""
+    cls = getattr(module, name, None)
+    if not isinstance(cls, type):
+        raise PatchPointMissing(
+            f"dsa_plugins: expected class {name} in {getattr(module, '__name__', module)}; "
+            "this framework version moved it"
         )
-    return version
+    return cls
+
+
+def own_attributes(cls: type, *names: str) -> tuple[Any, ...]:
+    """The attributes ``names`` as ``cls`` itself defines them (not inherited), checked all at once
+    before anything is patched, so a moved patch point never leaves a class half patched."""
+    missing = [n for n in names if n not in cls.__dict__]
+    if missing:
+        raise PatchPointMissing(
+            f"dsa_plugins: expected {', '.join(f'{cls.__qualname__}.{n}' for n in missing)} in {cls.__module__}; "
+            "this framework version moved it"
+        )
+    return tuple(cls.__dict__[n] for n in names)
+
+
+def original_attribute(owner: Any, name: str) -> Any:
+    """What ``owner.name`` was before dsa_plugins patched it (KeyError when it is not patched)."""
+    with _lock:
+        for rec in _records:
+            if rec.owner is owner and rec.name == name:
+                return rec.original
+    raise KeyError(f"{getattr(owner, '__qualname__', owner)}.{name} is not patched by dsa_plugins")

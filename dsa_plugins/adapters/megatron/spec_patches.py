@@ -22,7 +22,8 @@ import functools
 
 from packaging.version import Version
 
-from ._core import UnsupportedVersion, installed_version, is_patched, patch_attribute, require_version, revert_patches
+from ...patches.attributes import is_patched, patch_attribute, revert_patches
+from ...patches.versions import require_version
 
 PATCH_KEY = "megatron.dsa"
 SUPPORTED = ("0.16.0", "0.20.0")  # [minimum, below)
@@ -36,19 +37,9 @@ def _specs_module():
 
 
 def check_megatron_version() -> Version:
-    """The megatron-core version, checked against ``SUPPORTED``. A Megatron-LM source checkout on
-    ``PYTHONPATH`` has no distribution metadata: its ``megatron.core.package_info`` is read then."""
-    if installed_version("megatron-core") is not None:
-        return require_version("megatron-core", *SUPPORTED)
-    from megatron.core import package_info
-
-    version = Version(package_info.__version__)
-    if not Version(SUPPORTED[0]) <= version < Version(SUPPORTED[1]):
-        raise UnsupportedVersion(
-            f"dsa_plugins patches for megatron-core support versions >= {SUPPORTED[0]} and < {SUPPORTED[1]}; "
-            f"found {version}"
-        )
-    return version
+    """The megatron-core version, checked against ``SUPPORTED`` (a Megatron-LM source checkout on
+    ``PYTHONPATH`` has no distribution metadata: its ``megatron.core.package_info`` is read then)."""
+    return require_version("megatron-core", *SUPPORTED, version_module="megatron.core.package_info")
 
 
 def apply_dsa_to_megatron(model: str | None = None, kernel_backend: str | None = None) -> bool:
@@ -58,7 +49,7 @@ def apply_dsa_to_megatron(model: str | None = None, kernel_backend: str | None =
     ``kernel_backend``: ops backend for the built modules. Returns False when already applied."""
     check_megatron_version()
     mod = _specs_module()
-    from dsa_plugins.adapters.megatron import specs
+    from . import specs
 
     if is_patched(mod, "get_experimental_attention_variant_module_spec", PATCH_KEY):
         return False

@@ -1,0 +1,294 @@
+"""The attention mask under ``dsa_tilelang``: a description, materialised only when a dense
+fallback needs it.
+
+transformers asks ``AttentionMaskInterface["dsa_tilelang"]`` (:func:`dsa_mask`) for the mask and
+hands the result to the indexer and the attention function. Ours is a :class:`LazyMask`: the
+sizes, offsets, padding and mask function, answering in O(S) the two questions the sparse path
+asks (each row's window of visible key columns, and whether given columns are allowed) instead of
+a ``[B, 1, S, T]`` tensor. :class:`TopkSelection` is what glm5_next's top-k mask becomes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = [
+    "DenseMask",
+    "LazyMask",
+    "TopkSelection",
+    "as_mask",
+    "dsa_mask",
+    "mask_indices",
+    "unique_key_columns",
+]
+
+
+def _is_head_slice(key) -> bool:
+    """``[:, 0]`` or ``[:, 0, :, :]``: the models drop the (size-1) head axis before the indexer."""
+    if not isinstance(key, tuple) or len(key) not in (2, 4):
+        return False
+    first, head, *rest = key
+    full = lambda k: isinstance(k, slice) and k.start is None and k.stop is None and k.step is None
+    return full(first) and type(head) is int and head == 0 and all(full(k) for k in rest)
+
+
+def _is_plain_sliding(fn, causal) -> bool:
+    """``and_masks(sliding_window_overlay(W), causal_mask_function)`` and nothing else (no packing,
+    no extra and/or functions): recognised from the closure of transformers' ``and_masks``."""
+    if not getattr(fn, "__qualname__", "").startswith("and_masks."):
+        return False
+    for cell in fn.__closure__ or ():
+        try:
+            parts = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(parts, tuple) and len(parts) == 2:
+            first, second = parts
+            return second is causal and getattr(first, "__qualname__", "").startswith("sliding_window_overlay.")
+    return False
+
+
+class LazyMask:
+    """What ``AttentionMaskInterface["dsa_tilelang"]`` returns.
+
+    Holds the arguments transformers passes to a mask function (sizes, offsets, the 2D padding
+    mask, the mask function, the sliding window) and answers the two questions the sparse path
+    asks, without an ``O(S*T)`` tensor for the causal and sliding-window masks:
+
+    * :meth:`windows`: per query row, the contiguous range ``[start, end)`` of key columns it may see;
+    * :meth:`allowed`: whether given key columns are allowed (holes in the padding mask included).
+
+    ``mask[:, 0]`` / ``mask[:, 0, :, :]`` return the mask itself (the models slice the head axis
+    before calling their indexer); any other indexing, or :meth:`dense`, materialises the boolean
+    ``[B, 1, S, T]`` mask through ``transformers.masking_utils.sdpa_mask``.
+    """
+
+    ndim = 4
+    dtype = torch.bool
+
+    def __init__(
+        self,
+        batch_size: int,
+        q_length: int,
+        kv_length: int,
+        q_offset: int | torch.Tensor = 0,
+        kv_offset: int = 0,
+        mask_function: Callable | None = None,
+        attention_mask: torch.Tensor | None = None,
+        local_size: int | None = None,
+        use_vmap: bool = False,
+        device: torch.device | str = "cpu",
+        **_ignored: Any,
+    ):
+        self.batch_size = int(batch_size)
+        self.q_length = int(q_length)
+        self.kv_length = int(kv_length)
+        self.q_offset = q_offset
+        self.kv_offset = int(kv_offset)
+        self.mask_function = mask_function
+        self.padding = attention_mask
+        self.local_size = local_size
+        self.use_vmap = use_vmap
+        self.device = torch.device(device)
+        self._dense: torch.Tensor | None = None
+        self._windows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # tensor-like surface used by model code
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.batch_size, 1, self.q_length, self.kv_length))
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def __getitem__(self, key):
+        if _is_head_slice(key):
+            return self
+        return self.dense()[key]
+
+    def __repr__(self) -> str:
+        kind = "fast" if self.is_simple else "dense"
+        return (
+            f"LazyMask(B={self.batch_size}, S={self.q_length}, T={self.kv_length}, q_offset={self.q_offset}, "
+            f"kv_offset={self.kv_offset}, window={self.local_size}, padding={self.padding is not None}, {kind})"
+        )
+
+    @property
+    def is_simple(self) -> bool:
+        """True for the causal and the causal sliding-window masks (plus padding): computed in O(S)."""
+        if self.use_vmap or self.mask_function is None:
+            return self.mask_function is None
+        from transformers.masking_utils import causal_mask_function
+
+        if self.mask_function is causal_mask_function:
+            return self.local_size is None
+        # create_sliding_window_causal_mask passes and_masks(sliding overlay, causal) and local_size=W
+        return self.local_size is not None and _is_plain_sliding(self.mask_function, causal_mask_function)
+
+    def query_positions(self) -> torch.Tensor:
+        """Absolute position of every query row, [S] int64."""
+        offset = self.q_offset
+        if isinstance(offset, torch.Tensor):
+            offset = offset.to(self.device, torch.long)
+        return torch.arange(self.q_length, device=self.device, dtype=torch.long) + offset
+
+    def local_padding(self) -> torch.Tensor | None:
+        """The 2D padding mask over this mask's key columns, [B, T] bool (None: no padding)."""
+        if self.padding is None:
+            return None
+        pad = self.padding.to(self.device).bool()
+        need = self.kv_offset + self.kv_length
+        if pad.shape[-1] < need:  # keys past the 2D mask are masked, as transformers does
+            pad = torch.nn.functional.pad(pad, (0, need - pad.shape[-1]), value=False)
+        return pad[:, self.kv_offset : need]
+
+    def dense(self) -> torch.Tensor:
+        """The boolean [B, 1, S, T] mask (True = may attend)."""
+        if self._dense is None:
+            from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+            mask = sdpa_mask(
+                batch_size=self.batch_size,
+                q_length=self.q_length,
+                kv_length=self.kv_length,
+                q_offset=self.q_offset,
+                kv_offset=self.kv_offset,
+                mask_function=self.mask_function or causal_mask_function,
+                attention_mask=self.padding,
+                allow_is_causal_skip=False,
+                use_vmap=self.use_vmap,
+                device=self.device,
+            )
+            self._dense = mask.expand(self.batch_size, 1, self.q_length, self.kv_length)
+        return self._dense
+
+    def windows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per query row, key columns ``[start, end)`` it may see: two [B, S] int64 tensors."""
+        if self._windows is not None:
+            return self._windows
+        B, S, T = self.batch_size, self.q_length, self.kv_length
+        if self.is_simple:
+            pos = self.query_positions()
+            end = (pos + 1 - self.kv_offset).clamp(0, T)
+            if self.local_size is not None:
+                start = (pos - int(self.local_size) + 1 - self.kv_offset).clamp(0, T)
+            else:
+                start = torch.zeros_like(end)
+            start, end = start.expand(B, S), end.expand(B, S)
+            pad = self.local_padding()
+            if pad is not None:
+                has = pad.any(-1)
+                first = torch.where(has, pad.to(torch.int8).argmax(-1), torch.full_like(has, T, dtype=torch.long))
+                start = torch.maximum(start, first[:, None])
+            end = torch.maximum(end, start)
+        else:
+            d = self.dense()[:, 0]
+            has = d.any(-1)
+            start = torch.where(has, d.to(torch.int8).argmax(-1), 0)
+            end = torch.where(has, T - d.flip(-1).to(torch.int8).argmax(-1), 0)
+        self._windows = (start.contiguous(), end.contiguous())
+        return self._windows
+
+    def has_holes(self) -> bool:
+        """True when some row's allowed keys are not one contiguous range (padding with gaps)."""
+        if not self.is_simple:
+            return True
+        pad = self.local_padding()
+        if pad is None:
+            return False
+        after_first = pad.to(torch.int8).cummax(-1).values.bool()
+        return bool((after_first & ~pad).any())
+
+    def allowed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Whether key columns ``idx`` [B, S, k] are allowed for their query rows (bool [B, S, k])."""
+        T = self.kv_length
+        idx = idx.long()
+        in_range = (idx >= 0) & (idx < T)
+        safe = idx.clamp(0, max(T - 1, 0))
+        if T == 0:
+            return torch.zeros_like(in_range)
+        if self.is_simple:
+            start, end = self.windows()
+            ok = in_range & (idx >= start[..., None]) & (idx < end[..., None])
+            pad = self.local_padding()
+            if pad is not None:
+                B = idx.shape[0]
+                ok &= pad.gather(1, safe.reshape(B, -1)).view_as(idx)
+            return ok
+        return in_range & self.dense()[:, 0].gather(-1, safe)
+
+
+class DenseMask(LazyMask):
+    """A user-supplied 4D tensor mask (bool, or additive float) behind the LazyMask interface."""
+
+    def __init__(self, mask: torch.Tensor, q_offset: int | None = None):
+        B, _, S, T = mask.shape
+        super().__init__(B, S, T, q_offset=(T - S) if q_offset is None else q_offset, device=mask.device)
+        if mask.dtype != torch.bool:
+            mask = mask > torch.finfo(mask.dtype).min / 2
+        self._dense = mask[:, :1].expand(B, 1, S, T)
+
+    @property
+    def is_simple(self) -> bool:
+        return False
+
+
+def as_mask(mask, batch_size: int, q_length: int, kv_length: int, device) -> LazyMask:
+    """LazyMask view of whatever the model passed: a LazyMask, a 4D/3D tensor, or None (causal)."""
+    if isinstance(mask, LazyMask):
+        return mask
+    if mask is None:
+        return LazyMask(batch_size, q_length, kv_length, q_offset=kv_length - q_length, device=device)
+    if isinstance(mask, torch.Tensor):
+        if mask.ndim == 3:
+            mask = mask[:, None]
+        if mask.ndim == 4:
+            return DenseMask(mask.expand(batch_size, mask.shape[1], q_length, mask.shape[-1]))
+    raise TypeError(f"dsa_tilelang: unsupported attention mask of type {type(mask).__name__}")
+
+
+def dsa_mask(batch_size: int, q_length: int, kv_length: int, **kwargs) -> LazyMask:
+    """``AttentionMaskInterface`` entry for "dsa_tilelang": a :class:`LazyMask` (no O(S*T) tensor)."""
+    kwargs.pop("allow_is_causal_skip", None)
+    kwargs.pop("allow_is_bidirectional_skip", None)
+    kwargs.pop("dtype", None)
+    kwargs.pop("config", None)
+    return LazyMask(batch_size, q_length, kv_length, **kwargs)
+
+
+def mask_indices(indices: torch.Tensor, mask: LazyMask) -> torch.Tensor:
+    """Map indices the mask forbids to -1 (int32 out)."""
+    idx = indices.long()
+    return torch.where(mask.allowed(idx), idx, torch.full_like(idx, -1)).to(torch.int32)
+
+
+class TopkSelection:
+    """What ``Glm5NextTextAttention.build_attention_mask_from_topk`` returns under dsa_tilelang.
+
+    glm5_next turns its indexer's top-k into the only mask the attention sees (the indexer already
+    applied causality and padding). Instead of that ``[B, 1, S, T]`` mask the attention function
+    receives ``indices`` [B, S, k] int32: key columns in ``[0, T)``, each at most once per row
+    (the dense mask is a set), -1 elsewhere.
+    """
+
+    def __init__(self, indices: torch.Tensor):
+        self.indices = indices
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.indices.shape
+
+    def __repr__(self) -> str:
+        return f"TopkSelection(shape={tuple(self.indices.shape)})"
+
+
+def unique_key_columns(indices: torch.Tensor, kv_length: int) -> torch.Tensor:
+    """Indices as a set per row: out-of-range and repeated columns become -1 (int32, sorted rows)."""
+    idx = indices.to(torch.int32)
+    idx = idx.masked_fill((idx < 0) | (idx >= kv_length), -1).sort(dim=-1).values
+    repeated = torch.zeros_like(idx, dtype=torch.bool)
+    repeated[..., 1:] = (idx[..., 1:] == idx[..., :-1]) & (idx[..., 1:] >= 0)
+    return idx.masked_fill(repeated, -1)

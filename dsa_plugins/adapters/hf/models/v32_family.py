@@ -1,0 +1,121 @@
+"""The DeepSeek-V3.2 family under ``dsa_tilelang``: deepseek_v32, glm_moe_dsa (GLM-5), axk2,
+hy_v4 (with sinks), mistral_large4 (text) and dots3_note (text).
+
+Two patches per model, both inert unless the model runs under dsa_tilelang:
+
+* ``*Attention.expand_kv`` keeps the MLA latent (:func:`~..attention.wrap_expand_kv`), so the
+  attention function runs absorbed sparse MLA;
+* ``*Indexer.forward`` projects q, k and the head weights as the model does (the only part that
+  differs between models: a *projection* below) and selects through the fused
+  ``indexer_topk`` (:func:`~..indexer.select_topk`): no ``[B, S, T]`` score tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from collections.abc import Callable
+
+import torch
+
+from ....patches.attributes import PatchPointMissing, class_in, own_attributes, patch_attribute
+from ..attention import wrap_expand_kv
+from ..constants import PATCH_KEY
+from ..indexer import select_topk
+from ..masks import LazyMask
+
+__all__ = ["mistral_large4_projection", "patcher", "rope_first_projection"]
+
+
+def _rope_fn(indexer, name: str) -> Callable:
+    fn = getattr(sys.modules[type(indexer).__module__], name, None)
+    if fn is None:
+        raise PatchPointMissing(f"dsa_tilelang: {type(indexer).__module__}.{name} is missing")
+    return fn
+
+
+def rope_first_projection(rope_name: str, rope_first: bool = True):
+    """Indexer projections of the DeepSeek-V3.2 kind (q from ``q_resid``), parametrised by the rope
+    function, where the rope slice sits (first or last dims), and the k_norm dtype handling."""
+
+    def project(indexer, hidden_states, q_resid, position_embeddings, position_ids):
+        B, S, _ = hidden_states.shape
+        Hi, Di, R = indexer.n_heads, indexer.head_dim, indexer.qk_rope_head_dim
+        cos, sin = position_embeddings
+        q = indexer.wq_b(q_resid).view(B, S, Hi, Di)
+        k_in = indexer.wk(hidden_states)
+        if rope_first:
+            k = indexer.k_norm(k_in).unsqueeze(2)
+        else:  # hy_v4 keeps its k_norm in fp32
+            k = indexer.k_norm(k_in.to(indexer.k_norm.weight.dtype)).to(hidden_states.dtype).unsqueeze(2)
+        split = [R, Di - R] if rope_first else [Di - R, R]
+        q_a, q_b = torch.split(q, split, dim=-1)
+        k_a, k_b = torch.split(k, split, dim=-1)
+        rope = _rope_fn(indexer, rope_name)
+        if rope_first:
+            q_a, k_a = rope(q_a, k_a, cos, sin, unsqueeze_dim=2)
+        else:
+            q_b, k_b = rope(q_b, k_b, cos, sin, unsqueeze_dim=2)
+        q = torch.cat([q_a, q_b], dim=-1)
+        k = torch.cat([k_a, k_b], dim=-1).squeeze(2)
+        w = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
+        w = w * (Hi**-0.5) * indexer.softmax_scale  # relu(c*x) = c*relu(x) for c > 0
+        return q, k, w
+
+    return project
+
+
+def mistral_large4_projection(indexer, hidden_states, q_resid, position_embeddings, position_ids):
+    B, S, _ = hidden_states.shape
+    Hi, Di, R = indexer.n_heads, indexer.head_dim, indexer.qk_rope_head_dim
+    q = indexer.wq_b(indexer.q_input_norm(hidden_states)).view(B, S, Hi, Di)
+    q = indexer.softmax_scaling(q, position_ids, head_dim_first=False)
+    k = indexer.k_norm(indexer.wk(hidden_states)).unsqueeze(2)
+    if indexer.use_rope:
+        cos, sin = position_embeddings
+        q_rot, q_pass = torch.split(q, [R, Di - R], dim=-1)
+        k_rot, k_pass = torch.split(k, [R, Di - R], dim=-1)
+        q_rot, k_rot = _rope_fn(indexer, "apply_rotary_pos_emb_interleave")(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+        q = torch.cat([q_rot, q_pass], dim=-1)
+        k = torch.cat([k_rot, k_pass], dim=-1)
+    k = k.squeeze(2)
+    w = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
+    return q, k, w * (Hi**-0.5) * indexer.softmax_scale
+
+
+def _wrap_indexer_forward(original: Callable, project: Callable) -> Callable:
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        bound = sig.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        mask = a.get("attention_mask")
+        if not isinstance(mask, LazyMask):  # not our implementation (or a user-built 4D mask)
+            return original(self, *args, **kwargs)
+        with torch.no_grad():
+            q, k, w = project(
+                self, a["hidden_states"], a.get("q_resid"), a["position_embeddings"], a.get("position_ids")
+            )
+            return select_topk(self, q, k, w, mask, a.get("past_key_values"))
+
+    return forward
+
+
+def patcher(model_type: str, attention: str, indexer: str, project: Callable) -> Callable:
+    """The patch function of one V3.2-family model: ``attention`` / ``indexer`` name its classes in
+    the modeling module, ``project(indexer, hidden_states, q_resid, position_embeddings,
+    position_ids) -> (q [B,S,Hi,Di], k [B,S,Di], weights [B,S,Hi] fp32)`` its indexer projections."""
+
+    def patch(module) -> None:
+        key = f"{PATCH_KEY}.{model_type}"
+        attn_cls, idx_cls = class_in(module, attention), class_in(module, indexer)
+        (expand_kv,) = own_attributes(attn_cls, "expand_kv")
+        (forward,) = own_attributes(idx_cls, "forward")
+        patch_attribute(attn_cls, "expand_kv", wrap_expand_kv(expand_kv), key=key)
+        patch_attribute(idx_cls, "forward", _wrap_indexer_forward(forward, project), key=key)
+
+    patch.__qualname__ = f"patch_{model_type}"
+    return patch

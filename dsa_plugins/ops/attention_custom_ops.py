@@ -1,0 +1,196 @@
+"""Sparse attention's engine room: input normalisation, the kernel-or-reference choice with query
+chunking, and the ``torch.library`` custom ops ``dsa_plugins::sparse_attention_fwd`` /
+``dsa_plugins::sparse_attention_bwd`` (fake implementations for torch.compile, autograd).
+
+Both public modules build on it: :mod:`.sparse_attention` (the ops users call) and
+:mod:`.fused_indexer_loss` (the backward that also runs the indexer loss). Layouts and conventions
+are documented in :mod:`.sparse_attention`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..common.indices import as_int32
+from ..common.settings import check_indices_enabled, deterministic_enabled
+from ..common.validation import FLOAT_DTYPES, INDEX_DTYPES, check_index_range, check_scale, check_tensor
+from ..kernels import load_kernel
+from ..reference.sparse_attention import sparse_attention_backward, sparse_attention_forward
+from .backend import choose_kernel, kernel_shape_reason
+
+
+# ----------------------------------------------------------------------------- kernel or reference
+
+
+def _shape_reason(kernel: str, q: Tensor, dv: int, sink: Optional[Tensor]) -> str | None:
+    return kernel_shape_reason(kernel, num_heads=q.shape[2], dqk=q.shape[3], dv=dv, has_sink=sink is not None,
+                               dtype=q.dtype)
+
+
+# The kernels address tensors with int32 offsets: longer inputs run in query chunks below this.
+_MAX_KERNEL_ELEMENTS = 2**31 - 1
+
+
+def _query_chunks(q: Tensor, indices: Tensor, dv: int) -> list[tuple[int, int]]:
+    """Ranges of the query axis whose q / out / indices slices each stay under 2**31 elements
+    (one range, the whole axis, for every realistic batch; 64K+ tokens x 64 heads x 576 need more)."""
+    b, s, h, d = q.shape
+    per_query = b * max(h * max(d, dv), indices.shape[-1] + 128)  # + the kernel's K padding
+    step = max(1, _MAX_KERNEL_ELEMENTS // per_query)
+    return [(a, min(a + step, s)) for a in range(0, s, step)]
+
+
+def _trivial(q, kv) -> bool:
+    """No query or no key: nothing for a kernel to do (and a grid of size 0 is not launched)."""
+    return q.numel() == 0 or kv.shape[1] == 0
+
+
+def attention_forward(q, kv, indices, sink, scale: float, dv: int, backend: str):
+    if _trivial(q, kv):
+        return sparse_attention_forward(q, kv, indices, scale, sink, dv)
+    if choose_kernel(backend, "sparse_attention_fwd", (q, kv), _shape_reason("sparse_attention_fwd", q, dv, sink)):
+        kernel = load_kernel("sparse_attention_fwd")
+        parts = [kernel(q[:, a:b].contiguous(), kv, indices[:, a:b].contiguous(), scale, sink, dv)
+                 for a, b in _query_chunks(q, indices, dv)]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
+    return sparse_attention_forward(q, kv, indices, scale, sink, dv)
+
+
+def attention_backward(q, kv, indices, sink, out, lse, dout, scale: float, dv: int, backend: str, deterministic: bool,
+                   return_probs: bool = False):
+    """(dq in q.dtype, dkv in float32 (float64 for float64 inputs), dsink or None), plus with
+    return_probs the head sum of P per slot, probs [B, S, K] in the accumulation dtype."""
+    if _trivial(q, kv):
+        return sparse_attention_backward(q, kv, indices, out, lse, dout, scale, sink, dv, return_probs)
+    if choose_kernel(backend, "sparse_attention_bwd", (q, kv), _shape_reason("sparse_attention_bwd", q, dv, sink)):
+        kernel = load_kernel("sparse_attention_bwd")
+        dq, dkv, dsink, probs = [], None, None, []
+        for a, b in _query_chunks(q, indices, dv):
+            sl = slice(a, b)
+            res = kernel(
+                q[:, sl].contiguous(), kv, indices[:, sl].contiguous(), out[:, sl].contiguous(),
+                lse[:, sl].contiguous(), dout[:, sl].contiguous(), scale, sink, dv, deterministic=deterministic,
+                **({"return_probs": True} if return_probs else {}),
+            )
+            dq_c, dkv_c, dsink_c = res[:3]
+            dq.append(dq_c)
+            probs.append(res[3] if return_probs else None)
+            dkv = dkv_c if dkv is None else dkv.add_(dkv_c)  # fp32, fixed order: deterministic stays so
+            dsink = dsink_c if dsink is None or dsink_c is None else dsink.add_(dsink_c)
+        res = (dq[0] if len(dq) == 1 else torch.cat(dq, dim=1)), dkv, dsink
+        if return_probs:
+            res += (probs[0] if len(probs) == 1 else torch.cat(probs, dim=1),)
+        return res
+    return sparse_attention_backward(q, kv, indices, out, lse, dout.contiguous(), scale, sink, dv, return_probs)
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("dsa_plugins::sparse_attention_fwd", mutates_args=())
+def _sparse_attention_fwd_op(
+    q: Tensor, kv: Tensor, indices: Tensor, sink: Optional[Tensor], scale: float, dv: int, backend: str
+) -> tuple[Tensor, Tensor]:
+    out, lse = attention_forward(q, kv, indices, sink, scale, dv, backend)
+    return out, lse
+
+
+@_sparse_attention_fwd_op.register_fake
+def _(q, kv, indices, sink, scale, dv, backend):
+    b, s, h, _ = q.shape
+    return q.new_empty(b, s, h, dv), q.new_empty(b, s, h, dtype=lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("dsa_plugins::sparse_attention_bwd", mutates_args=())
+def _sparse_attention_bwd_op(
+    q: Tensor, kv: Tensor, indices: Tensor, sink: Optional[Tensor], out: Tensor, lse: Tensor, dout: Tensor,
+    scale: float, dv: int, backend: str, deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dkv, dsink = attention_backward(q, kv, indices, sink, out, lse, dout, scale, dv, backend, deterministic)
+    if dsink is None:  # custom ops return tensors only
+        dsink = q.new_zeros(0, dtype=lse_dtype(q.dtype))
+    return dq, dkv, dsink
+
+
+@_sparse_attention_bwd_op.register_fake
+def _(q, kv, indices, sink, out, lse, dout, scale, dv, backend, deterministic):
+    dsink_shape = (0,) if sink is None else tuple(sink.shape)
+    acc = lse_dtype(q.dtype)
+    return torch.empty_like(q), kv.new_empty(kv.shape, dtype=acc), q.new_empty(dsink_shape, dtype=acc)
+
+
+def _setup_context(ctx, inputs, output):
+    q, kv, indices, sink, scale, dv, backend = inputs
+    out, lse = output
+    ctx.save_for_backward(q, kv, indices, sink, out, lse)
+    ctx.scale, ctx.dv, ctx.backend = scale, dv, backend
+    ctx.deterministic = deterministic_enabled()
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, kv, indices, sink, out, lse = ctx.saved_tensors
+    dq, dkv, dsink = torch.ops.dsa_plugins.sparse_attention_bwd(
+        q, kv, indices, sink, out, lse, dout.contiguous(), ctx.scale, ctx.dv, ctx.backend, ctx.deterministic
+    )
+    return dq, dkv.to(kv.dtype), None, (None if sink is None else dsink.to(sink.dtype)), None, None, None
+
+
+_sparse_attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _drop_head_axis(name: str, t, packed: bool, dtypes, device):
+    """Check ``t`` is [.., N, X] or [.., N, 1, X] (one leading batch dim unless packed); drop the 1."""
+    base = 2 if packed else 3
+    check_tensor(name, t, ndim=(base, base + 1), dtypes=dtypes, device=device)
+    if t.dim() == base + 1:
+        check_tensor(name, t, shape={base - 1: 1})
+        t = t.squeeze(base - 1)
+    return t
+
+
+def normalise_inputs(q, kv, indices, scale, sink, dv):
+    """Validate and bring inputs to the batched layout. Returns (q, kv, indices, sink, scale, dv, packed)."""
+    check_tensor("q", q, ndim=(3, 4), dtypes=FLOAT_DTYPES)
+    packed = q.dim() == 3
+    device = q.device
+    # kv and indices may carry a singleton head axis before their last dim ([.., Skv, 1, D], [.., S, 1, K])
+    kv = _drop_head_axis("kv", kv, packed, FLOAT_DTYPES, device)
+    indices = _drop_head_axis("indices", indices, packed, INDEX_DTYPES, device)
+    if packed:
+        q, kv, indices = q.unsqueeze(0), kv.unsqueeze(0), indices.unsqueeze(0)
+    b, s, h, d = q.shape
+    what = "packed [T, H, D] q" if packed else "batched [B, S, H, D] q"
+    if kv.dtype != q.dtype:
+        raise ValueError(f"kv must have the dtype of q ({q.dtype}), got {kv.dtype}")
+    if kv.shape[0] != b or kv.shape[2] != d:
+        raise ValueError(f"kv must be [{'Tkv' if packed else f'{b}, Skv'}, {d}] for {what} of shape {tuple(q.shape[packed:])}, got {tuple(kv.shape[packed:])}")
+    if indices.shape[0] != b or indices.shape[1] != s:
+        raise ValueError(f"indices must be [{'' if packed else f'{b}, '}{s}, K] for {what} of shape {tuple(q.shape[packed:])}, got {tuple(indices.shape[packed:])}")
+    if h == 0 or d == 0:
+        raise ValueError(f"q must have at least one head and one feature, got shape {tuple(q.shape)}")
+    scale = check_scale(scale)
+    dv = d if dv is None else int(dv)
+    if not 1 <= dv <= d:
+        raise ValueError(f"dv must be in [1, {d}] (the value width is a prefix of kv), got {dv}")
+    if sink is not None:
+        check_tensor("sink", sink, ndim=1, dtypes=FLOAT_DTYPES, device=device, shape={0: h})
+        sink = sink.to(lse_dtype(q.dtype))
+    if check_indices_enabled():
+        check_index_range("indices", indices, kv.shape[1])
+    indices = as_int32(indices, kv.shape[1])
+    if indices.shape[-1] == 0:  # no slot at all: one "no key" slot gives the empty-row result
+        indices = indices.new_full((b, s, 1), -1)
+    return q.contiguous(), kv.contiguous(), indices.contiguous(), sink, scale, dv, packed
