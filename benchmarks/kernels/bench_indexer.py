@@ -186,7 +186,7 @@ def main():
     t0 = time.time()
     cfgs = list(K.SHIPPED_CONFIGS) + (sweep if args.sweep and not args.fp8 else []) + fp8_sweep
     with ThreadPoolExecutor(8) as ex:
-        futs = [ex.submit(K.build_indexer, c) for c in cfgs] + [ex.submit(TK.build_topk, c) for c in TK.SHIPPED_CONFIGS]
+        futs = [ex.submit(K.build_indexer, c) for c in cfgs] + [ex.submit(TK.build_topk, c) for c in TK.SHIPPED_CONFIGS] + [ex.submit(TK.build_tie_fill)]
         for f in futs:
             try:
                 f.result()

@@ -259,7 +259,7 @@ def build_all(target=None):
     out = [build_indexer(cfg, target=target) for cfg in SHIPPED_CONFIGS]
     out += [build_block_ranges(bq, bk, target=target)
             for bq, bk in sorted({(c["block_q"], c["block_k"]) for c in SHIPPED_CONFIGS})]
-    out += [_topk.build_topk(cfg, target=target) for cfg in _topk.SHIPPED_CONFIGS]
+    out += _topk.build_all(target=target)
     return out
 
 
@@ -460,7 +460,9 @@ def indexer_topk(index_q, index_k, weights, key_start, key_end, topk: int, *, co
     -1 in the slots beyond the window size when the window holds fewer than ``topk`` keys.
     Order inside a row: unspecified (radix-select output order, not sorted by score; a
     window of at most ``topk`` keys comes back in ascending key order followed by -1).
-    Among equal scores any choice may be made. Keys outside the window are never selected.
+    Among equal scores the lowest key wins (-0.0 ties with +0.0), so a row's set depends on its own
+    scores only, never on chunking, key-range splits or the rows packed beside it. Keys outside the
+    window are never selected.
 
     Chunked design: at most ``max_chunk_bytes`` of fp32 scores exist at once.
     """

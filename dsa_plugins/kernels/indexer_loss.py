@@ -137,13 +137,16 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS):
                     for h in T.Parallel(HB):
                         l_i[h] = l_i[h] * T.exp2(m_i[h] - m_new[h]) + rs[h]
                         m_i[h] = m_new[h]
-                # norm (base 2) = log2(exp2(lse2) + exp2(sink2)); +inf for padded heads
+                # norm (base 2) = log2(exp2(lse2) + exp2(sink2)); +inf for padded heads. A row is empty
+                # when l_i == 0 (tested so, not l_i > 0: NaN scores keep a NaN normaliser)
                 for h in T.Parallel(HB):
                     sk = Sink[T.min(h0 + h, H - 1)] * _LOG2E
-                    lse2 = T.if_then_else(l_i[h] > 0, m_i[h] + T.log2(T.max(l_i[h], 1e-30)), -T.infinity(acc))
+                    lse2 = T.if_then_else(l_i[h] == 0, -T.infinity(acc), m_i[h] + T.log2(l_i[h]))
                     mx = T.max(lse2, sk)
                     nrm = T.if_then_else(
-                        mx > -T.infinity(acc), mx + T.log2(T.exp2(lse2 - mx) + T.exp2(sk - mx)), -T.infinity(acc))
+                        sk == -T.infinity(acc), lse2,
+                        T.if_then_else(lse2 == -T.infinity(acc), sk,
+                                       mx + T.log2(T.exp2(lse2 - mx) + T.exp2(sk - mx))))
                     norm_s[h] = T.if_then_else(h0 + h < H, nrm, T.infinity(acc))
             else:
                 for h in T.Parallel(HB):
@@ -151,8 +154,9 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS):
             for i in T.Pipelined(KP // BK, num_stages=1):
                 gather(KV, Idx, bx, i, kv_s)
                 masked_scores(Idx, bx, i, c, q_s, kv_s, s)
-                for h, j in T.Parallel(HB, BK):
-                    s[h, j] = T.exp2(s[h, j] - norm_s[h])  # 0 on invalid slots and padded heads
+                for h, j in T.Parallel(HB, BK):  # exactly 0 on invalid slots, 0 on padded heads (norm +inf)
+                    s[h, j] = T.if_then_else((Idx[bx, i * BK + j] >= 0) and (Idx[bx, i * BK + j] < TK),
+                                             T.exp2(s[h, j] - norm_s[h]), 0.0)
                 T.reduce_sum(s, pj, dim=0, clear=True)
                 for j in T.Parallel(BK):
                     P[by, bx, i * BK + j] = pj[j]
@@ -191,7 +195,6 @@ def _loss_program(heads: int, dim: int, grads: bool, threads: int = 128, ablate:
     assert (BK * COLS) % threads == 0, "index dim must be a multiple of 16"
     pass_ids = tuple(range(BK * COLS // threads))  # copies per thread and block
     neg_inf = -T.infinity(acc)
-    tiny = 1.1754943508222875e-38
 
     @T.macro
     def issue(Idx, IK, bx, blk, buf, tx):
@@ -213,12 +216,19 @@ def _loss_program(heads: int, dim: int, grads: bool, threads: int = 128, ablate:
         T.sync_threads()
         T.fence_proxy_async()
 
+    def relu(x):
+        # not T.max(x, 0): fmaxf would turn a NaN logit into 0
+        return T.if_then_else(x < 0, T.cast(0, acc), x)
+
+    def slot_ok(Idx, bx, j):
+        return T.And(Idx[bx, j] >= 0, Idx[bx, j] < TK)  # a plain function: no `and` on TIR expressions
+
     @T.macro
     def logits(Idx, bx, blk, buf, iq_s, w_s, lt, ival):
         # lt = relu(IK_blk IQ^T) (slots x heads) and ival[j] = I_j (-inf for invalid slots)
         T.gemm(buf, iq_s, lt, transpose_B=True, clear_accum=True)
         for j, h in T.Parallel(BK, HI):
-            lt[j, h] = T.max(lt[j, h], 0.0)
+            lt[j, h] = relu(lt[j, h])
         for j, h in T.Parallel(BK, HI):
             lt[j, h] = lt[j, h] * w_s[h]  # kept relu * w: its head sum is I
         T.reduce_sum(lt, ival, dim=1, clear=True)
@@ -226,29 +236,31 @@ def _loss_program(heads: int, dim: int, grads: bool, threads: int = 128, ablate:
             ival[j] = T.if_then_else((Idx[bx, blk * BK + j] >= 0) and (Idx[bx, blk * BK + j] < TK), ival[j], neg_inf)
 
     @T.macro
-    def stats_block(P, Iw, bx, blk, ival, m_l, s_l, ps_l, pi_l, pl_l):
+    def stats_block(Idx, P, Iw, bx, blk, ival, m_l, s_l, ps_l, pi_l, pl_l):
+        # slots are decided by their index, terms by pj == 0 (not by value tests that a NaN fails)
         for j in T.Parallel(BK):
             Iw[bx, blk * BK + j] = ival[j]
-            pj = T.if_then_else(ival[j] > neg_inf, P[bx, blk * BK + j], 0.0)
+            pj = T.if_then_else(slot_ok(Idx, bx, blk * BK + j), P[bx, blk * BK + j], 0.0)
             m_new = T.max(m_l[j], ival[j])
             s_l[j] = T.if_then_else(
                 m_new > neg_inf, s_l[j] * T.exp(m_l[j] - m_new) + T.exp(ival[j] - m_new), 0.0)
             m_l[j] = m_new
             ps_l[j] += pj
-            pi_l[j] += T.if_then_else(pj > 0, pj * ival[j], 0.0)
-            pl_l[j] += T.if_then_else(pj > 0, pj * T.log(pj), 0.0)
+            pi_l[j] += T.if_then_else(pj == 0, 0.0, pj * ival[j])
+            pl_l[j] += T.if_then_else(pj == 0, 0.0, pj * T.log(pj))
 
     @T.macro
     def grad_block(Idx, P, Iw, DK, bx, blk, buf, iq_s, w_s, lt, gacc, acc_q, acc_k, dl_s, d_s, row_s):
         # dI_j = G (softmax_j - p_j), with I_j from pass 1 (-inf for invalid slots)
         for j in T.Parallel(BK):
             d_s[j] = T.if_then_else(
-                Iw[bx, blk * BK + j] > neg_inf,
+                slot_ok(Idx, bx, blk * BK + j),
                 row_s[4] * (T.exp(Iw[bx, blk * BK + j] - row_s[0]) - P[bx, blk * BK + j] * row_s[1]), 0.0)
         T.gemm(buf, iq_s, lt, transpose_B=True, clear_accum=True)  # L (slots x heads)
         for j, h in T.Parallel(BK, HI):
-            gacc[j, h] += d_s[j] * T.max(lt[j, h], 0.0)
-            dl_s[j, h] = T.cast(T.if_then_else(lt[j, h] > 0, d_s[j] * w_s[h], 0.0), dtype)
+            # relu's gradient as torch takes it: zero where L <= 0 (a NaN logit passes d on)
+            gacc[j, h] += T.if_then_else(slot_ok(Idx, bx, blk * BK + j), d_s[j] * relu(lt[j, h]), 0.0)
+            dl_s[j, h] = T.cast(T.if_then_else(lt[j, h] <= 0, 0.0, d_s[j] * w_s[h]), dtype)
         T.gemm(dl_s, buf, acc_q, transpose_A=True)
         # d_index_k rows of the block, DC columns at a time (fewer registers: more CTAs per SM)
         for c in T.unroll(D // DC):
@@ -306,7 +318,7 @@ def _loss_program(heads: int, dim: int, grads: bool, threads: int = 128, ablate:
                     issue(Idx, IK, bx, 2 * t + st + 1, bufs[1 - st], tx)
                     land()
                     logits(Idx, bx, 2 * t + st, bufs[st], iq_s, w_s, lt, ival)
-                    stats_block(P, Iw, bx, 2 * t + st, ival, m_l, s_l, ps_l, pi_l, pl_l)
+                    stats_block(Idx, P, Iw, bx, 2 * t + st, ival, m_l, s_l, ps_l, pi_l, pl_l)
                     T.sync_threads()  # bufs[st] is free
 
             # combine the lanes: lse(I), psum, sum P I, sum P log P -> the row's KL
@@ -314,22 +326,20 @@ def _loss_program(heads: int, dim: int, grads: bool, threads: int = 128, ablate:
             for j in T.Parallel(BK):
                 s_l[j] = T.if_then_else(m_l[j] > neg_inf, s_l[j] * T.exp(m_l[j] - m_row[0]), 0.0)
             T.reduce_sum(s_l, red, dim=0, clear=True)
-            if tx == 0:
-                row_s[0] = T.if_then_else(m_row[0] > neg_inf, m_row[0] + T.log(T.max(red[0], tiny)), neg_inf)
+            if tx == 0:  # red >= 1 (the lane holding the max adds exp(0)) unless NaN: no clamp
+                row_s[0] = T.if_then_else(m_row[0] > neg_inf, m_row[0] + T.log(red[0]), neg_inf)
             T.reduce_sum(ps_l, red, dim=0, clear=True)
             if tx == 0:
                 row_s[2] = red[0]
-                row_s[1] = 1.0 / T.max(red[0], tiny)
+                row_s[1] = T.if_then_else(red[0] == 0, 0.0, 1.0 / red[0])
             T.reduce_sum(pi_l, red, dim=0, clear=True)
             if tx == 0:
                 row_s[3] = red[0]
             T.reduce_sum(pl_l, red, dim=0, clear=True)
             if tx == 0:
                 psum = row_s[2]
-                Loss[bx] = T.if_then_else(
-                    psum > 0,
-                    (red[0] - row_s[3]) * row_s[1] - T.log(T.max(psum, tiny)) + row_s[0],
-                    0.0)
+                Loss[bx] = T.if_then_else(  # == 0, not > 0: a NaN target gives a NaN loss
+                    psum == 0, 0.0, (red[0] - row_s[3]) * row_s[1] - T.log(psum) + row_s[0])
                 if grads:
                     row_s[4] = G[bx]
             T.sync_threads()

@@ -142,8 +142,9 @@ def _preprocess_body(heads, dv, has_sink, dtype, block_h=16, threads=128):
             for i in T.Parallel(block_h):
                 h = hb * block_h + i
                 if h < heads:
-                    Delta[t, h] = dsum[i]
                     lse = Lse[t, h]
+                    # an empty row (lse +inf) gives nothing back, whatever dout carries (NaN included)
+                    Delta[t, h] = T.if_then_else(lse == T.infinity(f32), 0.0, dsum[i])
                     if has_sink:
                         z = Sink[h]
                         m = T.max(lse, z)
@@ -289,9 +290,11 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
                 if DT > 0:
                     T.gemm(qt_s, kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
                 T.gemm(do_s, v_s, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
-                # P = exp(s * scale - lse'): masked slots and padded heads give exactly 0
+                # P = exp(s * scale - lse'): masked slots and padded heads give exactly 0. The slot test
+                # is explicit: -inf + a NaN or inf score of q would not stay -inf
                 for i, r in T.Parallel(BH, BK):
-                    acc_s[i, r] = T.exp2(acc_s[i, r] * scale_log2 - lse_s[i])
+                    acc_s[i, r] = T.if_then_else(
+                        Idx[t, kb * BK + r] >= 0, T.exp2(acc_s[i, r] * scale_log2 - lse_s[i]), 0.0)
                 if emit_probs:
                     # sum of P over this CTA's heads, per slot: the indexer loss's attention target
                     # (fp32, before P is rounded for the MMAs)
@@ -299,7 +302,8 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
                     for r in T.Parallel(BK):
                         Probs[hb, t, kb * BK + r] = psum_f[r]
                 for i, r in T.Parallel(BH, BK):
-                    acc_dp[i, r] = acc_s[i, r] * (acc_dp[i, r] - delta_s[i]) * scale
+                    acc_dp[i, r] = T.if_then_else(
+                        Idx[t, kb * BK + r] >= 0, acc_s[i, r] * (acc_dp[i, r] - delta_s[i]) * scale, 0.0)
                 T.copy(acc_s, p_s)
                 T.copy(acc_dp, ds_s)
                 # dq += scale * dS @ K   (scale folded into dS)

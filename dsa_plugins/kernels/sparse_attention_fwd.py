@@ -298,23 +298,25 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
 
     @T.macro
     def finish(g, c, l_tot, m_i, inv, acc_o, O_s, Sinks, Output, Lse, bz, by, h0):
-        # l_tot: row sums of the whole row; writes lse (consumer 0) and the output half g
+        # l_tot: row sums of the whole row; writes lse (consumer 0) and the output half g. A row is
+        # empty when l_tot == 0 (every slot masked): tested with != 0, not > 0, so that a row whose
+        # inputs carry NaN keeps NaN in its output and lse instead of passing for empty (+inf)
         for h in T.Parallel(HB):
             if has_sink:
                 inv[h] = T.if_then_else(
-                    l_tot[h] > 0,
+                    l_tot[h] != 0,
                     1.0 / (l_tot[h] + T.exp2(Sinks[T.min(h0 + h, H - 1)] * _LOG2E - m_i[h] * c)),
                     0.0,
                 )
             else:
-                inv[h] = T.if_then_else(l_tot[h] > 0, 1.0 / l_tot[h], 0.0)
+                inv[h] = T.if_then_else(l_tot[h] != 0, 1.0 / l_tot[h], 0.0)
         for h, d in T.Parallel(HB, D_half):
             O_s[h, d] = T.cast(acc_o[h, d] * inv[h], dtype)
         if g == 0:
             for h in T.Parallel(HB):
                 if h0 + h < H:
                     Lse[bz, by, h0 + h] = T.if_then_else(
-                        l_tot[h] > 0, (T.log2(l_tot[h]) + m_i[h] * c) * _LN2, T.infinity(accum)
+                        l_tot[h] != 0, (T.log2(l_tot[h]) + m_i[h] * c) * _LN2, T.infinity(accum)
                     )
         T.sync_threads(_BAR_OUT, 256)
         for h, d in T.Parallel(HB, D_half):

@@ -8,11 +8,18 @@ key is found digit by digit (12 + 10 + 10 bits):
    digit, and gathers the columns of the threshold digit into shared memory when they fit
    (``cap`` entries; otherwise the later rounds re-read the row from global memory);
 3. two 10-bit rounds over that candidate set fix the exact 32-bit threshold key;
-4. a last pass emits the candidates above the threshold and as many ties as still needed.
+4. a last pass emits the candidates above the threshold, and every column of the threshold key
+   when all of them are needed. When more columns share that key than are still needed, the row is
+   left to a second program, ``radix_tie_fill``, which re-reads it in column order and ranks the
+   ties with a block-wide prefix count: the lowest columns win. It is a program of its own because
+   its scan would cost the select program registers (48 -> 82 at 256 threads) and occupancy; rows
+   without excess ties leave it at once (H100: 0.005 ms for 64 rows, the select 0.027 ms).
 
-The result is exact (the same set as a full sort, up to the choice among equal scores).
+The result is exact and canonical (DSA.md 2): the same set as a stable sort by score, descending,
+where among equal scores the lowest column wins and -0.0 ties with +0.0. A row's selection so
+depends on its own scores only, never on how rows are packed, chunked or launched.
 The CTA size is chosen from the row count and length (``config_for_rows``). H200: 64 rows
-x 32768, k 2048: 0.028 ms (torch.topk 0.114 ms).
+x 32768, k 2048: 0.028 ms (torch.topk 0.114 ms); H100 with the tie rule: 0.027 + 0.005 ms.
 Rows whose valid range holds at most ``topk`` columns return all of them followed by -1.
 The order of the indices inside a row is unspecified (it is not sorted).
 
@@ -67,6 +74,82 @@ def _pass_configs():
     return {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
 
 
+def _row_macros(T, threads: int, unroll: int):
+    """The pieces both programs share: the order-preserving key, the row loads, and the
+    column-ordered tie pass (one row per CTA of ``threads`` threads, ``unroll`` float4 loads)."""
+    u32 = T.uint32
+    nwarps = threads // 32
+
+    def ordered(x):
+        # order-preserving uint32 key; -0.0 is keyed as +0.0 (they tie, as IEEE compares them)
+        bits = T.if_then_else(
+            T.reinterpret(x, u32) == T.uint32(0x80000000), T.uint32(0), T.reinterpret(x, u32)
+        )
+        return T.if_then_else(
+            (bits >> T.uint32(31)) == T.uint32(1),
+            bits ^ T.uint32(0xFFFFFFFF),
+            bits | T.uint32(0x80000000),
+        )
+
+    @T.macro
+    def load_chunk(S, bx, c0, c1, it, tx, vals):
+        # `unroll` float4 loads per thread: columns [c0, c1) in units of 4, chunk `it`
+        for u in T.unroll(unroll):
+            if c0 + (it * unroll + u) * threads + tx < c1:
+                for v in T.vectorized(4):
+                    vals[u * 4 + v] = S[bx, c0 + (it * unroll + u) * threads + tx, v]
+
+    @T.macro
+    def emit_ties_in_column_order(S, bx, c0, c1, start, end, prefix, need, tx, vals, wsum, ctl, out_offset, Out,
+                                  K):
+        # The `need` lowest columns whose key equals `prefix` go to slots [K - need, K): the row is
+        # re-read in column order ((it, u) steps; in one step thread tx holds 4 consecutive columns
+        # and lower threads hold lower columns), and a block-wide exclusive scan of the per-thread
+        # tie counts ranks every tie. ctl[5]: ties seen in earlier steps (block-uniform).
+        cnt = T.alloc_var(T.int32)
+        x = T.alloc_var(T.int32)
+        c = T.alloc_var(T.int32)
+        base = T.alloc_var(T.int32)
+        r = T.alloc_var(T.int32)
+        col = T.alloc_var(T.int32)
+        for it in T.serial(T.ceildiv(c1 - c0, threads * unroll)):
+            if ctl[5] < need:
+                load_chunk(S, bx, c0, c1, it, tx, vals)
+                for u in T.unroll(unroll):
+                    cnt = 0
+                    for v in T.unroll(4):
+                        col = (c0 + (it * unroll + u) * threads + tx) * 4 + v
+                        if col >= start and col < end and ordered(vals[u * 4 + v]) == prefix:
+                            cnt = cnt + 1
+                    x = cnt
+                    for s_ in T.unroll(5):
+                        c = T.shfl_up(x, 1 << s_)
+                        if (tx % 32) >= (1 << s_):
+                            x = x + c
+                    if tx % 32 == 31:
+                        wsum[tx // 32] = x
+                    T.sync_threads()
+                    base = ctl[5] + x - cnt
+                    for w in T.unroll(nwarps):
+                        if w < tx // 32:
+                            base = base + wsum[w]
+                    r = 0
+                    for v in T.unroll(4):
+                        col = (c0 + (it * unroll + u) * threads + tx) * 4 + v
+                        if col >= start and col < end and ordered(vals[u * 4 + v]) == prefix:
+                            if base + r < need:
+                                Out[bx, K - need + base + r] = col + out_offset
+                            r = r + 1
+                    T.sync_threads()
+                    if tx == 0:
+                        for w in T.unroll(nwarps):
+                            ctl[5] = ctl[5] + wsum[w]
+                    T.sync_threads()
+
+
+    return ordered, load_chunk, emit_ties_in_column_order
+
+
 @functools.lru_cache(maxsize=None)
 def _factory():
     """Build the @tilelang.jit factory (TileLang imported here, not at module import)."""
@@ -84,14 +167,7 @@ def _factory():
         K = T.dynamic("K")
         u32 = T.uint32
         i32 = T.int32
-
-        def ordered(x):
-            bits = T.reinterpret(x, u32)
-            return T.if_then_else(
-                (bits >> T.uint32(31)) == T.uint32(1),
-                bits ^ T.uint32(0xFFFFFFFF),
-                bits | T.uint32(0x80000000),
-            )
+        ordered, load_chunk, _ = _row_macros(T, threads, unroll)
 
         @T.macro
         def find_threshold(hist, wsum, ctl, tx, bpt, need):
@@ -124,14 +200,6 @@ def _factory():
                 run = run + c
             T.sync_threads()
 
-        @T.macro
-        def load_chunk(S, bx, c0, c1, it, tx, vals):
-            # `unroll` float4 loads per thread: columns [c0, c1) in units of 4, chunk `it`
-            for u in T.unroll(unroll):
-                if c0 + (it * unroll + u) * threads + tx < c1:
-                    for v in T.vectorized(4):
-                        vals[u * 4 + v] = S[bx, c0 + (it * unroll + u) * threads + tx, v]
-
         @T.prim_func
         def main(
             S: T.Tensor([R, n4, 4], T.float32),
@@ -139,6 +207,7 @@ def _factory():
             Ends: T.Tensor([R], T.int32),
             out_offset: T.int32,
             Out: T.Tensor([R, K], T.int32),
+            Ties: T.Tensor([R, 2], T.int32),
         ):
             with T.Kernel(R, threads=threads) as bx:
                 tx = T.get_thread_binding()
@@ -161,7 +230,6 @@ def _factory():
                 key = T.alloc_var(u32)
                 col = T.alloc_var(i32)
                 pos = T.alloc_var(i32)
-                tie = T.alloc_var(i32)
                 if agg:
                     lane = T.alloc_var(i32)
                     lt = T.alloc_var(u32)
@@ -178,6 +246,8 @@ def _factory():
 
                 start = T.max(Starts[bx], 0)
                 end = T.min(Ends[bx], n4 * 4)
+                if tx == 0:
+                    Ties[bx, 1] = 0  # no ties left for the tie-fill program (set below otherwise)
                 if end - start <= K:
                     # Everything valid is selected; pad with -1.
                     for it in T.serial(T.ceildiv(K, threads)):
@@ -285,25 +355,22 @@ def _factory():
                         find_threshold(hist, wsum, ctl, tx, bpt2, need)
                         prefix = (prefix << T.uint32(10)) | T.cast(ctl[3], u32)
                         need = need - ctl[4]
+                        if tx == 0:  # after the last round: threshold-key columns beyond those still needed
+                            ctl[5] = hist[ctl[3]] - need  # (in shared memory: a register costs occupancy)
                         T.sync_threads()
                         for j in T.serial(_NB2 // threads):
                             hist[j * threads + tx] = 0
                         T.sync_threads()
 
-                    # ---- final pass: keys above the threshold, then `need` ties --------
+                    # ---- final pass: keys above the threshold; every tie when all are needed --------
                     # (at most `cap` candidates, or few emits per row: per-element slots)
                     if use_cand == 1:
                         for it in T.serial(T.ceildiv(ncand, threads)):
                             if it * threads + tx < ncand:
                                 key = ckey[it * threads + tx]
-                                if key > prefix:
+                                if key > prefix or (key == prefix and ctl[5] == 0):
                                     pos = T.atomic_add(ctl[0], 1, return_prev=True)
                                     Out[bx, pos] = cidx[it * threads + tx] + out_offset
-                                elif key == prefix:
-                                    tie = T.atomic_add(ctl[2], 1, return_prev=True)
-                                    if tie < need:
-                                        pos = T.atomic_add(ctl[0], 1, return_prev=True)
-                                        Out[bx, pos] = cidx[it * threads + tx] + out_offset
                     else:
                         for it in T.serial(T.ceildiv(c1 - c0, threads * unroll)):
                             load_chunk(S, bx, c0, c1, it, tx, vals)
@@ -312,19 +379,59 @@ def _factory():
                                     col = (c0 + (it * unroll + u) * threads + tx) * 4 + v
                                     if col >= start and col < end:
                                         key = ordered(vals[u * 4 + v])
-                                        if (key >> T.uint32(20)) == b1:
-                                            if key > prefix:
-                                                pos = T.atomic_add(ctl[0], 1, return_prev=True)
-                                                Out[bx, pos] = col + out_offset
-                                            elif key == prefix:
-                                                tie = T.atomic_add(ctl[2], 1, return_prev=True)
-                                                if tie < need:
-                                                    pos = T.atomic_add(ctl[0], 1, return_prev=True)
-                                                    Out[bx, pos] = col + out_offset
+                                        if (key >> T.uint32(20)) == b1 and (
+                                            key > prefix or (key == prefix and ctl[5] == 0)
+                                        ):
+                                            pos = T.atomic_add(ctl[0], 1, return_prev=True)
+                                            Out[bx, pos] = col + out_offset
+                    # ---- more ties than still needed: the tie-fill program takes the lowest columns
+                    # (a separate program: its scan would cost this one registers and occupancy)
+                    if ctl[5] > 0 and tx == 0:
+                        Ties[bx, 0] = T.reinterpret(prefix, i32)
+                        Ties[bx, 1] = need
 
         return main
 
-    return radix_topk
+    @tilelang.jit(pass_configs=_pass_configs())
+    def radix_tie_fill(threads: int = 256, unroll: int = 4):
+        # Rows the select program left with ``need`` > 0 ties of key ``prefix`` (Ties[r] = (prefix,
+        # need)): the ``need`` lowest such columns go to Out[r, K - need:]. Other rows return at once.
+        R = T.dynamic("R")
+        n4 = T.dynamic("n4")
+        K = T.dynamic("K")
+        ordered, load_chunk, emit_ties_in_column_order = _row_macros(T, threads, unroll)
+
+        @T.prim_func
+        def fill(
+            S: T.Tensor([R, n4, 4], T.float32),
+            Starts: T.Tensor([R], T.int32),
+            Ends: T.Tensor([R], T.int32),
+            Ties: T.Tensor([R, 2], T.int32),
+            out_offset: T.int32,
+            Out: T.Tensor([R, K], T.int32),
+        ):
+            with T.Kernel(R, threads=threads) as bx:
+                tx = T.get_thread_binding()
+                wsum = T.alloc_shared([32], T.int32)
+                ctl = T.alloc_shared([8], T.int32)
+                vals = T.alloc_local([unroll * 4], T.float32)
+                need = T.alloc_var(T.int32)
+                start = T.alloc_var(T.int32)
+                end = T.alloc_var(T.int32)
+                need = Ties[bx, 1]
+                if need > 0:  # uniform over the CTA
+                    start = T.max(Starts[bx], 0)
+                    end = T.min(Ends[bx], n4 * 4)
+                    if tx < 8:
+                        ctl[tx] = 0
+                    T.sync_threads()
+                    emit_ties_in_column_order(S, bx, start // 4, (end + 3) // 4, start, end,
+                                              T.reinterpret(Ties[bx, 0], T.uint32), need, tx, vals, wsum, ctl,
+                                              out_offset, Out, K)
+
+        return fill
+
+    return radix_topk, radix_tie_fill
 
 
 def _config_key(config: dict) -> tuple:
@@ -337,24 +444,42 @@ _BUILD_LOCK = threading.Lock()
 _BUILT: dict = {}
 
 
-def build_topk(config: dict | None = None, target=None):
-    """Compile the radix top-k program for ``config`` (a SHIPPED_CONFIGS entry) and ``target``
-    (default: the current CUDA device; ``{"kind": "cuda", "arch": "sm_90a"}`` compiles on CPU)."""
+#: the tie-fill program's CTA shape (one program serves every select configuration)
+TIE_FILL_CONFIG = {"threads": 256, "unroll": 4}
+
+
+def _build(name: str, key: tuple, params: dict, target):
     import tilelang
 
-    threads, cap, unroll, agg = _config_key(config)
     tkey = repr(target)
-    kern = _BUILT.get((threads, cap, unroll, agg, tkey))
+    kern = _BUILT.get((name, key, tkey))
     if kern is None:
         with _BUILD_LOCK:  # TIR construction is not thread-safe; nvcc below runs in parallel
-            tir = _factory().get_tir(threads=threads, cap=cap, unroll=unroll, agg=agg)
+            tir = _factory()[0 if name == "radix_topk" else 1].get_tir(**params)
         kern = tilelang.compile(tir, target=target if target is not None else "auto", pass_configs=_pass_configs())
-        logger.info(
-            "compiled TileLang radix_topk threads=%d cap=%d unroll=%d agg=%s target=%s", threads, cap, unroll, agg, tkey
-        )
+        logger.info("compiled TileLang %s %s target=%s", name, params, tkey)
         with _BUILD_LOCK:
-            kern = _BUILT.setdefault((threads, cap, unroll, agg, tkey), kern)
+            kern = _BUILT.setdefault((name, key, tkey), kern)
     return kern
+
+
+def build_topk(config: dict | None = None, target=None):
+    """Compile the radix top-k select program for ``config`` (a SHIPPED_CONFIGS entry) and
+    ``target`` (default: the current CUDA device; ``{"kind": "cuda", "arch": "sm_90a"}`` compiles
+    on CPU)."""
+    threads, cap, unroll, agg = key = _config_key(config)
+    return _build("radix_topk", key, dict(threads=threads, cap=cap, unroll=unroll, agg=agg), target)
+
+
+def build_tie_fill(target=None):
+    """Compile the tie-fill program (rows with more ties at the threshold than still needed)."""
+    params = dict(TIE_FILL_CONFIG)
+    return _build("radix_tie_fill", tuple(params.values()), params, target)
+
+
+def build_all(target=None) -> list:
+    """Every shipped program: the select configurations and the tie-fill program."""
+    return [build_topk(cfg, target=target) for cfg in SHIPPED_CONFIGS] + [build_tie_fill(target=target)]
 
 
 def _check_cuda(name, t, dtype):
@@ -380,8 +505,10 @@ def topk_rows_ranges(scores, starts, ends, topk: int, out_offset: int = 0, out=N
         out = torch.empty(R, topk, dtype=torch.int32, device=scores.device)
     if R == 0:
         return out
-    kern = build_topk(config if config is not None else config_for_rows(R, N))
-    kern(scores.view(R, N // 4, 4), starts, ends, int(out_offset), out)
+    ties = torch.empty(R, 2, dtype=torch.int32, device=scores.device)
+    view = scores.view(R, N // 4, 4)
+    build_topk(config if config is not None else config_for_rows(R, N))(view, starts, ends, int(out_offset), out, ties)
+    build_tie_fill()(view, starts, ends, ties, int(out_offset), out)
     return out
 
 
@@ -390,8 +517,8 @@ def topk_rows(scores, lengths, topk: int, *, config=None):
 
     scores [R, N] fp32 CUDA; lengths [R] int32 (valid columns 0..lengths[r]-1) or None (all N).
     Returns [R, topk] int32 column indices of the ``topk`` largest valid scores, -1 padding
-    when lengths[r] < topk. The order inside a row is unspecified (not sorted); among equal
-    scores any choice may be made.
+    when lengths[r] < topk. Among equal scores the lowest column wins (-0.0 ties with +0.0); the
+    order of the indices inside a row is unspecified (not sorted).
     """
     import torch
 

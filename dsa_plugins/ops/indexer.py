@@ -87,7 +87,9 @@ def indexer_topk(
     (required; the score of key s is multiplied by it; per-query scales go into weights); see
     quantize_indexer_fp8. Non-finite inputs give unspecified selections.
     Returns [T, topk] int32 global rows of index_k; -1 where the window has fewer than topk keys.
-    The order of the selected keys inside a row is unspecified (compare as sets).
+    Among equal scores the lowest row wins (-0.0 ties with +0.0), on every backend, so a row's
+    selection does not depend on batching, padding, chunking or context-parallel shards. The order
+    of the selected keys inside a row is unspecified (compare as sets).
     """
     check_tensor("index_q", index_q, ndim=3, dtypes=FLOAT_DTYPES + FP8_DTYPES)
     device = index_q.device

@@ -75,10 +75,14 @@ def indexer_scores(index_q, index_k, weights, key_start=None, key_end=None, key_
 def topk_rows_reference(scores: torch.Tensor, lengths: torch.Tensor | None, topk: int) -> torch.Tensor:
     """Column indices [R, topk] int32 of the topk largest valid scores per row, -1 padded.
 
-    Valid columns of row r are 0..lengths[r]-1 (all when lengths is None). Sorted by score, descending.
+    Valid columns of row r are 0..lengths[r]-1 (all when lengths is None). Sorted by score,
+    descending. Ties (DSA.md 2): among equal scores the lowest column wins, and -0.0 ties with +0.0,
+    so a row's selection depends on its own scores only (``torch.topk`` promises no order among
+    ties: a stable sort does). Which columns NaN scores take is unspecified.
     """
     r, n = scores.shape
     s = scores.float() if scores.dtype != torch.float64 else scores
+    s = s + 0.0  # -0.0 + 0.0 == +0.0: zero scores of either sign are one value
     if lengths is not None:
         cols = torch.arange(n, device=scores.device)
         s = s.masked_fill(cols.unsqueeze(0) >= lengths.unsqueeze(1).long(), float("-inf"))
@@ -86,15 +90,16 @@ def topk_rows_reference(scores: torch.Tensor, lengths: torch.Tensor | None, topk
     out = torch.full((r, topk), -1, dtype=torch.int32, device=scores.device)
     if k_eff == 0:
         return out
-    vals, idx = torch.topk(s, k_eff, dim=-1)
+    vals, idx = torch.sort(s, dim=-1, descending=True, stable=True)
+    vals, idx = vals[:, :k_eff], idx[:, :k_eff]
     out[:, :k_eff] = torch.where(torch.isneginf(vals), -1, idx).to(torch.int32)
     return out
 
 
 def indexer_topk_reference(index_q, index_k, weights, topk: int, key_start, key_end, index_k_scale=None) -> torch.Tensor:
     """[Tq, topk] int32 global key rows of the topk largest scores in each window, sorted by score
-    descending, -1 where the window holds fewer than topk keys. index_k_scale [Tk]: per-key scales
-    of fp8 keys (see indexer_scores)."""
+    descending (ties: the lowest row first), -1 where the window holds fewer than topk keys.
+    index_k_scale [Tk]: per-key scales of fp8 keys (see indexer_scores)."""
     tq, hi, _ = index_q.shape
     out = torch.full((tq, topk), -1, dtype=torch.int32, device=index_q.device)
     if tq == 0:

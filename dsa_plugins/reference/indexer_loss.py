@@ -44,20 +44,26 @@ def _chunk_terms(iq, ik_rows, w, q, kv_rows, valid, lse, sink, scale, probs=None
         norm = torch.logsumexp(s, dim=-1) if lse is None else lse
         if sink is not None:
             norm = torch.logaddexp(norm, sink.to(norm.dtype))
-        pa = torch.exp(s - norm.unsqueeze(-1)).nan_to_num(0.0).sum(1)  # [c, n]
+        # masked, not scrubbed: exactly 0 at invalid slots, NaN where the attention inputs carry NaN
+        pa = torch.where(valid.unsqueeze(1), torch.exp(s - norm.unsqueeze(-1)), 0.0).sum(1)  # [c, n]
     total = pa.sum(-1, keepdim=True)
-    p = torch.where(total > 0, pa / total.clamp_min(torch.finfo(pa.dtype).tiny), torch.zeros_like(pa))
+    p = torch.where(total == 0, torch.zeros_like(pa), pa / total)  # == 0, not > 0: a NaN total stays NaN
     logits = torch.einsum("chd,cnd->chn", iq, ik_rows)
     scores = torch.einsum("chn,ch->cn", logits.clamp_min(0), w).masked_fill(~valid, float("-inf"))
     return p, logits, scores
 
 
-def _attention_chunk(q, kv, attn_lse, probs, rows, t0, t1, cdt):
+def _gather(x: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+    """Rows of ``x`` [c, n, D] in the compute dtype, zero at invalid slots (no NaN leaks through them)."""
+    return torch.where(valid.unsqueeze(-1), x[rows].to(cdt), 0.0)
+
+
+def _attention_chunk(q, kv, attn_lse, probs, rows, valid, t0, t1, cdt):
     """(q rows, gathered kv rows, lse or None) of rows t0..t1; Nones when the target comes as probs."""
     if probs is not None:
         return None, None, None
     lse = None if attn_lse is None else attn_lse[t0:t1].to(cdt)
-    return q[t0:t1].to(cdt), kv[rows].to(cdt), lse
+    return q[t0:t1].to(cdt), _gather(kv, rows, valid, cdt), lse
 
 
 def _chunks(t_total, n_slots, heads):
@@ -77,13 +83,14 @@ class IndexerKLLoss(torch.autograd.Function):
         loss = torch.zeros((), dtype=cdt, device=index_q.device)
         for t0, t1 in _chunks(t_total, n_guess, max(h, index_q.shape[1])):
             rows, valid = _row_slots(t0, t1, topk_indices, key_start, key_end, index_q.device)
-            qc, kv_rows, lse = _attention_chunk(q, kv, attn_lse, probs, rows, t0, t1, cdt)
+            qc, kv_rows, lse = _attention_chunk(q, kv, attn_lse, probs, rows, valid, t0, t1, cdt)
             p, _, scores = _chunk_terms(
-                index_q[t0:t1].to(cdt), index_k[rows].to(cdt), weights[t0:t1].to(cdt), qc, kv_rows, valid, lse,
+                index_q[t0:t1].to(cdt), _gather(index_k, rows, valid, cdt), weights[t0:t1].to(cdt), qc, kv_rows, valid, lse,
                 sink, scale, None if probs is None else probs[t0:t1].to(cdt),
             )
             logq = torch.log_softmax(scores, dim=-1)
-            term = torch.where(p > 0, p * (torch.log(p.clamp_min(torch.finfo(cdt).tiny)) - logq), torch.zeros_like(p))
+            # p == 0 (not p > 0): a NaN target gives a NaN loss instead of vanishing
+            term = torch.where(p == 0, torch.zeros_like(p), p * (torch.log(p.clamp_min(torch.finfo(cdt).tiny)) - logq))
             loss = loss + term.sum()
         ctx.save_for_backward(index_q, index_k, weights, q, kv, attn_lse, sink, topk_indices, key_start, key_end,
                               probs)
@@ -104,17 +111,18 @@ class IndexerKLLoss(torch.autograd.Function):
         n_guess = topk_indices.shape[1] if topk_indices is not None else index_k.shape[0]
         for t0, t1 in _chunks(t_total, n_guess, max(h, index_q.shape[1])):
             rows, valid = _row_slots(t0, t1, topk_indices, key_start, key_end, dev)
-            iq, ik_rows, w = index_q[t0:t1].to(cdt), index_k[rows].to(cdt), weights[t0:t1].to(cdt)
-            qc, kv_rows, lse = _attention_chunk(q, kv, attn_lse, probs, rows, t0, t1, cdt)
+            iq, ik_rows, w = index_q[t0:t1].to(cdt), _gather(index_k, rows, valid, cdt), weights[t0:t1].to(cdt)
+            qc, kv_rows, lse = _attention_chunk(q, kv, attn_lse, probs, rows, valid, t0, t1, cdt)
             p, logits, scores = _chunk_terms(
                 iq, ik_rows, w, qc, kv_rows, valid, lse, sink, ctx.scale,
                 None if probs is None else probs[t0:t1].to(cdt),
             )
             has_slot = valid.any(-1, keepdim=True)
-            d_scores = torch.where(has_slot, torch.softmax(scores, dim=-1).nan_to_num(0.0) - p, torch.zeros_like(p))
+            d_scores = torch.where(has_slot, torch.softmax(scores, dim=-1) - p, torch.zeros_like(p))
             d_scores = d_scores.masked_fill(~valid, 0.0) * coeff  # [c, n]
-            d_w[t0:t1] = torch.einsum("cn,chn->ch", d_scores, logits.clamp_min(0))
-            d_logits = d_scores.unsqueeze(1) * w.unsqueeze(-1) * (logits > 0)  # [c, Hi, n]
+            d_w[t0:t1] = torch.einsum("cn,chn->ch", d_scores, torch.where(valid.unsqueeze(1), logits.clamp_min(0), 0.0))
+            # relu's gradient as torch takes it (zero where logits <= 0): a NaN logit passes its gradient on
+            d_logits = d_scores.unsqueeze(1) * w.unsqueeze(-1) * ~(logits <= 0)  # [c, Hi, n]
             d_iq[t0:t1] = torch.einsum("chn,cnd->chd", d_logits, ik_rows)
             contrib = torch.einsum("chn,chd->cnd", d_logits, iq)
             d_ik.index_add_(0, rows[valid], contrib[valid])

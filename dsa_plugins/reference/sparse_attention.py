@@ -7,7 +7,10 @@ an entry < 0 or >= Skv means "no key"), optional per-head sink [H] fp32. K = kv,
     lse_h = log sum_j exp(s_hj)                        (natural log, sink excluded)
     out_h = sum_j exp(s_hj - lse_h) kv[idx_j, :dv]     (times exp(lse)/(exp(lse)+exp(z_h)) with a sink)
 
-A row with no valid slot gives out 0, lse +inf and zero gradients. Queries are processed in
+A row with no valid slot gives out 0, lse +inf and zero gradients, by masking: a NaN that the
+inputs carry (q, a selected kv row, the sink, the upstream gradient) reaches every output and
+gradient it touches, as in eager attention, and never leaks through an invalid slot (the gathered
+row of an invalid slot is zero, its probability exactly 0). Queries are processed in
 chunks, so memory is O(chunk * K * Dqk), never O(S * Skv). Math runs in float32 (float64 for
 float64 inputs); outputs come back in q.dtype, lse in float32 (float64 for float64 inputs).
 """
@@ -40,6 +43,17 @@ def _flatten(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor):
     return q.reshape(b * s, h, d), kv.reshape(b * skv, d), rows, valid
 
 
+def _gather(kvf: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+    """kv rows of the slots [c, K, D] in the compute dtype, zero at invalid slots (as the kernels,
+    which never load them): a NaN in the placeholder row cannot reach an unrelated output."""
+    return torch.where(valid.unsqueeze(-1), kvf[rows].to(cdt), 0.0)
+
+
+def _slot_probs(scores: torch.Tensor, norm: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """exp(scores - norm) at valid slots, exactly 0 at invalid ones (also where norm is +-inf)."""
+    return torch.where(valid.unsqueeze(1), torch.exp(scores - norm.unsqueeze(-1)), 0.0)
+
+
 def _chunk_scores(qc, kv_rows, valid_c, scale):
     """scores [c, H, K] in the compute dtype, -inf at invalid slots."""
     s = torch.einsum("chd,ckd->chk", qc, kv_rows) * scale
@@ -64,15 +78,14 @@ def sparse_attention_forward(q, kv, indices, scale: float, sink=None, dv: int | 
     step = _rows_per_chunk(k, d, h, torch.finfo(cdt).bits // 8)
     for start in range(0, n, step):
         sl = slice(start, min(start + step, n))
-        kv_rows = kvf[rows[sl]].to(cdt)  # [c, K, D]
+        kv_rows = _gather(kvf, rows[sl], valid[sl], cdt)  # [c, K, D]
         scores = _chunk_scores(qf[sl].to(cdt), kv_rows, valid[sl], scale)
-        lse_c = torch.logsumexp(scores, dim=-1)  # -inf for empty rows
-        empty = torch.isneginf(lse_c)
-        norm = lse_c if z is None else torch.logaddexp(lse_c, z)
-        p = torch.exp(scores - norm.unsqueeze(-1)).nan_to_num(0.0)  # empty rows: exp(-inf - -inf)
-        o = torch.einsum("chk,ckd->chd", p, kv_rows[..., :dv])
-        out[sl] = o.masked_fill(empty.unsqueeze(-1), 0.0).to(q.dtype)
-        lse[sl] = lse_c.masked_fill(empty, float("inf"))
+        lse_c = torch.logsumexp(scores, dim=-1)  # -inf for empty rows, NaN where the inputs carry NaN
+        empty = ~valid[sl].any(-1, keepdim=True)  # [c, 1]: rows with no valid slot
+        norm = _normaliser(lse_c, z)
+        p = _slot_probs(scores, norm, valid[sl])  # empty rows: 0 everywhere, whatever norm is
+        out[sl] = torch.einsum("chk,ckd->chd", p, kv_rows[..., :dv]).to(q.dtype)
+        lse[sl] = torch.where(empty, float("inf"), lse_c)
     return out.reshape(b, s, h, dv), lse.reshape(b, s, h)
 
 
@@ -101,23 +114,24 @@ def sparse_attention_backward(q, kv, indices, out, lse, dout, scale: float, sink
     for start in range(0, n, step):
         sl = slice(start, min(start + step, n))
         qc = qf[sl].to(cdt)
-        kv_rows = kvf[rows[sl]].to(cdt)
-        scores = _chunk_scores(qc, kv_rows, valid[sl], scale)
-        norm = _normaliser(lsef[sl], z)  # +inf for empty rows -> p = 0 everywhere
-        p = torch.exp(scores - norm.unsqueeze(-1))
+        vmask = valid[sl]
+        kv_rows = _gather(kvf, rows[sl], vmask, cdt)
+        scores = _chunk_scores(qc, kv_rows, vmask, scale)
+        norm = _normaliser(lsef[sl], z)  # +inf for empty rows
+        p = _slot_probs(scores, norm, vmask)
         if probs is not None:
             probs[sl] = p.sum(1)
         do = doutf[sl].to(cdt)
-        delta = (outf[sl].to(cdt) * do).sum(-1)  # [c, H]
+        empty = ~vmask.any(-1, keepdim=True)  # [c, 1]
+        delta = torch.where(empty, 0.0, (outf[sl].to(cdt) * do).sum(-1))  # [c, H]; empty rows give nothing
         dp = torch.einsum("chd,ckd->chk", do, kv_rows[..., :dv])
-        ds = p * (dp - delta.unsqueeze(-1))
+        ds = torch.where(vmask.unsqueeze(1), p * (dp - delta.unsqueeze(-1)), 0.0)
         dq[sl] = (torch.einsum("chk,ckd->chd", ds, kv_rows) * scale).to(q.dtype)
         contrib = torch.einsum("chk,chd->ckd", ds, qc) * scale
         contrib[..., :dv] += torch.einsum("chk,chd->ckd", p, do)
-        vmask = valid[sl]
         dkv.index_add_(0, rows[sl][vmask], contrib[vmask])
         if dsink is not None:
-            p_sink = torch.exp(z - norm)  # [c, H]; 0 for empty rows
+            p_sink = torch.where(empty, 0.0, torch.exp(z - norm))  # [c, H]
             dsink -= (delta * p_sink).sum(0)
     res = dq.reshape(b, s, h, d), dkv.reshape(b, kv.shape[1], d), dsink
     return res + (probs.reshape(b, s, k),) if return_probs else res

@@ -34,6 +34,7 @@ def compiled():
     _need_toolchain()
     jobs = [("indexer", i, c) for i, c in enumerate(K.SHIPPED_CONFIGS)]
     jobs += [("topk", i, c) for i, c in enumerate(TK.SHIPPED_CONFIGS)]
+    jobs += [("tie_fill", 0, None)]
     jobs += [("ranges", i, c) for i, c in enumerate(RANGE_TILINGS)]
 
     def build(job):
@@ -41,6 +42,8 @@ def compiled():
         try:
             if kind == "ranges":
                 return K.build_block_ranges(*cfg, target=SM90).get_kernel_source()
+            if kind == "tie_fill":
+                return TK.build_tie_fill(target=SM90).get_kernel_source()
             fn = K.build_indexer if kind == "indexer" else TK.build_topk
             return fn(cfg, target=SM90).get_kernel_source()
         except Exception as exc:  # reported by the test of that configuration
@@ -83,6 +86,12 @@ def test_block_ranges_programs_compile(compiled, i):
 )
 def test_topk_configs_compile(compiled, i):
     assert "__global__" in _src(compiled, ("topk", i))
+
+
+@pytest.mark.slow
+def test_topk_tie_fill_program_compiles(compiled):
+    src = _src(compiled, ("tie_fill", 0))
+    assert "__global__" in src and "__shfl_up_sync" in src  # the column-ordered rank scan
 
 
 def test_supported_shapes_and_configs():

@@ -251,5 +251,7 @@ class DSAIndexer(MegatronModule):
         if mask is None:
             mask = torch.full((seqlen, seqlen), float("-inf"), device=scores.device).triu(1)
         scores = scores + mask
-        topk = scores.topk(min(self.index_topk, seqlen), dim=-1)[1]
-        return scores, topk
+        # the canonical tie rule (lowest key wins, -0.0 == +0.0) as every other path; like megatron's
+        # own, masked keys fill the row when it has fewer than k (callers scatter these indices)
+        order = torch.sort(scores + 0.0, dim=-1, descending=True, stable=True).indices
+        return scores, order[..., : min(self.index_topk, seqlen)]
