@@ -24,6 +24,9 @@ Rows whose valid range holds at most ``topk`` columns return all of them followe
 The order of the indices inside a row is unspecified (it is not sorted).
 
 TileLang is imported lazily so that this module imports without TileLang or a GPU.
+
+Size: one file for the family (the select and tie-fill programs share the key order, the row
+loads and the tie pass; the configurations and the wrappers sit with them).
 """
 
 import functools

@@ -44,12 +44,17 @@ class FusedIndexerLoss:
     loss's factor in the objective (float or zero-argument callable returning a float or a
     scalar tensor, read when the backward runs). on_value: callables given the loss value (scalar
     tensor, fp32 or fp64 like the inputs: the KL mean over query rows, before ``weight``) when the
-    backward runs.
+    backward runs. row_weights [T] (optional): each query row's factor in place of the mean's
+    1 / T (Megatron: 1 / n_valid on real tokens, 0 on padding; 1 for a per-token sum).
+    target_group (optional): a process group whose ranks hold the other heads of the same rows
+    (tensor parallelism): the head-summed probabilities are all-reduced over it before they are
+    normalised, so every rank computes the loss of all heads.
     """
 
     def __init__(self, index_q: Tensor, index_k: Tensor, weights: Tensor,
                  weight: Union[float, Callable[[], Union[float, Tensor]]] = 1.0,
-                 on_value: Union[Callable[[Tensor], None], None] = None):
+                 on_value: Union[Callable[[Tensor], None], None] = None,
+                 row_weights: Union[Tensor, None] = None, target_group=None):
         check_tensor("index_q", index_q, ndim=3, dtypes=FLOAT_DTYPES)
         t, hi, di = index_q.shape
         check_tensor("index_k", index_k, ndim=2, dtypes=FLOAT_DTYPES, device=index_q.device, shape={1: di})
@@ -57,7 +62,12 @@ class FusedIndexerLoss:
         if not (callable(weight) or isinstance(weight, (int, float))):
             raise TypeError(f"weight must be a float or a callable, got {type(weight).__name__}")
         self.index_q, self.index_k, self.weights = index_q, index_k, weights
+        if row_weights is not None:
+            check_tensor("row_weights", row_weights, ndim=1, dtypes=FLOAT_DTYPES, device=index_q.device, shape={0: t},
+                         unit_stride=False)
         self.weight = weight
+        self.row_weights = row_weights
+        self.target_group = target_group
         self.on_value = [] if on_value is None else [on_value]
         self.value: Tensor | None = None
 
@@ -88,20 +98,24 @@ def _loss_and_grads(loss: FusedIndexerLoss, probs: Tensor, rows: Tensor, backend
     """(value, d_index_q, d_index_k, d_weights) of the loss whose attention target is ``probs``
     [T, K] (head sums, unnormalised). TileLang kernels by the backend rules, else the reference."""
     iq, ik, w = loss.index_q.detach(), loss.index_k.detach(), loss.weights.detach()
-    weight = loss._weight(iq.device, torch.float64 if iq.dtype == torch.float64 else torch.float32)
+    acc = torch.float64 if iq.dtype == torch.float64 else torch.float32
+    weight = loss._weight(iq.device, acc)
     t = iq.shape[0]
+    rows_w = (torch.full((t,), 1.0 / max(t, 1), dtype=acc, device=iq.device) if loss.row_weights is None
+              else loss.row_weights.detach().to(acc))
     reason = kernel_shape_reason("indexer_kl_loss", num_heads=64, dqk=576, index_heads=iq.shape[1],
                                  index_dim=iq.shape[2], dtype=iq.dtype)
     if choose_kernel(backend, "indexer_kl_loss", (iq, ik), reason):
         from ..kernels.indexer_loss import indexer_kl_loss_from_probs
 
-        grad_rows = (weight / max(t, 1)).expand(t).contiguous()
+        grad_rows = (weight * rows_w).float().contiguous()
         loss_rows, (d_iq, d_ik, d_w) = indexer_kl_loss_from_probs(
             iq.contiguous(), ik.contiguous(), w.float().contiguous(), rows, probs.float().contiguous(), grad_rows)
-        return loss_rows.sum() / max(t, 1), d_iq, d_ik, d_w
+        return (loss_rows * rows_w).sum(), d_iq, d_ik, d_w
     with torch.enable_grad():
         leaves = [x.requires_grad_() for x in (iq.clone(), ik.clone(), w.clone())]
-        value = indexer_kl_loss_reference(*leaves, None, None, None, None, topk_indices=rows, attn_probs=probs)
+        value = indexer_kl_loss_reference(*leaves, None, None, None, None, topk_indices=rows, attn_probs=probs,
+                                          row_weights=rows_w)
         grads = torch.autograd.grad(value, leaves, grad_outputs=weight.to(value.dtype))
     return value.detach(), *grads
 
@@ -126,7 +140,11 @@ class SparseAttentionIndexerLoss(torch.autograd.Function):
             return_probs=True,
         )
         rows = global_rows(indices, kv.shape[1])
-        value, d_iq, d_ik, d_w = _loss_and_grads(loss, probs.reshape(rows.shape), rows, ctx.backend)
+        probs = probs.reshape(rows.shape)
+        if loss.target_group is not None:  # the other heads of these rows live on the group's other ranks
+            probs = probs.contiguous()
+            torch.distributed.all_reduce(probs, group=loss.target_group)
+        value, d_iq, d_ik, d_w = _loss_and_grads(loss, probs, rows, ctx.backend)
         loss._publish(value)
         return (dq, dkv.to(kv.dtype), None, None if sink is None else dsink.to(sink.dtype),
                 d_iq.to(loss.index_q.dtype), d_ik.to(loss.index_k.dtype), d_w.to(loss.weights.dtype),

@@ -80,8 +80,11 @@ def indexer_topk(
 ) -> Tensor:
     """Top-k keys of the lightning indexer within each query's window.
 
-    index_q [T, Hi, Di] bf16 (rope applied); index_k [Tk, Di] same dtype; weights [T, Hi] float32 with the
-    softmax scale folded in (weights_proj(x) * Hi**-0.5 * Di**-0.5); key_start/key_end [T] int32.
+    Packed: index_q [T, Hi, Di] bf16 (rope applied); index_k [Tk, Di] same dtype; weights [T, Hi] float32
+    with the softmax scale folded in (weights_proj(x) * Hi**-0.5 * Di**-0.5); key_start/key_end [T] int32
+    (windows of global rows of index_k). Batched: index_q [B, S, Hi, Di], index_k [B, Tk, Di], weights
+    [B, S, Hi], key_start/key_end [B, S] (or [S], shared by the batch) windows of each batch entry's own
+    key columns; returns [B, S, topk] key columns of the row's batch entry.
     Score I[t, s] = sum_h relu(<index_q[t,h], index_k[s]>) * weights[t,h].
     fp8 (inference): index_q and index_k float8_e4m3fn, index_k_scale [Tk] float32 positive per-key scales
     (required; the score of key s is multiplied by it; per-query scales go into weights); see
@@ -91,7 +94,9 @@ def indexer_topk(
     selection does not depend on batching, padding, chunking or context-parallel shards. The order
     of the selected keys inside a row is unspecified (compare as sets).
     """
-    check_tensor("index_q", index_q, ndim=3, dtypes=FLOAT_DTYPES + FP8_DTYPES)
+    check_tensor("index_q", index_q, ndim=(3, 4), dtypes=FLOAT_DTYPES + FP8_DTYPES)
+    if index_q.dim() == 4:
+        return _batched_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, backend, index_k_scale)
     device = index_q.device
     tq, hi, di = index_q.shape
     check_tensor("index_k", index_k, ndim=2, dtypes=(index_q.dtype,), device=device, shape={1: di})
@@ -116,6 +121,28 @@ def indexer_topk(
         index_q.contiguous(), index_k.contiguous(), weights.contiguous(), key_start, key_end, topk,
         resolve_backend(backend), index_k_scale,
     )
+
+
+def _batched_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, backend, index_k_scale):
+    """The batched layout through the packed one: batch entry b's keys become rows b * Tk + j."""
+    b, s, hi, di = index_q.shape
+    device = index_q.device
+    check_tensor("index_k", index_k, ndim=3, dtypes=(index_q.dtype,), device=device, shape={0: b, 2: di})
+    check_tensor("weights", weights, ndim=3, dtypes=FLOAT_DTYPES, device=device, shape={0: b, 1: s, 2: hi})
+    tk = index_k.shape[1]
+    for name, t in (("key_start", key_start), ("key_end", key_end)):
+        check_tensor(name, t, ndim=(1, 2), dtypes=INDEX_DTYPES, device=device, shape={-1: s}, unit_stride=False)
+        if t.dim() == 2:
+            check_tensor(name, t, shape={0: b})
+    base = (torch.arange(b, device=device, dtype=torch.int32) * tk)[:, None]  # [B, 1]
+    end = key_end.to(torch.int32).clamp(0, tk).expand(b, s)
+    start = torch.minimum(key_start.to(torch.int32).clamp(0, tk).expand(b, s), end)
+    rows = indexer_topk(
+        index_q.reshape(b * s, hi, di), index_k.reshape(b * tk, di), weights.reshape(b * s, hi), topk,
+        (start + base).reshape(-1), (end + base).reshape(-1), backend,
+        None if index_k_scale is None else index_k_scale.reshape(b * tk),
+    ).view(b, s, -1)
+    return torch.where(rows >= 0, rows - base[..., None], rows) if b > 1 else rows
 
 
 def tilelang_indexer_topk(

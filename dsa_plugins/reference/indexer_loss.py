@@ -4,7 +4,7 @@ For each query row t over a slot set J(t) (sparse: the selected top-k; dense: th
 
     p[t, j]  = sum_h exp(scale * <q[t,h], kv[j]> - lse'[t,h])  then L1-normalised over J(t)
     I[t, j]  = sum_h relu(<index_q[t,h], index_k[j]>) * weights[t,h]
-    loss     = mean_t  sum_j p[t,j] * (log p[t,j] - log_softmax_J(I[t])[j])
+    loss     = mean_t  sum_j p[t,j] * (log p[t,j] - log_softmax_J(I[t])[j])     (or sum_t w_t ... with row weights)
 
 lse' is the attention normaliser: ``attn_lse`` (logaddexp'ed with the sink if one is given), or,
 when ``attn_lse`` is None, the log-sum-exp over J(t) itself (what the sparse attention computes
@@ -66,6 +66,13 @@ def _attention_chunk(q, kv, attn_lse, probs, rows, valid, t0, t1, cdt):
     return q[t0:t1].to(cdt), _gather(kv, rows, valid, cdt), lse
 
 
+def _row_weights(row_weights, t0, t1, t_total, cdt, device):
+    """Each row's factor in the loss [t1 - t0]: ``row_weights`` or the mean's 1 / T."""
+    if row_weights is None:
+        return torch.full((t1 - t0,), 1.0 / max(t_total, 1), dtype=cdt, device=device)
+    return row_weights[t0:t1].to(device=device, dtype=cdt)
+
+
 def _chunks(t_total, n_slots, heads):
     step = max(1, _CHUNK_ELEMS // max(1, n_slots * heads))
     for t0 in range(0, t_total, step):
@@ -75,7 +82,7 @@ def _chunks(t_total, n_slots, heads):
 class IndexerKLLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, index_q, index_k, weights, q, kv, attn_lse, sink, topk_indices, key_start, key_end, scale,
-                probs=None):
+                probs=None, row_weights=None):
         cdt = torch.float64 if index_q.dtype == torch.float64 else torch.float32
         t_total = index_q.shape[0]
         h = 1 if probs is not None else q.shape[1]
@@ -91,15 +98,16 @@ class IndexerKLLoss(torch.autograd.Function):
             logq = torch.log_softmax(scores, dim=-1)
             # p == 0 (not p > 0): a NaN target gives a NaN loss instead of vanishing
             term = torch.where(p == 0, torch.zeros_like(p), p * (torch.log(p.clamp_min(torch.finfo(cdt).tiny)) - logq))
-            loss = loss + term.sum()
+            loss = loss + (term.sum(-1) * _row_weights(row_weights, t0, t1, t_total, cdt, index_q.device)).sum()
         ctx.save_for_backward(index_q, index_k, weights, q, kv, attn_lse, sink, topk_indices, key_start, key_end,
-                              probs)
+                              probs, row_weights)
         ctx.scale = scale
-        return loss / max(t_total, 1)
+        return loss
 
     @staticmethod
     def backward(ctx, grad):
-        index_q, index_k, weights, q, kv, attn_lse, sink, topk_indices, key_start, key_end, probs = ctx.saved_tensors
+        (index_q, index_k, weights, q, kv, attn_lse, sink, topk_indices, key_start, key_end, probs,
+         row_weights) = ctx.saved_tensors
         cdt = torch.float64 if index_q.dtype == torch.float64 else torch.float32
         dev = index_q.device
         t_total = index_q.shape[0]
@@ -107,7 +115,6 @@ class IndexerKLLoss(torch.autograd.Function):
         d_iq = torch.zeros(index_q.shape, dtype=cdt, device=dev)
         d_ik = torch.zeros(index_k.shape, dtype=cdt, device=dev)
         d_w = torch.zeros(weights.shape, dtype=cdt, device=dev)
-        coeff = grad.to(cdt) / max(t_total, 1)
         n_guess = topk_indices.shape[1] if topk_indices is not None else index_k.shape[0]
         for t0, t1 in _chunks(t_total, n_guess, max(h, index_q.shape[1])):
             rows, valid = _row_slots(t0, t1, topk_indices, key_start, key_end, dev)
@@ -119,6 +126,7 @@ class IndexerKLLoss(torch.autograd.Function):
             )
             has_slot = valid.any(-1, keepdim=True)
             d_scores = torch.where(has_slot, torch.softmax(scores, dim=-1) - p, torch.zeros_like(p))
+            coeff = grad.to(cdt) * _row_weights(row_weights, t0, t1, t_total, cdt, dev)[:, None]
             d_scores = d_scores.masked_fill(~valid, 0.0) * coeff  # [c, n]
             d_w[t0:t1] = torch.einsum("cn,chn->ch", d_scores, torch.where(valid.unsqueeze(1), logits.clamp_min(0), 0.0))
             # relu's gradient as torch takes it (zero where logits <= 0): a NaN logit passes its gradient on
@@ -126,12 +134,12 @@ class IndexerKLLoss(torch.autograd.Function):
             d_iq[t0:t1] = torch.einsum("chn,cnd->chd", d_logits, ik_rows)
             contrib = torch.einsum("chn,chd->cnd", d_logits, iq)
             d_ik.index_add_(0, rows[valid], contrib[valid])
-        return (d_iq.to(index_q.dtype), d_ik.to(index_k.dtype), d_w.to(weights.dtype)) + (None,) * 9
+        return (d_iq.to(index_q.dtype), d_ik.to(index_k.dtype), d_w.to(weights.dtype)) + (None,) * 10
 
 
 def indexer_kl_loss_reference(
     index_q, index_k, weights, q, kv, attn_lse, scale: float,
-    topk_indices=None, key_start=None, key_end=None, sink=None, attn_probs=None,
+    topk_indices=None, key_start=None, key_end=None, sink=None, attn_probs=None, row_weights=None,
 ):
     """Scalar loss; gradients flow to index_q [T,Hi,Di], index_k [Tk,Di], weights [T,Hi] only.
 
@@ -139,6 +147,8 @@ def indexer_kl_loss_reference(
     topk_indices [T,k] (sparse, global rows of kv, -1 = none) or key_start/key_end [T] (dense).
     attn_probs [T,k] (sparse only): the head-summed attention probabilities of the slots, given
     (what the attention backward emits); q, kv, attn_lse, sink and scale are then unused (None).
+    row_weights [T] (optional): each row's factor, replacing the mean's 1 / T (e.g. 1 / n_valid on
+    real tokens and 0 on padding, or 1 for a per-token sum).
     """
     if attn_probs is not None and topk_indices is None:
         raise ValueError("attn_probs needs topk_indices (the sparse loss)")
@@ -147,4 +157,5 @@ def indexer_kl_loss_reference(
         None if attn_lse is None else attn_lse.detach(),
         None if sink is None else sink.detach(),
         topk_indices, key_start, key_end, scale, None if attn_probs is None else attn_probs.detach(),
+        None if row_weights is None else row_weights.detach(),
     )

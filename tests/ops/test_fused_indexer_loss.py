@@ -151,3 +151,33 @@ def test_fused_kernels_match_fp64_oracle(shape):
     assert abs(loss_f.item() - loss_u.item()) <= 2e-2 * abs(loss_u.item()) + 1e-4, (loss_f.item(), loss_u.item())
     for name, a, e in zip(("q", "kv", "index_q", "index_k", "weights"), g_f, g_u):
         assert rel_err(a.float(), e) < 3e-2, name
+
+
+def test_row_weights_replace_the_mean():
+    """row_weights: each row's factor (Megatron: 1 / n_valid on real tokens, 0 on padding). The loss and
+    the indexer gradients equal the weighted sum of the per-row losses, in float64."""
+    b, s, skv, h, dqk, dv, k = 1, 13, 20, 3, 16, 16, 5
+    q, kv, idx, iq, ik, w, _ = _inputs(b, s, skv, h, dqk, k, 3, 8, False, seed=7)
+    rw = torch.rand(b * s, dtype=torch.float64)
+    rw[3] = 0.0  # a padding row
+    leaves = [t.detach().clone().requires_grad_() for t in (q, kv, iq, ik, w)]
+    handle = ops.FusedIndexerLoss(leaves[2], leaves[3], leaves[4], weight=0.5, row_weights=rw)
+    out = ops.sparse_attention(leaves[0], leaves[1], idx, 0.3, dv=dv, backend="torch", indexer_loss=handle)
+    grads = torch.autograd.grad(out.sum(), leaves[2:])
+    # oracle: the per-row reference losses (mean over one row = that row's KL), weighted
+    ref_leaves = [t.detach().clone().requires_grad_() for t in (iq, ik, w)]
+    _, lse = ops.sparse_attention(q, kv, idx, 0.3, dv=dv, backend="torch", return_lse=True)
+    rows = torch.where((idx >= 0) & (idx < skv), idx, -1).reshape(b * s, -1)
+    total = 0
+    for t in range(b * s):
+        one = torch.zeros(b * s, dtype=torch.float64)
+        one[t] = 1.0
+        total = total + rw[t] * indexer_kl_loss_reference(
+            *ref_leaves, q.reshape(b * s, h, dqk), kv.reshape(b * skv, dqk), lse.reshape(b * s, h), 0.3,
+            topk_indices=rows, row_weights=one)
+    ref_grads = torch.autograd.grad(0.5 * total, ref_leaves)
+    assert abs(handle.value.item() - total.item()) < 1e-12
+    for a, e in zip(grads, ref_grads):
+        assert rel_err(a, e) < 1e-12
+    with pytest.raises(ValueError, match="row_weights"):
+        ops.FusedIndexerLoss(iq, ik, w, row_weights=torch.ones(b * s + 1, dtype=torch.float64))

@@ -147,3 +147,23 @@ def test_windows_may_be_broadcast_views():
     end = torch.arange(1, 7, dtype=torch.int32)
     got = ops.indexer_topk(iq, ik, w, 3, start, end)
     assert got.shape == (6, 3) and (got[0, 1:] == -1).all()
+
+
+def test_batched_layout_equals_each_entry_packed():
+    """index_q [B, S, Hi, Di] with per-entry keys and windows: each entry's rows as its own packed call."""
+    g = torch.Generator().manual_seed(2)
+    b, s, tk, hi, di, k = 3, 7, 11, 4, 8, 5
+    iq = torch.randn(b, s, hi, di, generator=g)
+    ik = torch.randn(b, tk, di, generator=g)
+    w = torch.rand(b, s, hi, generator=g)
+    end = torch.randint(0, tk + 1, (b, s), generator=g).to(torch.int32)
+    start = (end - torch.randint(0, 6, (b, s), generator=g)).clamp(min=0).to(torch.int32)
+    out = ops.indexer_topk(iq, ik, w, k, start, end)
+    assert out.shape == (b, s, k)
+    for i in range(b):
+        want = ops.indexer_topk(iq[i], ik[i], w[i], k, start[i], end[i])
+        assert torch.equal(out[i].sort(-1).values, want.sort(-1).values)
+    shared = ops.indexer_topk(iq, ik, w, k, start[0], end[0])  # [S] windows shared by the batch
+    assert torch.equal(shared[1].sort(-1).values, ops.indexer_topk(iq[1], ik[1], w[1], k, start[0], end[0]).sort(-1).values)
+    with pytest.raises(ValueError, match="index_k"):
+        ops.indexer_topk(iq, ik[:2], w, k, start, end)

@@ -2,7 +2,7 @@
 
 The models' own indexers build ``[B, S, T]`` fp32 scores and take their top-k; here the scores
 never exist: each query row's visible keys form a window ``[start, end)`` of key columns, and the
-fused op returns the top-k inside it. :func:`topk_in_windows` is that call for batched inputs;
+fused op (``ops.indexer_topk`` in its batched layout) returns the top-k inside it.
 :func:`select_topk` is the shared tail of the V3.2 family's indexers (cache, windows, mask).
 """
 
@@ -13,33 +13,7 @@ import torch
 from ... import ops
 from .masks import LazyMask, as_mask, mask_indices
 
-__all__ = ["select_topk", "topk_in_windows"]
-
-
-def topk_in_windows(
-    q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, topk: int, start: torch.Tensor, end: torch.Tensor
-) -> torch.Tensor:
-    """Top-k key columns of each query row among its window's keys.
-
-    q [B, S, Hi, Di] (rope applied), keys [B, T, Di], weights [B, S, Hi] (every scale folded in),
-    start / end [B, S] key columns (``start <= end <= T``). Returns [B, S, topk] int32 key columns
-    of the row's own batch entry, -1 where the window holds fewer keys.
-    """
-    B, S, Hi, Di = q.shape
-    T = keys.shape[1]
-    base = (torch.arange(B, device=q.device, dtype=torch.int32) * T)[:, None]  # batch rows packed along keys
-    rows = ops.indexer_topk(
-        q.reshape(B * S, Hi, Di),
-        keys.reshape(B * T, Di).to(q.dtype),
-        weights.reshape(B * S, Hi).float(),
-        topk,
-        (start.to(torch.int32) + base).reshape(-1),
-        (end.to(torch.int32) + base).reshape(-1),
-    )
-    local = rows.view(B, S, -1).to(torch.int32)
-    if B > 1:
-        local = torch.where(local >= 0, local - base[..., None], local)
-    return local
+__all__ = ["select_topk"]
 
 
 def select_topk(
@@ -57,6 +31,6 @@ def select_topk(
     start, end = mask.windows()
     end = end.clamp(max=T)
     start = torch.minimum(start, end)
-    local = topk_in_windows(q, k, weights, min(int(indexer.index_topk), T), start, end)
+    local = ops.indexer_topk(q, k.to(q.dtype), weights, min(int(indexer.index_topk), T), start, end)
     # indexer_topk only returns keys inside each row's window; the mask is needed for holes only
     return mask_indices(local, mask) if mask.has_holes() else local

@@ -26,7 +26,7 @@ from ...patches.attributes import is_patched, patch_attribute, revert_patches
 from ...patches.versions import require_version
 
 PATCH_KEY = "megatron.dsa"
-SUPPORTED = ("0.16.0", "0.20.0")  # [minimum, below)
+SUPPORTED = ("0.16.0", "0.17.0")  # [minimum, below); 0.19.x: backend_patches
 _SPECS_MODULE = "megatron.core.models.gpt.experimental_attention_variant_module_specs"
 
 

@@ -21,7 +21,6 @@ from .... import ops
 from ....patches.attributes import PatchPointMissing, class_in, own_attributes, patch_attribute
 from ..attention import register_handler
 from ..constants import ATTN_NAME, PATCH_KEY
-from ..indexer import topk_in_windows
 from ..masks import LazyMask
 
 __all__ = ["patch", "v4_attention"]
@@ -90,7 +89,7 @@ def _wrap_v4_indexer(original: Callable) -> Callable:
             w = scorer.weights_proj(hidden_states).float() * scorer.weights_scaling * scorer.softmax_scale
             visible = ((position_ids.to(q.device) + 1) // self.compress_rate).clamp(0, T).expand(B, S)
             start = torch.zeros_like(visible)
-            out = topk_in_windows(q, keys, w, min(int(self.index_topk), T), start, visible)
+            out = ops.indexer_topk(q, keys.to(q.dtype), w, min(int(self.index_topk), T), start, visible)
         self._dsa_topk = out
         return out
 

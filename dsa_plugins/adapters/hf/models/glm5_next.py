@@ -16,11 +16,11 @@ from collections.abc import Callable
 
 import torch
 
+from .... import ops
 from ....common.settings import warn_once
 from ....patches.attributes import class_in, own_attributes, patch_attribute
 from ..attention import wrap_expand_kv
 from ..constants import ATTN_NAME, PATCH_KEY
-from ..indexer import topk_in_windows
 from ..masks import TopkSelection, unique_key_columns
 
 __all__ = ["glm5_next_select", "patch"]
@@ -77,7 +77,7 @@ def glm5_next_select(indexer, hidden_states, q_resid, attention_mask, past_key_v
         w = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
         w = w * (Hi**-0.5) * indexer.softmax_scale  # relu(c*x) = c*relu(x) for c > 0
         start = torch.zeros_like(count)
-        local = topk_in_windows(q, keys, w, select_k, start, count)  # positions in `order`
+        local = ops.indexer_topk(q, keys.to(q.dtype), w, select_k, start, count)  # positions in `order`
         picked = local >= 0
         pool = order.gather(1, torch.where(picked, local.long(), 0).view(B, -1))
         # a valid pool holds P consecutive key columns starting at its first one
