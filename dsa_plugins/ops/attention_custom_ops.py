@@ -32,6 +32,8 @@ def _shape_reason(kernel: str, q: Tensor, dv: int, sink: Optional[Tensor]) -> st
 
 # The kernels address tensors with int32 offsets: longer inputs run in query chunks below this.
 _MAX_KERNEL_ELEMENTS = 2**31 - 1
+# ... and the forward launches one CTA row per query on the grid's y axis, at most 65535 long.
+_MAX_GRID_ROWS = 65535
 
 
 def _query_chunks(q: Tensor, indices: Tensor, dv: int) -> list[tuple[int, int]]:
@@ -39,7 +41,7 @@ def _query_chunks(q: Tensor, indices: Tensor, dv: int) -> list[tuple[int, int]]:
     (one range, the whole axis, for every realistic batch; 64K+ tokens x 64 heads x 576 need more)."""
     b, s, h, d = q.shape
     per_query = b * max(h * max(d, dv), indices.shape[-1] + 128)  # + the kernel's K padding
-    step = max(1, _MAX_KERNEL_ELEMENTS // per_query)
+    step = min(max(1, _MAX_KERNEL_ELEMENTS // per_query), _MAX_GRID_ROWS)
     return [(a, min(a + step, s)) for a in range(0, s, step)]
 
 

@@ -36,21 +36,33 @@ def apply_cpu_shims() -> None:
     yrpe.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
 
 
-def init_distributed(rank: int = 0, world: int = 1, cp: int = 1, tp: int = 1, port: int = 29611) -> None:
+def init_distributed(rank: int = 0, world: int = 1, cp: int = 1, tp: int = 1, port: int = 29611,
+                     dist_backend: str = "gloo") -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group(dist_backend, rank=rank, world_size=world)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tp, 1, context_parallel_size=cp)
 
 
+TINY = dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, q_lora_rank=32, kv_lora_rank=32,
+            qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, dsa_indexer_n_heads=4, dsa_indexer_head_dim=16)
+# GLM-5's attention and indexer dims (576/512 latent, 32 x 128 indexer) at 16 heads: what the TileLang
+# kernels take (their smallest head count; GLM-5 itself has 64)
+GLM5_ATTENTION = dict(hidden_size=1024, num_attention_heads=16, ffn_hidden_size=1024, q_lora_rank=512,
+                      kv_lora_rank=512, qk_head_dim=192, qk_pos_emb_head_dim=64, v_head_dim=256,
+                      dsa_indexer_n_heads=32, dsa_indexer_head_dim=128)
+
+
 def build(backend: str = "none", loss_coeff: float = 0.1, sparse_loss: bool = True, topk: int = 6,
-          cp: int = 1, tp: int = 1, seed: int = 0, num_layers: int = 2, dtype=torch.float32):
-    """(config, GPTModel) with DSA layers; weights drawn from ``seed`` (the same for every backend)."""
+          cp: int = 1, tp: int = 1, seed: int = 0, num_layers: int = 2, dtype=torch.float32, dims=None,
+          device: str = "cpu"):
+    """(config, GPTModel) with DSA layers; weights drawn from ``seed`` (the same for every backend).
+    ``dims``: TINY (default) or GLM5_ATTENTION; ``device="cuda"`` builds on the GPU in ``dtype``."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
@@ -69,14 +81,14 @@ def build(backend: str = "none", loss_coeff: float = 0.1, sparse_loss: bool = Tr
     extra = dict(context_parallel_size=cp, cp_comm_type="allgather") if cp > 1 else {}
     if tp > 1:
         extra.update(tensor_model_parallel_size=tp, sequence_parallel=True)
+    on_gpu = device == "cuda"
     cfg = MLATransformerConfig(
-        num_layers=num_layers, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96,
-        q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
+        num_layers=num_layers, **(dims or TINY),
         rope_type="rope", normalization="RMSNorm", qk_layernorm=True, add_bias_linear=False,
-        experimental_attention_variant="dsa", dsa_indexer_n_heads=4, dsa_indexer_head_dim=16,
-        dsa_indexer_topk=topk, dsa_indexer_loss_coeff=loss_coeff, dsa_indexer_use_sparse_loss=sparse_loss,
+        experimental_attention_variant="dsa", dsa_indexer_topk=topk, dsa_indexer_loss_coeff=loss_coeff, dsa_indexer_use_sparse_loss=sparse_loss,
         dsa_indexer_rotate_activation=False, dsa_kernel_backend=backend,
-        transformer_impl="local", use_cpu_initialization=True, params_dtype=dtype, bf16=False,
+        transformer_impl="local", use_cpu_initialization=not on_gpu, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
         **extra,
@@ -93,16 +105,16 @@ def build(backend: str = "none", loss_coeff: float = 0.1, sparse_loss: bool = Tr
         model_parallel_cuda_manual_seed(seed)
     except Exception:  # the CUDA RNG tracker is optional on CPU
         pass
-    model = GPTModel(config=cfg, transformer_layer_spec=block, vocab_size=VOCAB, max_sequence_length=64,
+    model = GPTModel(config=cfg, transformer_layer_spec=block, vocab_size=VOCAB, max_sequence_length=1 << 17,
                      position_embedding_type="none")
-    return cfg, model
+    return cfg, model.to(device=device, dtype=dtype)  # as megatron's Float16Module: every weight in dtype
 
 
-def batch(b: int = 2, s: int = 16, seed: int = 1):
+def batch(b: int = 2, s: int = 16, seed: int = 1, device: str = "cpu"):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (b, s), generator=g)
     labels = torch.randint(0, VOCAB, (b, s), generator=g)
-    return tokens, labels
+    return tokens.to(device), labels.to(device)
 
 
 def tracker_values():
@@ -123,11 +135,11 @@ def step(model, tokens, labels, position_ids=None, packed_seq_params=None):
     from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
 
     reset_tracker()
-    DSAIndexerLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    DSAIndexerLossAutoScaler.set_loss_scale(torch.tensor(1.0, device=tokens.device))
     model.train()
     model.zero_grad()
     if position_ids is None:
-        position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+        position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
     loss = model(tokens, position_ids, attention_mask=None, labels=labels, packed_seq_params=packed_seq_params)
     total = loss.float().mean()
     total.backward()
