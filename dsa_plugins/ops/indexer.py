@@ -197,6 +197,7 @@ def indexer_kl_loss(
     index_q: Tensor, index_k: Tensor, weights: Tensor, q: Tensor, kv: Tensor, attn_lse: Tensor | None,
     scale: float, topk_indices: Tensor | None = None, key_start: Tensor | None = None,
     key_end: Tensor | None = None, sink: Tensor | None = None, backend: str | None = None,
+    row_weights: Tensor | None = None,
 ) -> Tensor:
     """DeepSeek-V3.2 indexer loss KL(p_attn || softmax(I)), mean over query rows (packed layout).
 
@@ -206,8 +207,11 @@ def indexer_kl_loss(
     (then the normaliser is recomputed over the same slots). Sparse stage: topk_indices [T, k]
     (or [T, 1, k]) global rows, -1 = none. Dense warm-up: key_start/key_end [T] windows instead.
     sink [H] (optional): the attention's per-head sink, included in the normaliser.
-    The sparse loss runs on the TileLang kernels (bf16, Hopper) by the backend rules; the dense
-    warm-up loss runs on the torch path (chunked over rows, never [T, T] at once).
+    row_weights [T] (optional): each row's factor in place of the mean's 1 / T (e.g. 1 / n_real on
+    real rows and 0 on padding, or 1 for a per-token sum).
+    Both stages run on the TileLang kernels (bf16, Hopper) by the backend rules, else on the torch
+    reference; the dense warm-up loss goes through the kernels in chunks of rows whose windows
+    become left-aligned slot lists (:func:`dense_loss_chunks`), never [T, T] at once.
     """
     check_tensor("index_q", index_q, ndim=3, dtypes=FLOAT_DTYPES)
     device = index_q.device
@@ -239,36 +243,80 @@ def indexer_kl_loss(
         key_start, key_end = _check_windows(key_start, key_end, t, kv.shape[0], device)
     reason = kernel_shape_reason("indexer_kl_loss", num_heads=q.shape[1], dqk=q.shape[2],
                                  index_heads=index_q.shape[1], index_dim=index_q.shape[2], dtype=index_q.dtype)
-    if topk_indices is not None and choose_kernel(
-        resolve_backend(backend), "indexer_kl_loss", (index_q, index_k, q, kv), reason
-    ):
+    if row_weights is not None:
+        check_tensor("row_weights", row_weights, ndim=1, dtypes=FLOAT_DTYPES, device=device, shape={0: t})
+    if choose_kernel(resolve_backend(backend), "indexer_kl_loss", (index_q, index_k, q, kv), reason):
         return _IndexerKLLossKernel.apply(
             index_q, index_k, weights.float(), q.detach(), kv.detach(),
-            None if attn_lse is None else attn_lse.detach().float(), topk_indices.contiguous(),
+            None if attn_lse is None else attn_lse.detach().float(),
+            None if topk_indices is None else topk_indices.contiguous(), key_start, key_end,
             scale, None if sink is None else sink.detach().float(),
+            None if row_weights is None else row_weights.detach().float(),
         )
     return indexer_kl_loss_reference(
-        index_q, index_k, weights, q, kv, attn_lse, scale, topk_indices, key_start, key_end, sink
+        index_q, index_k, weights, q, kv, attn_lse, scale, topk_indices, key_start, key_end, sink,
+        row_weights=row_weights,
     )
 
 
+# Slots per chunk of the dense loss (rows x longest window): the kernels' per-slot buffers (slot list,
+# logits, target: 4 bytes each, the target once per 64 query heads) stay near 128 MiB apiece.
+DENSE_LOSS_SLOTS_PER_CHUNK = 1 << 25
+# Rows per chunk at most: a chunk pads every row to its longest window, so short chunks waste little
+# on causal windows (rows t0..t1 see t0+1..t1 keys: at most (t1 - t0) / 2 padding slots per row).
+DENSE_LOSS_MAX_ROWS = 1024
+
+
+def dense_loss_chunks(key_start: Tensor, key_end: Tensor, slots_per_chunk: int = DENSE_LOSS_SLOTS_PER_CHUNK,
+                      max_rows: int = DENSE_LOSS_MAX_ROWS) -> list[tuple[int, int, int]]:
+    """Row chunks (t0, t1, n) of the dense loss: n = the longest window among rows t0..t1 (at least
+    1), (t1 - t0) * n <= slots_per_chunk unless one row alone is longer. One host sync (the lengths)."""
+    lengths = (key_end.long() - key_start.long()).clamp_min(0).cpu()
+    t = lengths.shape[0]
+    rows = max(1, min(max_rows, slots_per_chunk // max(1, int(lengths.max()) if t else 1)))
+    chunks = []
+    for t0 in range(0, t, rows):
+        t1 = min(t0 + rows, t)
+        chunks.append((t0, t1, max(1, int(lengths[t0:t1].max()))))
+    return chunks
+
+
+def dense_loss_slots(key_start: Tensor, key_end: Tensor, t0: int, t1: int, n: int) -> Tensor:
+    """The windows of rows t0..t1 as slot lists [t1 - t0, n] int32: row t holds key_start[t] ..
+    key_end[t] - 1 left-aligned, then -1 (no key)."""
+    start = key_start[t0:t1].to(torch.int64).unsqueeze(1)
+    length = (key_end[t0:t1].to(torch.int64).unsqueeze(1) - start).clamp_min(0)
+    col = torch.arange(n, device=key_start.device).unsqueeze(0)
+    return torch.where(col < length, start + col, -1).to(torch.int32)
+
+
 class _IndexerKLLossKernel(torch.autograd.Function):
-    """Sparse indexer KL loss through the TileLang kernels: per-row losses, mean over rows. The
-    loss program yields the gradients in the same pass as the value (for the mean's uniform
-    weight 1/T), so the forward keeps them and the backward only scales them."""
+    """Indexer KL loss through the TileLang kernels: per-row losses, weighted sum over rows (the
+    mean's 1 / T unless row weights are given). The loss program yields the gradients in the same
+    pass as the value, so the forward keeps them and the backward only scales them. Sparse: one
+    call over the top-k slots. Dense: the windows in chunks of rows (dense_loss_chunks), each a
+    sparse call over its rows' slot lists with the normaliser recomputed over the same slots (the
+    dense attention's), d_index_k summed over the chunks."""
 
     @staticmethod
-    def forward(ctx, index_q, index_k, weights, q, kv, attn_lse, topk_indices, scale, sink):
+    def forward(ctx, index_q, index_k, weights, q, kv, attn_lse, topk_indices, key_start, key_end, scale, sink,
+                row_weights):
         t = index_q.shape[0]
         wants_grad = any(ctx.needs_input_grad[:3])
-        grad_rows = torch.full((t,), 1.0 / max(t, 1), device=index_q.device) if wants_grad else None
-        rows, grads = load_kernel("indexer_kl_loss")(
-            index_q.contiguous(), index_k.contiguous(), weights.contiguous(), q.contiguous(), kv.contiguous(),
-            attn_lse, topk_indices, scale, sink, grad_rows=grad_rows,
-        )
+        factor = row_weights if row_weights is not None else torch.full((t,), 1.0 / max(t, 1), device=index_q.device)
+        loss_rows = load_kernel("indexer_kl_loss")
+        if topk_indices is not None:
+            rows, grads = loss_rows(
+                index_q.contiguous(), index_k.contiguous(), weights.contiguous(), q.contiguous(), kv.contiguous(),
+                attn_lse, topk_indices, scale, sink, grad_rows=factor if wants_grad else None,
+            )
+        else:
+            rows, grads = _dense_loss_rows(loss_rows, index_q.contiguous(), index_k.contiguous(),
+                                           weights.contiguous(), q.contiguous(), kv.contiguous(), attn_lse, key_start,
+                                           key_end, scale, sink, factor if wants_grad else None)
         ctx.grads = grads
         ctx.dtypes = (index_q.dtype, index_k.dtype, weights.dtype)
-        return rows.sum() / max(t, 1)
+        return (rows * factor).sum()
 
     @staticmethod
     def backward(ctx, grad):
@@ -276,5 +324,26 @@ class _IndexerKLLossKernel(torch.autograd.Function):
         ctx.grads = None
         g = grad.float()
         dt_q, dt_k, dt_w = ctx.dtypes
-        return ((d_iq.float() * g).to(dt_q), (d_ik * g).to(dt_k), (d_w * g).to(dt_w),
-                None, None, None, None, None, None)
+        return ((d_iq.float() * g).to(dt_q), (d_ik * g).to(dt_k), (d_w * g).to(dt_w)) + (None,) * 9
+
+
+def _dense_loss_rows(loss_rows, index_q, index_k, weights, q, kv, attn_lse, key_start, key_end, scale, sink,
+                     grad_rows):
+    """(loss rows [T], (d_index_q, d_index_k, d_weights) or None) of the dense loss, chunk by chunk."""
+    t = index_q.shape[0]
+    rows = torch.zeros(t, dtype=torch.float32, device=index_q.device)
+    grads = None
+    if grad_rows is not None:
+        grads = (torch.empty_like(index_q), torch.zeros(index_k.shape, dtype=torch.float32, device=index_k.device),
+                 torch.empty(weights.shape, dtype=torch.float32, device=weights.device))
+    for t0, t1, n in dense_loss_chunks(key_start, key_end):
+        slots = dense_loss_slots(key_start, key_end, t0, t1, n)
+        r, g = loss_rows(index_q[t0:t1], index_k, weights[t0:t1], q[t0:t1], kv,
+                         None if attn_lse is None else attn_lse[t0:t1].contiguous(), slots, scale, sink,
+                         grad_rows=None if grad_rows is None else grad_rows[t0:t1].contiguous())
+        rows[t0:t1] = r
+        if grads is not None:
+            grads[0][t0:t1] = g[0]
+            grads[1].add_(g[1])
+            grads[2][t0:t1] = g[2]
+    return rows, grads

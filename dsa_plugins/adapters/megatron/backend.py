@@ -13,8 +13,11 @@ everything this module declines still works, slowly:
   read at backward time; under tensor parallelism the head-summed target is all-reduced over TP
   first (megatron's target exactly). Since the loss value exists only once the backward ran, the
   forward hands megatron a zero (its tracker adds it) and the backward adds the value to the
-  layer's slot of megatron's tracker. Declined: the dense loss (megatron's warm-up target),
-  non-absorbed MLA, no ReLU in the scores, explicit key positions or masks.
+  layer's slot of megatron's tracker. The dense (warm-up) stage keeps the sparse attention and
+  adds the KL loss over every key of the windows (``ops.indexer_kl_loss`` with windows: the kernels in
+  chunks of rows, never [S, S]), returned to megatron, which logs it and scales its gradient.
+  Declined: the dense loss under tensor parallelism, non-absorbed MLA, no ReLU in the scores,
+  explicit key positions or masks.
 * :func:`run_fused_qk_topk`: the top-k alone (no loss: eval, coefficient 0).
 * :func:`run_fused_qk_topk_with_loss`: top-k and the standalone sparse loss (layers whose full
   hook declined); declined under tensor parallelism and with padding rows or per-token losses (the
@@ -124,6 +127,24 @@ def _attention(query, key, topk_indices, softmax_scale, v_channels, indexer_loss
     return out.transpose(0, 1)
 
 
+def _dense_indexer_loss(q_indexer, k_indexer, weights, query, key, softmax_scale, starts, ends, row_weights):
+    """The dense (warm-up) KL loss over the windows, differentiable in the indexer's q, k and weights:
+    the batch flattened to rows (batch-major), each batch element's windows shifted to its keys."""
+    sq, b = q_indexer.shape[:2]
+    skv = k_indexer.shape[0]
+    shift = (torch.arange(b, device=starts.device, dtype=torch.int64) * skv).view(b, 1)
+    key_start = (starts.to(torch.int64).view(1, sq) + shift).reshape(-1)
+    key_end = (ends.to(torch.int64).view(1, sq) + shift).reshape(-1)
+    return ops.indexer_kl_loss(
+        _batch_major(q_indexer).reshape(b * sq, *q_indexer.shape[2:]),
+        _batch_major(k_indexer).reshape(b * skv, -1).to(q_indexer.dtype),
+        _batch_major(weights).reshape(b * sq, -1).float(),
+        _batch_major(query.detach()).reshape(b * sq, *query.shape[2:]),
+        _batch_major(key.detach()[:, :, 0]).reshape(b * skv, -1), None, softmax_scale,
+        key_start=key_start, key_end=key_end, row_weights=row_weights,
+    )
+
+
 # ----------------------------------------------------------------------------- the hooks
 
 
@@ -142,10 +163,18 @@ def run_fused_dsa_attention(*, config, query, key, value, up_v_weight, q_indexer
         return _decline("indexer scores without ReLU are not supported")
     if varlen_starts is None or varlen_ends is None or key_positions is not None:
         return _decline("masks other than per-row key windows are not supported")
-    if loss_coeff > 0 and not sparse_loss:
-        return None  # the dense (warm-up) target: megatron's reference loss
+    dense_loss = loss_coeff > 0 and not sparse_loss
+    if dense_loss and _tp_group(pg_collection) is not None:
+        return _decline("the dense indexer loss under tensor parallelism is not supported")
     sq, b, np_, _ = query.shape
     topk = _select(q_indexer, k_indexer, indexer_weights, indexer_topk, varlen_starts, varlen_ends)
+    if dense_loss:  # warm-up: sparse attention, the indexer loss over every key of the windows
+        latent = _attention(query, key, topk, softmax_scale, up_v_weight.shape[-1])
+        output = torch.einsum("sbhc,hdc->sbhd", latent, up_v_weight.to(latent.dtype)).reshape(sq, b, -1)
+        kl = _dense_indexer_loss(q_indexer, k_indexer, indexer_weights, query, key, softmax_scale, varlen_starts,
+                                 varlen_ends, _row_weights(query_valid_rows, b, sq, calculate_per_token_loss,
+                                                           query.device))
+        return output, kl * float(loss_coeff)  # megatron logs it and scales its gradient
     loss = None
     if loss_coeff > 0:
         layer = CURRENT_LAYER.get()

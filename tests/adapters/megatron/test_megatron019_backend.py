@@ -116,7 +116,8 @@ def test_matches_megatron_torch_path(case, monkeypatch):
 
 
 def test_hooks_run_and_the_loss_is_fused(monkeypatch):
-    """The full-layer hook serves training layers: the loss comes from the attention's backward."""
+    """The full-layer hook serves training layers: the sparse loss comes from the attention's backward,
+    the dense (warm-up) loss from the windows' loss op."""
     from dsa_plugins.adapters.megatron import backend
     from dsa_plugins.ops import FusedIndexerLoss
 
@@ -128,6 +129,9 @@ def test_hooks_run_and_the_loss_is_fused(monkeypatch):
     served = []
     monkeypatch.setattr(backend, "run_fused_dsa_attention", lambda **k: served.append(r := real_hook(**k)) or r)
     _run("dsa_plugins", True, monkeypatch)
+    assert len(served) == 2 and all(r is not None for r in served) and len(calls) == 2
+    served.clear()
+    _run("dsa_plugins", True, monkeypatch, sparse_loss=False)  # dense warm-up: served too, loss not fused
     assert len(served) == 2 and all(r is not None for r in served) and len(calls) == 2
 
 

@@ -31,7 +31,8 @@ def _grad_errors(grads, grads0, skip=()):
     return out
 
 
-def test_kernels_serve_the_layers_and_match_the_reference_and_megatron(monkeypatch):
+@pytest.mark.parametrize("sparse_loss", [True, False], ids=["sparse-loss", "dense-warm-up-loss"])
+def test_kernels_serve_the_layers_and_match_the_reference_and_megatron(monkeypatch, sparse_loss):
     """Three runs on the same weights and tokens: the kernels (DSA_PLUGINS_BACKEND=tilelang: a fallback
     raises), our torch reference on the GPU (fp32 math: the same selections up to rounding), and
     megatron's own torch path (bf16 index scores: near-ties at the k-th key may select differently, so
@@ -47,7 +48,7 @@ def test_kernels_serve_the_layers_and_match_the_reference_and_megatron(monkeypat
         monkeypatch.setenv("DSA_PLUGINS_MEGATRON_TAKEOVER", "0")
         monkeypatch.setenv("DSA_PLUGINS_BACKEND", ops_backend)
         _, model = M.build(backend=kernel_backend, dims=M.GLM5_ATTENTION, topk=256, dtype=torch.bfloat16,
-                           device="cuda", loss_coeff=0.1, sparse_loss=True)
+                           device="cuda", loss_coeff=0.1, sparse_loss=sparse_loss)
         tokens, labels = M.batch(b=1, s=2048, seed=3, device="cuda")
         results[name] = M.step(model, tokens, labels)
     assert len(served) == 4 and all(r is not None for r in served)  # 2 layers x 2 dsa_plugins runs
