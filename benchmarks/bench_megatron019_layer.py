@@ -1,8 +1,12 @@
 """One megatron-core 0.19 DSA layer, training step (forward + backward, sparse indexer loss on), by
 megatron's DSA kernel backend: ``tilelang`` (dsa_plugins), ``megatron_tilelang`` (megatron's own
-vendored TileLang backend), ``torch`` (``dsa_kernel_backend="none"``, megatron's torch path).
+vendored TileLang backend), ``megatron_cudnn`` (megatron's cudnn backend: FlashMLA's forward and cuDNN
+frontend's backward and indexer kernels; needs both peers staged, see ``benchmarks/peers/``),
+``torch`` (``dsa_kernel_backend="none"``, megatron's torch path).
 
-    python benchmarks/bench_megatron019_layer.py [--seqlens 8192,32768] [--providers ...]
+    python benchmarks/bench_megatron019_layer.py [--seqlens 8192,32768] [--providers ...] [--stage sparse|dense]
+
+``--stage dense``: the dense warm-up stage (indexer loss against dense attention, sparse_loss off).
 
 GLM-5 attention dims (64 heads, 576/512 latent, indexer 32 x 128, top-k 2048), hidden 6144, one
 layer with a small dense MLP, bf16, batch 1, causal. Rows go to
@@ -26,13 +30,37 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests", "adapters", "megatron"))
 
 GLM5 = dict(hidden_size=6144, num_attention_heads=64, ffn_hidden_size=1024, q_lora_rank=2048, kv_lora_rank=512,
             qk_head_dim=192, qk_pos_emb_head_dim=64, v_head_dim=256, dsa_indexer_n_heads=32, dsa_indexer_head_dim=128)
-PROVIDERS = {"tilelang": "dsa_plugins", "megatron_tilelang": "tilelang", "torch": "none"}
+PROVIDERS = {"tilelang": "dsa_plugins", "megatron_tilelang": "tilelang", "megatron_cudnn": "cudnn", "torch": "none"}
+
+
+def _accept_nv_dev_flash_mla_call() -> None:
+    """megatron 0.19's cudnn backend calls FlashMLA's ``nv_dev`` branch, whose sparse forward takes an
+    extra ``indexer_topk`` argument (0: no fused indexer top-k). The released FlashMLA (the staged peer)
+    has the same kernel without that argument: accept it when it is 0, refuse anything else."""
+    try:
+        import inspect
+
+        import flash_mla
+    except ImportError:
+        return
+    fwd = flash_mla.flash_mla_sparse_fwd
+    if "indexer_topk" in inspect.signature(fwd).parameters:
+        return
+
+    def sparse_fwd(*args, indexer_topk: int = 0, **kwargs):
+        if indexer_topk:
+            raise NotImplementedError("this FlashMLA build has no fused indexer top-k")
+        return fwd(*args, **kwargs)
+
+    flash_mla.flash_mla_sparse_fwd = sparse_fwd
+    print("note: FlashMLA without the nv_dev indexer_topk argument: megatron's indexer_topk=0 calls are passed on without it")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seqlens", default="8192,32768")
     parser.add_argument("--providers", default=",".join(PROVIDERS))
+    parser.add_argument("--stage", default="sparse", choices=["sparse", "dense"])
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
     import mcore019 as M
@@ -41,6 +69,8 @@ def main(argv=None) -> int:
     from dsa_plugins.bench.runner import env_info, time_callable, write_results
 
     os.environ["DSA_PLUGINS_MEGATRON_TAKEOVER"] = "0"
+    if "megatron_cudnn" in args.providers:
+        _accept_nv_dev_flash_mla_call()
     M.init_distributed(port=29400 + os.getpid() % 500)
     adapter.register()
     from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
@@ -51,11 +81,12 @@ def main(argv=None) -> int:
     rows = []
     for s in (int(x) for x in args.seqlens.split(",")):
         for provider in args.providers.split(","):
-            row = {"op": "megatron019_dsa_layer", "mode": "full", "shape": f"GLM-5 dims T{s} k2048",
+            row = {"op": "megatron019_dsa_layer", "mode": "full" if args.stage == "sparse" else "full_dense_loss", "shape": f"GLM-5 dims T{s} k2048",
                    "provider": provider, **env}
             try:
                 _, model = M.build(backend=PROVIDERS[provider], dims=GLM5, topk=2048, num_layers=1,
-                                   dtype=torch.bfloat16, device="cuda", loss_coeff=1.0, sparse_loss=True)
+                                   dtype=torch.bfloat16, device="cuda", loss_coeff=1.0,
+                                   sparse_loss=args.stage == "sparse")
                 tokens, labels = M.batch(b=1, s=s, seed=0, device="cuda")
                 position_ids = torch.arange(s, device=device).unsqueeze(0)
                 model.train()
