@@ -8,12 +8,34 @@ fused op (``ops.indexer_topk`` in its batched layout) returns the top-k inside i
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from ... import ops
 from .masks import LazyMask, as_mask, mask_indices
 
-__all__ = ["select_topk"]
+__all__ = ["bind_indexer_call", "select_topk"]
+
+# The indexer's cache argument: ``past_key_values`` up to transformers 5.23, ``cache`` from 5.24 (the
+# old name still accepted through ``deprecate_kwarg`` until 5.40).
+_CACHE_NAMES = ("cache", "past_key_values")
+
+
+def bind_indexer_call(sig: inspect.Signature, args: tuple, kwargs: dict) -> tuple[dict, object]:
+    """Bind a call of a model's indexer ``forward`` to its signature ``sig`` under either name of
+    the cache argument: (the bound arguments with defaults, the cache or None)."""
+    names = [n for n in _CACHE_NAMES if n in sig.parameters]
+    if names:  # a caller may use the other name (a model of the other transformers, a user's code)
+        for other in _CACHE_NAMES:
+            if other != names[0] and other in kwargs:
+                kwargs = dict(kwargs)
+                value = kwargs.pop(other)
+                kwargs.setdefault(names[0], value)
+    bound = sig.bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    return a, next((a[n] for n in names if a.get(n) is not None), None)
 
 
 def select_topk(

@@ -133,7 +133,8 @@ def test_indexer_selects_what_hf_selects(registered, model_type):
     lazy = dsa_mask(B, S, S, attention_mask=padding)
     dense = lazy.dense()[:, 0]
     params = list(__import__("inspect").signature(original).parameters)
-    args = dict(hidden_states=hidden, position_embeddings=pos_emb, position_ids=position_ids, past_key_values=None)
+    cache_name = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.24
+    args = dict(hidden_states=hidden, position_embeddings=pos_emb, position_ids=position_ids, **{cache_name: None})
     if "q_resid" in params:
         args["q_resid"] = q_resid
     with torch.no_grad():
@@ -283,3 +284,25 @@ def test_packed_sequences_match_eager(registered, model_type, output_of):
         with torch.no_grad():
             out[impl] = output_of(model(ids, position_ids=position_ids, use_cache=False))
     torch.testing.assert_close(out["dsa_tilelang"], out["eager"], rtol=1e-5, atol=2e-5)
+
+
+def test_indexer_call_binds_either_cache_name():
+    """transformers 5.24 renamed the indexer's ``past_key_values`` to ``cache``: a caller using either
+    name reaches the cache (a wrapper that read only one name ran generation without the key cache)."""
+    import inspect
+
+    from dsa_plugins.adapters.hf.indexer import bind_indexer_call
+
+    def new_style(self, hidden_states, cache=None):
+        ...
+
+    def old_style(self, hidden_states, past_key_values=None):
+        ...
+
+    marker = object()
+    for fn in (new_style, old_style):
+        sig = inspect.signature(fn)
+        for name in ("cache", "past_key_values"):
+            a, cache = bind_indexer_call(sig, (None, 1), {name: marker})
+            assert cache is marker and a["hidden_states"] == 1
+        assert bind_indexer_call(sig, (None, 1), {})[1] is None

@@ -21,6 +21,7 @@ from ....common.settings import warn_once
 from ....patches.attributes import class_in, own_attributes, patch_attribute
 from ..attention import wrap_expand_kv
 from ..constants import ATTN_NAME, PATCH_KEY
+from ..indexer import bind_indexer_call
 from ..masks import TopkSelection, unique_key_columns
 
 __all__ = ["glm5_next_select", "patch"]
@@ -110,7 +111,7 @@ def _wrap_indexer(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        a = sig.bind(self, *args, **kwargs).arguments
+        a, cache = bind_indexer_call(sig, (self, *args), kwargs)
         mask = a.get("attention_mask")
         if (
             self.config._attn_implementation != ATTN_NAME
@@ -126,7 +127,7 @@ def _wrap_indexer(original: Callable) -> Callable:
                 "key of the batch row (future and padding included), so the outputs differ from eager",
             )
         with torch.no_grad():
-            return glm5_next_select(self, a["hidden_states"], a["q_resid"], mask, a.get("past_key_values"))
+            return glm5_next_select(self, a["hidden_states"], a["q_resid"], mask, cache)
 
     return forward
 

@@ -22,7 +22,7 @@ import torch
 from ....patches.attributes import PatchPointMissing, class_in, own_attributes, patch_attribute
 from ..attention import wrap_expand_kv
 from ..constants import PATCH_KEY
-from ..indexer import select_topk
+from ..indexer import bind_indexer_call, select_topk
 from ..masks import LazyMask
 
 __all__ = ["mistral_large4_projection", "patcher", "rope_first_projection"]
@@ -89,9 +89,7 @@ def _wrap_indexer_forward(original: Callable, project: Callable) -> Callable:
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        bound = sig.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
+        a, cache = bind_indexer_call(sig, (self, *args), kwargs)
         mask = a.get("attention_mask")
         if not isinstance(mask, LazyMask):  # not our implementation (or a user-built 4D mask)
             return original(self, *args, **kwargs)
@@ -99,7 +97,7 @@ def _wrap_indexer_forward(original: Callable, project: Callable) -> Callable:
             q, k, w = project(
                 self, a["hidden_states"], a.get("q_resid"), a["position_embeddings"], a.get("position_ids")
             )
-            return select_topk(self, q, k, w, mask, a.get("past_key_values"))
+            return select_topk(self, q, k, w, mask, cache)
 
     return forward
 
