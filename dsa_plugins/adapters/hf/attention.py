@@ -79,6 +79,12 @@ def dsa_attention_forward(
     * anything else (vision / audio towers, dense layers): SDPA, or the model's eager function when it
       has sinks, on the materialised mask.
     """
+    if kwargs.get("output_attentions"):
+        # transformers would hand back an empty tuple: say so instead (as its config does for sdpa)
+        raise ValueError(
+            "dsa_tilelang: output_attentions=True is not supported: the sparse path never forms the "
+            "attention probabilities. Switch to eager for that call (model.set_attn_implementation('eager'))."
+        )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if dropout and module.training:

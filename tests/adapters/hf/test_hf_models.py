@@ -306,3 +306,14 @@ def test_indexer_call_binds_either_cache_name():
             a, cache = bind_indexer_call(sig, (None, 1), {name: marker})
             assert cache is marker and a["hidden_states"] == 1
         assert bind_indexer_call(sig, (None, 1), {})[1] is None
+
+
+def test_output_attentions_is_refused_with_a_message(registered):
+    """transformers returns an empty tuple of attentions for an implementation that gives none: the
+    sparse path says it cannot serve the request instead."""
+    model = tiny.tiny_model("glm_moe_dsa")
+    model.set_attn_implementation("dsa_tilelang")
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="output_attentions=True is not supported"):
+        model(ids, output_attentions=True)
+    assert model(ids).logits.isfinite().all()  # the plain call still runs
