@@ -1,4 +1,4 @@
-"""``python -m dsa_plugins doctor | demo | bench | convert``."""
+"""``python -m dsa_plugins doctor | demo | bench | convert | warmup``."""
 
 from __future__ import annotations
 
@@ -79,11 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("demo", help="tiny GLM-5 and DeepSeek-V4 models: plugin vs eager (see README)", add_help=False)
     sub.add_parser("bench", help="benchmark the ops over a shape table (see benchmarks/)", add_help=False)
     sub.add_parser("convert", help="HF <-> Megatron checkpoint conversion", add_help=False)
+    sub.add_parser("warmup", help="compile the kernels a model needs, in parallel, into the disk cache",
+                   add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     args, rest = parser.parse_known_args(argv)
     if args.command == "doctor":
         return doctor(args)
-    target = {"demo": "dsa_plugins.demo", "bench": "dsa_plugins.bench.suites", "convert": "dsa_plugins.convert"}
+    target = {"demo": "dsa_plugins.demo", "bench": "dsa_plugins.bench.suites", "convert": "dsa_plugins.convert",
+              "warmup": "dsa_plugins.warmup"}
     return _delegate(target[args.command], rest)
 
 

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from ..common.indices import global_rows
 
-__all__ = ["SHIPPED_CONFIGS", "build_bwd_kernels", "bwd_flops", "sparse_attention_bwd"]
+__all__ = ["BWD_PROGRAMS", "SHIPPED_CONFIGS", "build_bwd_kernels", "build_bwd_program", "bwd_flops", "sparse_attention_bwd"]
 
 logger = logging.getLogger("dsa_plugins")
 
@@ -499,18 +499,28 @@ def _main_args(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tupl
             bool(cfg["overlap"] and not deterministic), bool(emit_probs))
 
 
-def build_bwd_kernels(config: dict, target="auto") -> dict:
-    """Compile every program one configuration needs (preprocess; main atomic and deterministic, each
-    with and without the head-summed P output; deterministic reduce). Returns {name: compiled kernel}."""
+#: The programs of one configuration, by name (each compiled separately: warmup runs them in parallel).
+BWD_PROGRAMS = ("preprocess", "main", "main_probs", "main_det", "main_det_probs", "reduce")
+
+
+def build_bwd_program(config: dict, name: str, target="auto"):
+    """Compile one program of ``config`` (a name of :data:`BWD_PROGRAMS`): the preprocess, the main
+    kernel (atomic or deterministic ``_det``, with the head-summed P output ``_probs`` or not) or the
+    deterministic reduce."""
     cfg = _normalise_config(config)
-    nhb = (cfg["heads"] + _BLOCK_H - 1) // _BLOCK_H
-    out = {"preprocess": _get("preprocess", target, cfg["heads"], cfg["dv"], cfg["has_sink"], cfg["dtype"])}
-    for det in (False, True):
-        for probs in (False, True):
-            kind, args = _main_kernel(cfg, det, probs)
-            out[("main_det" if det else "main") + ("_probs" if probs else "")] = _get(kind, target, *args)
-    out["reduce"] = _get("reduce", target, cfg["dqk"], nhb)
-    return out
+    if name == "preprocess":
+        return _get("preprocess", target, cfg["heads"], cfg["dv"], cfg["has_sink"], cfg["dtype"])
+    if name == "reduce":
+        return _get("reduce", target, cfg["dqk"], (cfg["heads"] + _BLOCK_H - 1) // _BLOCK_H)
+    if name not in BWD_PROGRAMS:
+        raise ValueError(f"unknown backward program {name!r}; known: {BWD_PROGRAMS}")
+    kind, args = _main_kernel(cfg, "_det" in name, name.endswith("_probs"))
+    return _get(kind, target, *args)
+
+
+def build_bwd_kernels(config: dict, target="auto") -> dict:
+    """Compile every program one configuration needs (:data:`BWD_PROGRAMS`). Returns {name: kernel}."""
+    return {name: build_bwd_program(config, name, target) for name in BWD_PROGRAMS}
 
 
 # ----------------------------------------------------------------------------------------------

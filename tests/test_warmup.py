@@ -1,0 +1,62 @@
+"""``python -m dsa_plugins warmup``: which kernels a model needs, and one compile through a worker."""
+
+import importlib.util
+
+import pytest
+
+from dsa_plugins import warmup
+from dsa_plugins.adapters.hf import tiny
+
+HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
+
+
+def test_presets_list_what_they_need(capsys):
+    assert warmup.main(["--list", "glm5"]) == 0
+    labels = capsys.readouterr().out.splitlines()
+    assert "attention forward 576/512" in labels and "indexer scores Hi32 Di128" in labels
+    assert "attention backward H64 576/512 main" in labels and any(l.startswith("indexer loss") for l in labels)
+    assert warmup.main(["--list", "--inference", "deepseek_v4"]) == 0
+    labels = capsys.readouterr().out.splitlines()
+    assert "attention forward 512/512 sink" in labels
+    assert not any("backward" in l or "loss" in l for l in labels)
+
+
+def test_without_a_model_every_shipped_configuration():
+    from dsa_plugins.kernels import indexer, sparse_attention_bwd, sparse_attention_fwd
+
+    jobs = warmup.jobs_for(None)
+    assert sum(j.function == "build_fwd_kernel" for j in jobs) == len(sparse_attention_fwd.SHIPPED_CONFIGS)
+    assert sum(j.function == "build_bwd_program" for j in jobs) == len(sparse_attention_bwd.SHIPPED_CONFIGS) * len(
+        sparse_attention_bwd.BWD_PROGRAMS)
+    assert sum(j.function == "build_indexer" for j in jobs) == len(indexer.SHIPPED_CONFIGS)
+    assert len({j.label for j in jobs}) == len(jobs), "labels must tell the kernels apart"
+
+
+@pytest.mark.parametrize("model_type", [m for m in tiny.SPECS if tiny.available(m)])
+def test_dims_from_every_supported_model_config(model_type, tmp_path, capsys):
+    config = tiny.tiny_config(model_type)
+    (dims,) = warmup.model_dims(config)  # one set of dims per model (dots3_note: its indexed layers)
+    assert dims.sink == (model_type in ("hy_v4", "deepseek_v4"))
+    text = config.get_text_config()
+    assert dims.index_heads == text.index_n_heads
+    config.save_pretrained(tmp_path)
+    assert warmup.main(["--list", str(tmp_path / "config.json")]) == 0
+    out, err = capsys.readouterr()
+    assert "indexer scores Hi" in out
+    # the tiny dims (e.g. 40/32) are not a kernel configuration: said, and nothing compiled for them
+    assert f"attention forward {dims.dim_qk}/{dims.dim_v}" in out or "runs on the torch reference" in err
+
+
+def test_a_config_without_dsa_is_refused_with_a_message(tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, intermediate_size=64).save_pretrained(tmp_path)
+    assert warmup.main(["--list", str(tmp_path)]) == 2
+    assert "not a DSA model" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not HAS_TILELANG, reason="TileLang is not installed")
+def test_a_job_compiles_for_sm90a_in_a_worker_process():
+    (job,) = [j for j in warmup.jobs_for(None) if j.function == "build_tie_fill"]
+    ((label, seconds, error),) = warmup.compile_jobs([job], workers=1, on_gpu=False)
+    assert error is None and label == job.label and seconds > 0
