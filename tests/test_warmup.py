@@ -60,3 +60,22 @@ def test_a_job_compiles_for_sm90a_in_a_worker_process():
     (job,) = [j for j in warmup.jobs_for(None) if j.function == "build_tie_fill"]
     ((label, seconds, error),) = warmup.compile_jobs([job], workers=1, on_gpu=False)
     assert error is None and label == job.label and seconds > 0
+
+
+@pytest.mark.skipif(not HAS_TILELANG, reason="TileLang is not installed")
+def test_first_build_in_a_process_says_so_once(caplog):
+    """Without warmup the first calls are not silent: one warning names what is being built and
+    how to compile ahead (in-process build of a small program for sm_90a)."""
+    import logging
+
+    from dsa_plugins.common.settings import reset_warnings
+    from dsa_plugins.kernels import CPU_COMPILE_TARGET, topk
+
+    reset_warnings()
+    topk._BUILT.clear()
+    with caplog.at_level(logging.WARNING, logger="dsa_plugins"):
+        topk.build_tie_fill(target=dict(CPU_COMPILE_TARGET))
+        topk._BUILT.clear()
+        topk.build_tie_fill(target=dict(CPU_COMPILE_TARGET))
+    notes = [r.getMessage() for r in caplog.records if "building TileLang kernels" in r.getMessage()]
+    assert len(notes) == 1 and "dsa_plugins warmup" in notes[0]

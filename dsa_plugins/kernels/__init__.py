@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..common.settings import warn_once
+
 # Hopper (sm_90 / sm_90a) is the architecture the kernels are written and tested for.
 SUPPORTED_CAPABILITIES = ((9, 0),)
 CPU_COMPILE_TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -50,6 +52,17 @@ KERNEL_GROUPS: dict[str, tuple[str, ...]] = {
     "topk": ("topk_rows",),
     "indexer_loss": ("indexer_kl_loss",),
 }
+
+
+def announce_compile(what: str) -> None:
+    """Say once per process that kernels are being built (the first calls would otherwise be
+    silent for up to a minute per configuration), and how to do it ahead."""
+    warn_once(
+        "kernels:compile",
+        f"dsa_plugins: building TileLang kernels on first use ({what} first): a compile of seconds to a minute "
+        "per configuration unless TileLang's disk cache holds it; `python -m dsa_plugins warmup MODEL` compiles "
+        "them ahead, INFO logs on the 'dsa_plugins' logger name each one",
+    )
 
 
 @functools.lru_cache(maxsize=None)

@@ -42,6 +42,7 @@ import threading
 import numpy as np
 
 from . import topk as _topk
+from . import announce_compile
 
 logger = logging.getLogger("dsa_plugins")
 
@@ -230,6 +231,7 @@ def _compiled(program: str, key: tuple, params: dict, target, pass_configs=None)
     key = (program, key, repr(target))
     kern = _BUILT.get(key)
     if kern is None:
+        announce_compile(f"indexer {program}")
         with _BUILD_LOCK:  # TIR construction is not thread-safe; nvcc below runs in parallel
             tir = _factory()[program].get_tir(**params)
         kern = tilelang.compile(tir, target=target if target is not None else "auto", pass_configs=pass_configs)

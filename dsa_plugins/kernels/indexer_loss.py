@@ -39,6 +39,7 @@ import torch
 
 from ..common.settings import logger
 from ..common.indices import as_int32
+from . import announce_compile
 
 __all__ = [
     "SHIPPED_CONFIGS",
@@ -435,6 +436,7 @@ def _build(config: dict, target):
         if kern is not None:
             return kern
         func = _PROGRAMS[kind](**params)
+    announce_compile(f"indexer loss {kind}")
     kern = tilelang.compile(
         func, target=target, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False},
         compile_flags=["-O3", "-DNDEBUG"],

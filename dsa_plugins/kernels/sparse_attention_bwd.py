@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from ..common.indices import global_rows
+from . import announce_compile
 
 __all__ = ["BWD_PROGRAMS", "SHIPPED_CONFIGS", "build_bwd_kernels", "build_bwd_program", "bwd_flops", "sparse_attention_bwd"]
 
@@ -480,6 +481,7 @@ def _get(kind: str, target, *args):
     with _LOCK:
         prog = _COMPILED.get(key)
         if prog is None:
+            announce_compile(f"sparse attention backward {kind}")
             fac = _jit_factories(_target_key(target))[kind]
             prog = fac(*args)
             logger.info("dsa_plugins: compiled sparse attention bwd %s kernel %s for %s", kind, args, target)

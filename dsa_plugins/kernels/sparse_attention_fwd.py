@@ -42,6 +42,7 @@ import torch
 from ..common.settings import logger
 from ..common.indices import as_int32
 from ..common.validation import check_scale, check_tensor
+from . import announce_compile
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -498,6 +499,7 @@ def build_fwd_kernel(config: dict, target="auto"):
     with _build_lock:
         kernel = _kernels.get(key)
         if kernel is None:
+            announce_compile("sparse attention forward")
             jit = _jit_for_target(tkey)
             kernel = jit(**cfg)
             _kernels[key] = kernel

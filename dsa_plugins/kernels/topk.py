@@ -33,6 +33,8 @@ import functools
 import logging
 import threading
 
+from . import announce_compile
+
 logger = logging.getLogger("dsa_plugins")
 
 #: Compile-time configurations shipped (and compiled by the CPU test). ``topk`` and the
@@ -457,6 +459,7 @@ def _build(name: str, key: tuple, params: dict, target):
     tkey = repr(target)
     kern = _BUILT.get((name, key, tkey))
     if kern is None:
+        announce_compile(name)
         with _BUILD_LOCK:  # TIR construction is not thread-safe; nvcc below runs in parallel
             tir = _factory()[0 if name == "radix_topk" else 1].get_tir(**params)
         kern = tilelang.compile(tir, target=target if target is not None else "auto", pass_configs=_pass_configs())
