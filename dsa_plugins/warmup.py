@@ -112,7 +112,7 @@ def load_dims(spec: str) -> list[ModelDims]:
         return [ModelDims(**PRESETS[spec])]
     from transformers import AutoConfig
 
-    path = os.path.dirname(spec) or "." if spec.endswith(".json") else spec
+    path = (os.path.dirname(spec) or ".") if spec.endswith(".json") else spec
     return model_dims(AutoConfig.from_pretrained(path))
 
 
@@ -120,6 +120,8 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
     """The compiles one model needs (None: every shipped configuration); ``training`` adds the
     backward and the indexer loss programs. Attention dims the kernels do not take compile nothing
     (those layers run the torch reference): a line in ``notes`` says so."""
+    import torch
+
     from .kernels import indexer, indexer_loss, sparse_attention_bwd, sparse_attention_fwd, topk
 
     fwd, bwd, idx, loss, tk = (m.__name__ for m in (sparse_attention_fwd, sparse_attention_bwd, indexer,
@@ -132,7 +134,7 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
         loss_cfgs = [dict(c) for c in indexer_loss.SHIPPED_CONFIGS]
     else:
         attn = [(dims.dim_qk, dims.dim_v, dims.sink)]
-        reason = sparse_attention_fwd.unsupported_reason(dims.heads, dims.dim_qk, dims.dim_v, dims.sink, _bf16())
+        reason = sparse_attention_fwd.unsupported_reason(dims.heads, dims.dim_qk, dims.dim_v, dims.sink, torch.bfloat16)
         if reason:
             if notes is not None:
                 notes.append(f"attention {dims.dim_qk}/{dims.dim_v}: no kernel ({reason}); runs on the torch reference")
@@ -143,7 +145,7 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
         loss_cfgs = [{"kind": "attn_probs", "dim": dims.dim_qk, "lse_pass": p} for p in (False, True)]
         loss_cfgs += [{"kind": "loss", "heads": 64, "dim": dims.index_dim, "grads": g} for g in (True, False)]
     for dqk, dv, sink in attn:
-        cfg = sparse_attention_fwd.config_for(dqk, dv, sink, _bf16())
+        cfg = sparse_attention_fwd.config_for(dqk, dv, sink, torch.bfloat16)
         jobs.append(KernelJob(f"attention forward {dqk}/{dv}{' sink' if sink else ''}", fwd, "build_fwd_kernel",
                               (cfg,)))
     for cfg in idx_cfgs:
@@ -169,12 +171,6 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
                                                                               if k != "kind"),
                                   loss, "build_config", (cfg,)))
     return jobs
-
-
-def _bf16():
-    import torch
-
-    return torch.bfloat16
 
 
 def _target(job: KernelJob, on_gpu: bool):

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import AGREE, Rows, import_peer, rel_diff  # noqa: E402
+from common import AGREE, Rows, error_text, import_peer, rel_diff  # noqa: E402
 
 # (op, S, Skv, H, Dqk, Dv, k, sink): the issues' target table
 SHAPES_8K = [
@@ -78,7 +78,7 @@ def bench_forward(rows: Rows, shapes, flash_mla) -> None:
             if max(d_out, d_lse) > AGREE:
                 error = f"disagrees with ours: out {d_out:.2e} lse {d_lse:.2e}"
         except Exception as exc:  # noqa: BLE001 - a refusal is a result
-            error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            error = error_text(exc)
         rows.time(op, "fwd", name, "flashmla", peer, flops, error=error)
         del q, kv, idx, out, lse
 
@@ -116,7 +116,7 @@ def bench_backward(rows: Rows, shapes, cudnn_dsa) -> None:
             if max(d.values()) > AGREE:
                 error = "disagrees with ours: " + " ".join(f"{n} {v:.2e}" for n, v in d.items())
         except Exception as exc:  # noqa: BLE001
-            error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            error = error_text(exc)
         rows.time(op, "bwd", name, "cudnn_fe", peer, flops, error=error)
         del q, kv, idx, out, lse, dout, dq, dkv
 

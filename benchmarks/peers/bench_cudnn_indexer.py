@@ -124,21 +124,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import AGREE, Rows, import_peer, rel_diff  # noqa: E402
+from common import AGREE, Rows, error_text, import_peer, rel_diff, show_row  # noqa: E402
 
 HI, DI, K = 64, 128, 2048  # indexer heads, head dim, top-k (DeepSeek-V3.2 / GLM-5)
 H, DQK, DV = 64, 576, 512  # GLM-5 absorbed MLA attention (the loss target)
 SETS_WARN = 0.99  # below this fraction of identical selected sets, say so loudly
-
-
-def _err(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-
-
-def _print_row(row: dict) -> None:
-    """The line Rows.time prints, for the derived (fused) row."""
-    shown = f"{row['median_ms']:9.3f} ms {row['tflops']:7.1f} TFLOP/s" if "median_ms" in row else f"ERROR {row['error']}"
-    print(f"{row['op']:<24} {row['mode']:<4} {row['shape']:<44} {row['provider']:<18} {shown}", flush=True)
 
 
 # ----------------------------------------------------------------------------- indexer forward
@@ -188,7 +178,7 @@ def bench_indexer_fwd(rows: Rows, t: int, dsa) -> None:
     try:
         ours_idx = ours()
     except Exception as exc:  # noqa: BLE001 - recorded, the peers still run
-        ours_err = _err(exc)
+        ours_err = error_text(exc)
     rows.time("indexer_topk", "fwd", shape, "tilelang", ours, flops, error=ours_err)
     if dsa is None:
         return
@@ -220,7 +210,7 @@ def bench_indexer_fwd(rows: Rows, t: int, dsa) -> None:
             scores_err = f"disagrees with the reference: scores {d:.2e}"
         del scores
     except Exception as exc:  # noqa: BLE001 - a refusal is a result
-        scores_err = _err(exc)
+        scores_err = error_text(exc)
     torch.cuda.empty_cache()
     rows.time("indexer_topk", "fwd", shape, "cudnn_fe_scores", peer_scores, flops, error=scores_err)
 
@@ -237,7 +227,7 @@ def bench_indexer_fwd(rows: Rows, t: int, dsa) -> None:
                           flush=True)
                 del sel
             except Exception as exc:  # noqa: BLE001
-                error = _err(exc)
+                error = error_text(exc)
         torch.cuda.empty_cache()
         rows.time("indexer_topk", "fwd", shape, provider, fn, flops, error=error)
     del ours_idx
@@ -344,11 +334,11 @@ def fused_row(rows: Rows, shape: str, op: str, iq, ik, w, q, kv, idx, scale, out
             row.update(median_ms=m_bp - m_b + m_fp, tflops=float("nan"), peak_gib=max(p_b, p_bp, p_fp))
             print(f"  fused = attn_bwd+probs {m_bp:.3f} - attn_bwd {m_b:.3f} + loss_from_probs {m_fp:.3f} ms", flush=True)
     except Exception as exc:  # noqa: BLE001
-        error = _err(exc)
+        error = error_text(exc)
     if error is not None:
         row["error"] = error
     rows.rows.append(row)
-    _print_row(row)
+    show_row(row)
     torch.cuda.empty_cache()
     return row
 
@@ -372,7 +362,7 @@ def bench_loss(rows: Rows, t: int, dsa) -> None:
     try:
         ref = ours()
     except Exception as exc:  # noqa: BLE001
-        ours_err = _err(exc)
+        ours_err = error_text(exc)
     rows.time(op, "full", shape, "tilelang", ours, flops, error=ours_err)
     fused_row(rows, shape, op, iq, ik, w, q, kv, idx, scale, out, lse, g, ref)
     del out
@@ -387,7 +377,7 @@ def bench_loss(rows: Rows, t: int, dsa) -> None:
             d, error = _compare(peer(), ref)
             print("  cudnn_fe vs ours: " + ", ".join(f"{n} {v:.2e}" for n, v in d.items()), flush=True)
         except Exception as exc:  # noqa: BLE001
-            error = _err(exc)
+            error = error_text(exc)
     if error is not None:
         print(f"  cudnn_fe loss not timed: {error}", flush=True)
     torch.cuda.empty_cache()
@@ -464,7 +454,7 @@ def bench_dense_loss(rows: Rows, t: int, dsa) -> None:
         try:
             refs[mode] = fn()
         except Exception as exc:  # noqa: BLE001
-            error = _err(exc)
+            error = error_text(exc)
         rows.time(op, mode, shape, "tilelang", fn, flops, error=error)
     if len(refs) == 2:
         print("  tilelang lse given vs recomputed: " + ", ".join(
@@ -477,7 +467,7 @@ def bench_dense_loss(rows: Rows, t: int, dsa) -> None:
         peer = peer_dense_loss_fn(dsa, iq, ik, w, q, kv, lse, scale)
         got = peer()
     except Exception as exc:  # noqa: BLE001
-        print(f"  cudnn_fe dense loss unavailable, no cudnn_fe rows: {_err(exc)}", flush=True)
+        print(f"  cudnn_fe dense loss unavailable, no cudnn_fe rows: {error_text(exc)}", flush=True)
         torch.cuda.empty_cache()
         return
     error = "not checked: our dense loss failed" if ref is None else None

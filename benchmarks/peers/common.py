@@ -49,6 +49,17 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def error_text(exc: Exception) -> str:
+    """An exception as one short line for a row's error column."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+
+
+def show_row(row: dict) -> None:
+    """Print one row: op, mode, shape, provider and its time (or its error)."""
+    shown = f"{row['median_ms']:9.3f} ms {row['tflops']:7.1f} TFLOP/s" if "median_ms" in row else f"ERROR {row['error']}"
+    print(f"{row['op']:<24} {row['mode']:<4} {row['shape']:<44} {row['provider']:<18} {shown}", flush=True)
+
+
 class Rows:
     """Collects the rows of one run and writes them (appending) to ``benchmarks/results/<tag>.csv``."""
 
@@ -68,12 +79,11 @@ class Rows:
                 row.update(median_ms=med, p20_ms=p20, p80_ms=p80, peak_gib=peak,
                            tflops=flops / (med * 1e-3) / 1e12 if flops else float("nan"))
             except Exception as exc:  # noqa: BLE001 - an OOM or a peer's refusal is a result
-                error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                error = error_text(exc)
         if error is not None:
             row["error"] = error
         self.rows.append(row)
-        shown = f"{row['median_ms']:9.3f} ms {row['tflops']:7.1f} TFLOP/s" if "median_ms" in row else f"ERROR {error}"
-        print(f"{op:<24} {mode:<4} {shape:<44} {provider:<18} {shown}", flush=True)
+        show_row(row)
         torch.cuda.empty_cache()
         return row
 

@@ -127,6 +127,18 @@ def _attention(query, key, topk_indices, softmax_scale, v_channels, indexer_loss
     return out.transpose(0, 1)
 
 
+def _packed_loss_inputs(q_indexer, k_indexer, weights, query, key) -> tuple:
+    """The indexer loss's inputs in the packed layout, batch-major rows (b * sq query rows, b * skv
+    key rows): index_q, index_k, weights (fp32), and the detached attention query and kv latent."""
+    sq, b = q_indexer.shape[:2]
+    skv = k_indexer.shape[0]
+    return (_batch_major(q_indexer).reshape(b * sq, *q_indexer.shape[2:]),
+            _batch_major(k_indexer).reshape(b * skv, -1).to(q_indexer.dtype),
+            _batch_major(weights).reshape(b * sq, -1).float(),
+            _batch_major(query.detach()).reshape(b * sq, *query.shape[2:]),
+            _batch_major(key.detach()[:, :, 0]).reshape(b * skv, -1))
+
+
 def _dense_indexer_loss(q_indexer, k_indexer, weights, query, key, softmax_scale, starts, ends, row_weights):
     """The dense (warm-up) KL loss over the windows, differentiable in the indexer's q, k and weights:
     the batch flattened to rows (batch-major), each batch element's windows shifted to its keys."""
@@ -135,14 +147,8 @@ def _dense_indexer_loss(q_indexer, k_indexer, weights, query, key, softmax_scale
     shift = (torch.arange(b, device=starts.device, dtype=torch.int64) * skv).view(b, 1)
     key_start = (starts.to(torch.int64).view(1, sq) + shift).reshape(-1)
     key_end = (ends.to(torch.int64).view(1, sq) + shift).reshape(-1)
-    return ops.indexer_kl_loss(
-        _batch_major(q_indexer).reshape(b * sq, *q_indexer.shape[2:]),
-        _batch_major(k_indexer).reshape(b * skv, -1).to(q_indexer.dtype),
-        _batch_major(weights).reshape(b * sq, -1).float(),
-        _batch_major(query.detach()).reshape(b * sq, *query.shape[2:]),
-        _batch_major(key.detach()[:, :, 0]).reshape(b * skv, -1), None, softmax_scale,
-        key_start=key_start, key_end=key_end, row_weights=row_weights,
-    )
+    return ops.indexer_kl_loss(*_packed_loss_inputs(q_indexer, k_indexer, weights, query, key), None, softmax_scale,
+                               key_start=key_start, key_end=key_end, row_weights=row_weights)
 
 
 # ----------------------------------------------------------------------------- the hooks
@@ -224,12 +230,8 @@ def run_fused_qk_topk_with_loss(config, q, k, weights, index_topk, starts, ends,
     skv = k.shape[0]
     base = (torch.arange(b, device=q.device, dtype=torch.int32) * skv).view(b, 1, 1)
     rows = torch.where(topk >= 0, topk + base, -1).reshape(b * sq, -1)
-    kl = ops.indexer_kl_loss(
-        _batch_major(q).reshape(b * sq, *q.shape[2:]), _batch_major(k).reshape(b * skv, -1).to(q.dtype),
-        _batch_major(weights).reshape(b * sq, -1).float(),
-        _batch_major(query.detach()).reshape(b * sq, *query.shape[2:]),
-        _batch_major(key.detach()[:, :, 0]).reshape(b * skv, -1), None, softmax_scale, topk_indices=rows,
-    )
+    kl = ops.indexer_kl_loss(*_packed_loss_inputs(q, k, weights, query, key), None, softmax_scale,
+                             topk_indices=rows)
     return topk, None, kl * float(loss_coeff)
 
 
