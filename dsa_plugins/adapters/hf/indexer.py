@@ -8,34 +8,36 @@ fused op (``ops.indexer_topk`` in its batched layout) returns the top-k inside i
 
 from __future__ import annotations
 
-import inspect
+from collections.abc import Callable
 
 import torch
 
 from ... import ops
+from .binding import CallBinder
 from .masks import LazyMask, as_mask, mask_indices
 
-__all__ = ["bind_indexer_call", "select_topk"]
+__all__ = ["indexer_binder", "indexer_cache", "select_topk"]
 
 # The indexer's cache argument: ``past_key_values`` up to transformers 5.23, ``cache`` from 5.24 (the
 # old name still accepted through ``deprecate_kwarg`` until 5.40).
 _CACHE_NAMES = ("cache", "past_key_values")
 
+# up to this many query rows per sequence, a padded batch's selection is masked without first
+# asking (on the host) whether the padding has holes
+_ALWAYS_MASK_ROWS = 64
 
-def bind_indexer_call(sig: inspect.Signature, args: tuple, kwargs: dict) -> tuple[dict, object]:
-    """Bind a call of a model's indexer ``forward`` to its signature ``sig`` under either name of
-    the cache argument: (the bound arguments with defaults, the cache or None)."""
-    names = [n for n in _CACHE_NAMES if n in sig.parameters]
-    if names:  # a caller may use the other name (a model of the other transformers, a user's code)
-        for other in _CACHE_NAMES:
-            if other != names[0] and other in kwargs:
-                kwargs = dict(kwargs)
-                value = kwargs.pop(other)
-                kwargs.setdefault(names[0], value)
-    bound = sig.bind(*args, **kwargs)
-    bound.apply_defaults()
-    a = bound.arguments
-    return a, next((a[n] for n in names if a.get(n) is not None), None)
+
+def indexer_binder(forward: Callable) -> CallBinder:
+    """Binder of a model's indexer ``forward``, accepting the cache under either name."""
+    return CallBinder(forward, aliases=_CACHE_NAMES)
+
+
+def indexer_cache(bound: dict):
+    """The cache of a bound indexer call (under either name), or None."""
+    for name in _CACHE_NAMES:
+        if bound.get(name) is not None:
+            return bound[name]
+    return None
 
 
 def select_topk(
@@ -54,5 +56,9 @@ def select_topk(
     end = end.clamp(max=T)
     start = torch.minimum(start, end)
     local = ops.indexer_topk(q, k.to(q.dtype), weights, min(int(indexer.index_topk), T), start, end)
-    # indexer_topk only returns keys inside each row's window; the mask is needed for holes only
+    # indexer_topk only returns keys inside each row's window; the mask is needed for holes only.
+    # Asking whether there are holes reads a flag on the host (a sync, and a break in a compiled
+    # graph): generation steps (few rows) and compiled graphs apply the mask instead.
+    if mask.padding is not None and (S <= _ALWAYS_MASK_ROWS or torch.compiler.is_compiling()):
+        return mask_indices(local, mask)
     return mask_indices(local, mask) if mask.has_holes() else local

@@ -86,7 +86,9 @@ class LazyMask:
         self.batch_size = int(batch_size)
         self.q_length = int(q_length)
         self.kv_length = int(kv_length)
-        self.q_offset = q_offset
+        # A static cache passes its length counter itself, which the attention layers advance in place
+        # before the indexer reads the mask: keep the value it had when the mask was made.
+        self.q_offset = q_offset.clone() if isinstance(q_offset, torch.Tensor) else q_offset
         self.kv_offset = int(kv_offset)
         self.mask_function = mask_function
         self.padding = attention_mask

@@ -41,8 +41,9 @@ def output_tensor(out):
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
-def assert_greedy_generate_matches_eager(model, ids, mask, config_of=lambda m: m.config):
-    """Greedy generation (6 tokens, KV cache) under eager and dsa_tilelang: same tokens, same logits."""
+def assert_greedy_generate_matches_eager(model, ids, mask, config_of=lambda m: m.config, **generate_kwargs):
+    """Greedy generation (6 tokens, KV cache) under eager and dsa_tilelang: same tokens, same logits.
+    ``generate_kwargs`` go to the dsa_tilelang run (eager runs with transformers' default cache)."""
     seqs, logits = {}, {}
     for impl in ("eager", "dsa_tilelang"):
         model.set_attn_implementation(impl)
@@ -50,7 +51,7 @@ def assert_greedy_generate_matches_eager(model, ids, mask, config_of=lambda m: m
         with torch.no_grad():
             out = model.generate(
                 ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=2,
-                output_logits=True, return_dict_in_generate=True,
+                output_logits=True, return_dict_in_generate=True, **(generate_kwargs if impl != "eager" else {}),
             )
         seqs[impl], logits[impl] = out.sequences, torch.stack(out.logits)
     assert torch.equal(seqs["dsa_tilelang"], seqs["eager"])

@@ -289,9 +289,7 @@ def test_packed_sequences_match_eager(registered, model_type, output_of):
 def test_indexer_call_binds_either_cache_name():
     """transformers 5.24 renamed the indexer's ``past_key_values`` to ``cache``: a caller using either
     name reaches the cache (a wrapper that read only one name ran generation without the key cache)."""
-    import inspect
-
-    from dsa_plugins.adapters.hf.indexer import bind_indexer_call
+    from dsa_plugins.adapters.hf.indexer import indexer_binder, indexer_cache
 
     def new_style(self, hidden_states, cache=None):
         ...
@@ -301,11 +299,33 @@ def test_indexer_call_binds_either_cache_name():
 
     marker = object()
     for fn in (new_style, old_style):
-        sig = inspect.signature(fn)
+        bind = indexer_binder(fn)
         for name in ("cache", "past_key_values"):
-            a, cache = bind_indexer_call(sig, (None, 1), {name: marker})
-            assert cache is marker and a["hidden_states"] == 1
-        assert bind_indexer_call(sig, (None, 1), {})[1] is None
+            a = bind((None, 1), {name: marker})
+            assert indexer_cache(a) is marker and a["hidden_states"] == 1
+        assert indexer_cache(bind((None, 1), {})) is None
+
+
+def test_call_binder_binds_as_inspect_does():
+    """The binder the patches use under torch.compile agrees with ``inspect.Signature.bind`` and
+    refuses what it refuses."""
+    import inspect
+
+    from dsa_plugins.adapters.hf.binding import CallBinder
+
+    def fn(self, a, b=2, *, c=None, d=4):
+        ...
+
+    bind = CallBinder(fn)
+    for args, kwargs in [((0, 1), {}), ((0, 1, 3), {"d": 5}), ((0,), {"a": 1, "c": 7})]:
+        ref = inspect.signature(fn).bind(*args, **kwargs)
+        ref.apply_defaults()
+        assert bind(args, kwargs) == dict(ref.arguments)
+    for args, kwargs, message in [((0,), {}, "missing the argument 'a'"), ((0, 1), {"a": 1}, "multiple values"),
+                                  ((0, 1), {"e": 1}, "unexpected keyword argument 'e'"),
+                                  ((0, 1, 2, 3, 4, 5), {}, "takes 5 arguments")]:
+        with pytest.raises(TypeError, match=message):
+            bind(args, kwargs)
 
 
 def test_output_attentions_is_refused_with_a_message(registered):

@@ -12,7 +12,6 @@ with the per-head sink. Known cost left: the CSA/HCA compressors still build the
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 
 import torch
@@ -20,6 +19,7 @@ import torch
 from .... import ops
 from ....patches.attributes import PatchPointMissing, class_in, own_attributes, patch_attribute
 from ..attention import register_handler
+from ..binding import CallBinder
 from ..constants import ATTN_NAME, PATCH_KEY
 from ..masks import LazyMask
 
@@ -28,11 +28,11 @@ __all__ = ["patch", "v4_attention"]
 
 def _wrap_keep_argument(original: Callable, attr: str, argument: str) -> Callable:
     """Wrap a forward to keep its argument ``argument`` on the module as ``attr`` for the call."""
-    sig = inspect.signature(original)
+    bind = CallBinder(original)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        setattr(self, attr, sig.bind(self, *args, **kwargs).arguments.get(argument))
+        setattr(self, attr, bind((self, *args), kwargs).get(argument))
         return original(self, *args, **kwargs)
 
     return forward
@@ -59,7 +59,7 @@ def _wrap_v4_indexer(original: Callable) -> Callable:
     and queries; the O(S * T/4 * heads) score tensor and its top-k are replaced by the fused op.
     The result (top-k compressed rows, -1 where not yet visible) is kept on the module for the
     attention function, as in eager mode it is turned into a block bias by the CSA compressor."""
-    sig = inspect.signature(original)
+    bind = CallBinder(original)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
@@ -67,7 +67,7 @@ def _wrap_v4_indexer(original: Callable) -> Callable:
             out = original(self, *args, **kwargs)
             self._dsa_topk = out
             return out
-        a = sig.bind(self, *args, **kwargs).arguments
+        a = bind((self, *args), kwargs)
         scorer = self._modules["scorer"]
         self._modules["scorer"] = _CaptureScorer()
         try:

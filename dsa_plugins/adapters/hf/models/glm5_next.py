@@ -11,7 +11,6 @@ attention mask.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 
 import torch
@@ -21,20 +20,21 @@ from ....common.settings import warn_once
 from ....patches.attributes import class_in, own_attributes, patch_attribute
 from ..attention import wrap_expand_kv
 from ..constants import ATTN_NAME, PATCH_KEY
-from ..indexer import bind_indexer_call
+from ..binding import CallBinder
+from ..indexer import indexer_binder, indexer_cache
 from ..masks import TopkSelection, unique_key_columns
 
 __all__ = ["glm5_next_select", "patch"]
 
 
 def _wrap_topk_mask(original: Callable) -> Callable:
-    sig = inspect.signature(original)
+    bind = CallBinder(original)
 
     @functools.wraps(original)
     def build_attention_mask_from_topk(self, *args, **kwargs):
         if self.config._attn_implementation != ATTN_NAME:
             return original(self, *args, **kwargs)
-        a = sig.bind(self, *args, **kwargs).arguments
+        a = bind((self, *args), kwargs)
         return TopkSelection(unique_key_columns(a["topk_indices"], int(a["kv_length"])))
 
     return build_attention_mask_from_topk
@@ -107,11 +107,12 @@ def glm5_next_select(indexer, hidden_states, q_resid, attention_mask, past_key_v
 
 
 def _wrap_indexer(original: Callable) -> Callable:
-    sig = inspect.signature(original)
+    bind = indexer_binder(original)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        a, cache = bind_indexer_call(sig, (self, *args), kwargs)
+        a = bind((self, *args), kwargs)
+        cache = indexer_cache(a)
         mask = a.get("attention_mask")
         if (
             self.config._attn_implementation != ATTN_NAME

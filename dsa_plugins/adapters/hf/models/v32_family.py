@@ -13,7 +13,6 @@ Two patches per model, both inert unless the model runs under dsa_tilelang:
 from __future__ import annotations
 
 import functools
-import inspect
 import sys
 from collections.abc import Callable
 
@@ -22,7 +21,7 @@ import torch
 from ....patches.attributes import PatchPointMissing, class_in, own_attributes, patch_attribute
 from ..attention import wrap_expand_kv
 from ..constants import PATCH_KEY
-from ..indexer import bind_indexer_call, select_topk
+from ..indexer import indexer_binder, indexer_cache, select_topk
 from ..masks import LazyMask
 
 __all__ = ["mistral_large4_projection", "patcher", "rope_first_projection"]
@@ -85,11 +84,12 @@ def mistral_large4_projection(indexer, hidden_states, q_resid, position_embeddin
 
 
 def _wrap_indexer_forward(original: Callable, project: Callable) -> Callable:
-    sig = inspect.signature(original)
+    bind = indexer_binder(original)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        a, cache = bind_indexer_call(sig, (self, *args), kwargs)
+        a = bind((self, *args), kwargs)
+        cache = indexer_cache(a)
         mask = a.get("attention_mask")
         if not isinstance(mask, LazyMask):  # not our implementation (or a user-built 4D mask)
             return original(self, *args, **kwargs)
