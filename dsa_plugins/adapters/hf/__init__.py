@@ -7,6 +7,7 @@ Where things live:
   ``models/glm5_next.py``);
 * :mod:`.attention`: the attention function (absorbed sparse MLA, per-model handlers, SDPA
   fallback); :mod:`.indexer`: top-k through the fused indexer op; :mod:`.masks`: the lazy mask;
+  :mod:`.cache`: the static cache keeps the MLA latent in one buffer (no copy per decode step);
 * :mod:`.interfaces`: registration with transformers' attention and mask interfaces;
 * :mod:`.tiny`: tiny random configs of every supported model (tests, demo).
 
@@ -54,6 +55,7 @@ def register() -> None:
     """
     global _active
     from . import interfaces
+    from .cache import patch_cache_utils
     from .models import MODELS
 
     interfaces.check_version()
@@ -61,6 +63,7 @@ def register() -> None:
         _active = True
         when_imported("transformers.modeling_utils", _guarded(interfaces.register_attention))
         when_imported("transformers.masking_utils", _guarded(interfaces.register_mask))
+        when_imported("transformers.cache_utils", _guarded(patch_cache_utils))
         for model_type in available_models():
             entry = MODELS[model_type]
             when_imported(entry.module, _guarded(entry.patch))

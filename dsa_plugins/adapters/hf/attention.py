@@ -21,6 +21,7 @@ import torch
 
 from ...common.settings import warn_once
 from ... import ops
+from .cache import fused_latent
 from .constants import ATTN_NAME
 from .masks import DenseMask, LazyMask, TopkSelection, as_mask, mask_indices
 
@@ -162,7 +163,9 @@ def wrap_expand_kv(original: Callable) -> Callable:
     def expand_kv(self, kv_nope: torch.Tensor, k_rot: torch.Tensor):
         if self.config._attn_implementation != ATTN_NAME or not _layer_gets_indices(self):
             return original(self, kv_nope, k_rot)
-        latent = torch.cat([kv_nope, k_rot.to(kv_nope.dtype)], dim=-1)  # [B, 1, T, rank + rope]
+        latent = fused_latent(kv_nope, k_rot)  # the static cache's one buffer: no copy
+        if latent is None:
+            latent = torch.cat([kv_nope, k_rot.to(kv_nope.dtype)], dim=-1)  # [B, 1, T, rank + rope]
         return latent, latent.new_empty(*latent.shape[:-1], 0)
 
     return expand_kv

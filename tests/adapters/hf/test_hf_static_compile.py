@@ -1,0 +1,131 @@
+"""Generation with transformers' static cache, eager and under ``torch.compile`` (fp32, CPU).
+
+A static cache is what CUDA-graph decoding needs (fixed buffers, ``cache_implementation="static"``).
+Under ``torch.compile(fullgraph=True)`` the decoder layers, the patched indexers and the sparse ops
+(custom ops with fake implementations) must trace as one graph: a graph break fails the test. The
+``aot_eager`` backend traces exactly as inductor does without generating code, so the suite stays
+fast; the GPU benchmark (``benchmarks/bench_hf_decode.py``) runs inductor with CUDA graphs.
+"""
+
+import inspect
+
+import pytest
+import torch
+
+from dsa_plugins.adapters.hf import tiny
+
+CAUSAL = [m for m in tiny.SPECS if tiny.is_causal_lm(m)]
+
+
+def _static_model(model_type, ids, mask):
+    """The tiny model, or a skip when transformers itself cannot generate with a static cache for it."""
+    if not tiny.available(model_type):
+        pytest.skip(f"{model_type} is not in transformers {__import__('transformers').__version__}")
+    model = tiny.tiny_model(model_type)
+    try:
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=2,
+                           cache_implementation="static")
+    except (KeyError, NotImplementedError, ValueError) as e:  # e.g. DeepSeek-V4's compressed layers (5.24)
+        pytest.skip(f"transformers has no static cache for {model_type} (eager fails too: {type(e).__name__}: {e})")
+    return model
+
+
+@pytest.mark.parametrize("model_type", CAUSAL)
+def test_static_cache_generate_matches_eager(registered, model_type, make_batch, greedy_matches_eager):
+    """Left-padded batch, static cache: the tokens and logits of eager attention with a dynamic cache.
+    (The static cache hands the mask its length counter, which the layers advance in place: a mask
+    that kept the counter instead of its value saw the wrong windows from the second step on.)"""
+    ids, mask = make_batch(seed=2)
+    model = _static_model(model_type, ids, mask)
+    greedy_matches_eager(model, ids, mask, cache_implementation="static")
+
+
+@pytest.mark.parametrize("model_type", CAUSAL)
+def test_compiled_static_decode_is_one_graph(registered, model_type, make_batch):
+    """``torch.compile(fullgraph=True)`` over prefill and decode steps with a static cache: no graph
+    break (it would raise), and the same tokens as the uncompiled model."""
+    ids, mask = make_batch(seed=3)
+    model = _static_model(model_type, ids, mask)
+    model.set_attn_implementation("dsa_tilelang")
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=2, cache_implementation="static")
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+        torch._dynamo.reset()
+        model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+        try:
+            got = model.generate(ids, **kw)
+        finally:
+            del model.forward
+            torch._dynamo.reset()
+    assert torch.equal(got, ref)
+
+
+def test_static_cache_keeps_the_latent_in_one_buffer(registered, make_batch, monkeypatch):
+    """The static cache's two latent halves are views of one buffer, and the absorbed attention reads
+    that buffer itself (no copy of the cache per decode step); a dynamic cache is left as it was."""
+    from transformers import DynamicCache, StaticCache
+
+    from dsa_plugins.adapters.hf import attention
+
+    seen = []
+    original = attention.absorbed_mla_forward
+
+    def spy(module, query, latent, *args):
+        seen.append(latent)
+        return original(module, query, latent, *args)
+
+    monkeypatch.setattr(attention, "absorbed_mla_forward", spy)
+    model = tiny.tiny_model("glm_moe_dsa")
+    model.set_attn_implementation("dsa_tilelang")
+    ids, mask = make_batch(seed=4)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.24 renamed it
+    static = StaticCache(config=model.config, max_cache_len=32)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, use_cache=True, **{name: static})
+    layer = static.layers[0]
+    assert layer.keys.data_ptr() + layer.keys.shape[-1] * layer.keys.element_size() == layer.values.data_ptr()
+    assert seen and seen[0].data_ptr() == layer.keys.data_ptr() and seen[0].shape[-2] == 32
+    torch.testing.assert_close(seen[0][..., : layer.keys.shape[-1]], layer.keys)
+    seen.clear()
+    dynamic = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, use_cache=True, **{name: dynamic})
+    assert seen and seen[0].is_contiguous() and seen[0].data_ptr() != dynamic.layers[0].keys.data_ptr()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32"])
+def test_gpu_static_cache_decode_under_cuda_graphs(registered, model_type, make_batch, monkeypatch):
+    """bf16 through the TileLang kernels: ``generate(cache_implementation="static")`` compiles its decode
+    steps with CUDA graphs (fullgraph, so a graph break fails); the tokens and first-step logits are
+    those of the uncompiled model with a dynamic cache, on a left-padded batch."""
+    from transformers import CompileConfig
+
+    monkeypatch.setenv("DSA_PLUGINS_BACKEND", "tilelang")
+    if not tiny.available(model_type):
+        pytest.skip(f"{model_type} is not in this transformers")
+    overrides = dict(num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=512, qk_rope_head_dim=64,
+                     qk_nope_head_dim=128, v_head_dim=128, index_n_heads=32, index_head_dim=128, index_topk=64)
+    model = tiny.tiny_model(model_type, **overrides).to("cuda", torch.bfloat16).eval()
+    model.set_attn_implementation("dsa_tilelang")
+    ids, mask = make_batch(seq_len=200, pad=17)
+    ids, mask = ids.cuda(), mask.cuda()
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=2, output_logits=True,
+              return_dict_in_generate=True)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        dynamic = model.generate(ids, **kw)
+        static = model.generate(ids, cache_implementation="static", compile_config=CompileConfig(fullgraph=True), **kw)
+        static_again = model.generate(ids, cache_implementation="static",
+                                      compile_config=CompileConfig(fullgraph=True), **kw)
+    torch._dynamo.reset()
+    assert (static.sequences == dynamic.sequences).float().mean() > 0.9
+    assert torch.equal(static.sequences, static_again.sequences)  # graph replays are deterministic
+    first = ids.shape[1]
+    assert torch.equal(static.sequences[:, first], dynamic.sequences[:, first])
+    for step in (0, 1):  # the prefill, then the first compiled (graph-replayed) decode step
+        a, b = dynamic.logits[step].float(), static.logits[step].float()
+        assert torch.isfinite(b).all()
+        assert (a - b).abs().max().item() < 0.05 * a.abs().max().item() + 0.05, step
