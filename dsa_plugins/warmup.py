@@ -141,7 +141,9 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
             attn = []
         bwd_cfgs = [{"heads": dims.heads, "dqk": dims.dim_qk, "dv": dims.dim_v, "has_sink": dims.sink,
                      "dtype": "bfloat16"}]
-        idx_cfgs = [indexer.default_config(dims.index_heads, dims.index_dim)]
+        # prefill / training, and generation steps (one query row per CTA)
+        idx_cfgs = [indexer.default_config(dims.index_heads, dims.index_dim, rows=rows)
+                    for rows in (None, indexer.DECODE_MAX_ROWS)]
         loss_cfgs = [{"kind": "attn_probs", "dim": dims.dim_qk, "lse_pass": p} for p in (False, True)]
         loss_cfgs += [{"kind": "loss", "heads": 64, "dim": dims.index_dim, "grads": g} for g in (True, False)]
     for dqk, dv, sink in attn:
@@ -150,7 +152,8 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
                               (cfg,)))
     for cfg in idx_cfgs:
         fp8 = " fp8" if cfg.get("fp8") else ""
-        jobs.append(KernelJob(f"indexer scores Hi{cfg['heads']} Di{cfg['dim']}{fp8}", idx, "build_indexer", (cfg,),
+        step = ", generation steps" if cfg in indexer.DECODE_CONFIGS else ""
+        jobs.append(KernelJob(f"indexer scores Hi{cfg['heads']} Di{cfg['dim']}{fp8}{step}", idx, "build_indexer", (cfg,),
                               gpu_target="auto"))
     for bq, bk in sorted({(c["block_q"], c["block_k"]) for c in idx_cfgs}):
         jobs.append(KernelJob(f"indexer block ranges {bq}x{bk}", idx, "build_block_ranges", (bq, bk),

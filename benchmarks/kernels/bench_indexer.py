@@ -97,16 +97,16 @@ def bench_indexer(T, hi, di, k, config=None, split=True, topk_sweep=False, fp8=F
             out = torch.empty(T, k, dtype=torch.int32, device="cuda")
 
             def topk_only():
-                for r0, r1, base, s in bufs:
-                    plan.chunk_topk(r0, r1, base, s, k, out)
+                for r0, r1, s in bufs:
+                    plan.chunk_topk(r0, r1, s, k, out)
 
             tt = bench(topk_only)
             row.update(topk_ms=tt, topk_share=tt / t)
             if topk_sweep:
                 for i, tc in enumerate(TK.SHIPPED_CONFIGS):
                     def topk_cfg(tc=tc):
-                        for r0, r1, base, s in bufs:
-                            plan.chunk_topk(r0, r1, base, s, k, out, config=tc)
+                        for r0, r1, s in bufs:
+                            plan.chunk_topk(r0, r1, s, k, out, config=tc)
 
                     row[f"topk_ms_cfg{i}"] = bench(topk_cfg)
             del bufs
@@ -118,9 +118,20 @@ def bench_indexer(T, hi, di, k, config=None, split=True, topk_sweep=False, fp8=F
     report(**row)
 
 
+HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # nominal (SXM)
+
+
+def _hbm_bandwidth() -> float:
+    name = torch.cuda.get_device_name()
+    return next((bw for key, bw in HBM_BYTES_PER_S.items() if key in name), float("nan"))
+
+
 def bench_decode(batch, context, hi, di, k, fp8=False):
-    """Generation step: one query row per sequence over its whole cache (packed keys), with and
-    without the key-range splits (splits forced to 1 = the grid of one CTA per 4 query rows)."""
+    """Generation step: one query row per sequence over its whole cache (packed keys, batched layout
+    declared), top-k included. ``ms``: the shipped plan (one row per CTA, each row's buffer spans its
+    own cache, no host sync); ``graph_ms``: the same call replayed from a CUDA graph (no host time);
+    ``ms_prefill_tiling``: the prefill tiling without the layout (4 rows of 4 sequences per CTA, a
+    buffer over their union: the plan before). Bandwidth: index_k bytes read / graph time."""
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(batch, hi, di, device="cuda", generator=g).bfloat16()
     kk = torch.randn(batch * context, di, device="cuda", generator=g).bfloat16()
@@ -132,20 +143,25 @@ def bench_decode(batch, context, hi, di, k, fp8=False):
         q, kk, k_scale, w = quantize_indexer_fp8(q, kk, w)
     ks = (torch.arange(batch, device="cuda", dtype=torch.int32) * context).contiguous()
     ke = ks + context
-    flops = 2.0 * hi * di * batch * context
-    fn = lambda: K.indexer_topk(q, kk, w, ks, ke, k, index_k_scale=k_scale)  # noqa: E731
+    fn = lambda: K.indexer_topk(q, kk, w, ks, ke, k, index_k_scale=k_scale, entries=(1, context))  # noqa: E731
     out = fn()
     t = bench(fn)
-    orig = K._splits
-    K._splits = lambda *a: 1
-    try:
-        out1 = fn()
-        t1 = bench(fn)
-    finally:
-        K._splits = orig
-    same = (torch.sort(out, 1).values == torch.sort(out1, 1).values).all(1).float().mean().item()
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    tg = bench(graph.replay)
+    old = lambda: K.indexer_topk(q, kk, w, ks, ke, k, index_k_scale=k_scale,  # noqa: E731
+                                 config=K.default_config(hi, di, fp8))
+    out_old = old()
+    t_old = bench(old)
+    same = (torch.sort(out, 1).values == torch.sort(out_old, 1).values).all(1).float().mean().item()
+    key_bytes = batch * context * (di * kk.element_size() + (4 if fp8 else 0))
     report(case="indexer_decode_fp8" if fp8 else "indexer_decode", B=batch, context=context, hi=hi, k=k, ms=t,
-           tflops=flops / t / 1e9, ms_without_splits=t1, speedup=t1 / t, same_sets=same)
+           graph_ms=tg, ms_prefill_tiling=t_old, speedup=t_old / t, hbm_fraction=key_bytes / (tg * 1e-3) /
+           _hbm_bandwidth(), same_sets=same)
+    del graph
 
 
 def main():
@@ -197,9 +213,10 @@ def main():
         return
 
     if args.decode:
-        for b, ctx in ((8, 32768), (32, 32768), (64, 8192), (128, 65536)):
-            for fp8 in (False, True):
-                bench_decode(b, ctx, 64, 128, 2048, fp8=fp8)
+        for b in (1, 8, 32, 64, 128):
+            for ctx in (32768, 131072):
+                for fp8 in (False, True):
+                    bench_decode(b, ctx, 64, 128, 2048, fp8=fp8)
         return
     if args.fp8:
         for c in fp8_sweep:

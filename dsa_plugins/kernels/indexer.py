@@ -46,9 +46,9 @@ from . import announce_compile
 
 logger = logging.getLogger("dsa_plugins")
 
-#: Compile-time configurations shipped (the CPU test compiles each one for sm_90a).
+#: Compile-time configurations shipped for prefill and training (many query rows).
 #: Row counts, key counts and the chunk width are run-time sizes.
-SHIPPED_CONFIGS: list = [
+PREFILL_CONFIGS: list = [
     {"heads": 64, "dim": 128, "block_q": 4, "block_k": 128, "threads": 256, "num_stages": 2, "ws": True},
     {"heads": 32, "dim": 128, "block_q": 4, "block_k": 128, "threads": 256, "num_stages": 2, "ws": True},
     {"heads": 16, "dim": 64, "block_q": 4, "block_k": 64, "threads": 128, "num_stages": 2, "ws": True},
@@ -58,18 +58,29 @@ SHIPPED_CONFIGS: list = [
     {"heads": 32, "dim": 128, "block_q": 8, "block_k": 128, "threads": 256, "num_stages": 2, "ws": True, "fp8": True},
 ]
 
+#: Generation steps (up to DECODE_MAX_ROWS query rows): one row per CTA (``block_q`` 1), so rows
+#: of different sequences never share a CTA's MMAs or score columns; the key reads dominate, so
+#: one more stage of them is in flight.
+DECODE_MAX_ROWS = 256
+DECODE_CONFIGS: list = [{**cfg, "block_q": 1, "num_stages": 3} for cfg in PREFILL_CONFIGS]
+
+#: Every configuration shipped (the CPU test compiles each one for sm_90a; warmup fills the cache).
+SHIPPED_CONFIGS: list = PREFILL_CONFIGS + DECODE_CONFIGS
+
 #: Default chunk buffer budget (bytes of fp32 scores held at once).
 DEFAULT_MAX_CHUNK_BYTES = 1 << 30
 
 _CFG_KEYS = ("heads", "dim", "block_q", "block_k", "threads", "num_stages", "ws", "split_n", "fp8")
 
 
-def default_config(heads: int, dim: int, fp8: bool = False) -> dict:
-    """The shipped configuration for (heads, dim, fp8), else a generic one."""
-    for cfg in SHIPPED_CONFIGS:
+def default_config(heads: int, dim: int, fp8: bool = False, rows: int | None = None) -> dict:
+    """The shipped configuration for (heads, dim, fp8) and ``rows`` query rows (at most
+    ``DECODE_MAX_ROWS``: a generation step's), else a generic one."""
+    decode = rows is not None and rows <= DECODE_MAX_ROWS
+    for cfg in DECODE_CONFIGS if decode else PREFILL_CONFIGS:
         if cfg["heads"] == heads and cfg["dim"] == dim and cfg.get("fp8", False) == fp8:
             return dict(cfg)
-    block_q = max(1, min(4, 256 // heads)) if heads <= 256 else 1
+    block_q = 1 if decode else (max(1, min(4, 256 // heads)) if heads <= 256 else 1)
     return {"heads": heads, "dim": dim, "block_q": block_q, "block_k": 64, "threads": 128, "num_stages": 2, "ws": True,
             "fp8": fp8}
 
@@ -116,12 +127,13 @@ def _factory():
             KScale: T.Tensor([nks], acc),
             BlkLo: T.Tensor([nqb], T.int32),
             BlkHi: T.Tensor([nqb], T.int32),
-            base_blk: T.int32,
             splits: T.int32,
             Scores: T.Tensor([nq, width], acc),
         ):
             # grid (query blocks, splits): split s of a query block takes the s-th part of its key
-            # blocks (each key block's tile is written by one CTA, so the splits need no merge)
+            # blocks (each key block's tile is written by one CTA, so the splits need no merge).
+            # Score columns are relative to the block's first key block (BlkLo): a row's buffer holds
+            # its block's key range only, whatever the rows beside it see.
             with T.Kernel(nqb, splits, threads=threads) as (bx, by):
                 q_s = T.alloc_shared([block_q * heads, dim], dtype)
                 k_s = T.alloc_shared([block_k, dim], dtype)
@@ -136,7 +148,8 @@ def _factory():
                 qb = nqb - 1 - bx
                 per = T.ceildiv(BlkHi[qb] - BlkLo[qb], splits)
                 lo = BlkLo[qb] + by * per
-                hi = T.min(BlkHi[qb], lo + per)
+                # (never past the buffer: a window outside the bound the caller gave is cut, not written out of bounds)
+                hi = T.min(T.min(BlkHi[qb], lo + per), BlkLo[qb] + width // block_k)
                 T.copy(Q[qb * block_q * heads : (qb + 1) * block_q * heads, :], q_s)
                 T.copy(W[qb * block_q : (qb + 1) * block_q, :], w_f)
                 for i in T.Pipelined(T.max(hi - lo, 0), num_stages=num_stages):
@@ -156,7 +169,7 @@ def _factory():
                         out_s,
                         Scores[
                             qb * block_q : (qb + 1) * block_q,
-                            (lo + i - base_blk) * block_k : (lo + i - base_blk + 1) * block_k,
+                            (lo + i - BlkLo[qb]) * block_k : (lo + i - BlkLo[qb] + 1) * block_k,
                         ],
                     )
 
@@ -166,9 +179,10 @@ def _factory():
     def block_ranges(block_q: int, block_k: int, threads: int = 128):
         """Windows -> per query block key-block ranges, in one launch (the plan of every call).
 
-        KS/KE [nq] int32 windows -> KSo/KEo clamped to [0, n_keys] with KEo >= KSo, and per
-        query block Lo/Hi [nqb]: the key blocks [Lo, Hi) covering its rows' non-empty windows
-        (0, 0 when all are empty)."""
+        KS/KE [nq] int32 windows -> per query block Lo/Hi [nqb]: the key blocks [Lo, Hi) covering
+        its rows' non-empty windows (0, 0 when all are empty); per row Base [nq] = Lo * block_k, the
+        key of its first score column, and KSo/KEo the window clamped to [0, n_keys] relative to
+        Base (0, 0 when empty)."""
         nq = T.dynamic("nq")
         nqb = T.dynamic("nqb")
         i32 = T.int32
@@ -181,6 +195,7 @@ def _factory():
             n_keys: i32,
             KSo: T.Tensor([nq], i32),
             KEo: T.Tensor([nq], i32),
+            Base: T.Tensor([nq], i32),
             Lo: T.Tensor([nqb], i32),
             Hi: T.Tensor([nqb], i32),
         ):
@@ -195,15 +210,21 @@ def _factory():
                         if row < nq:
                             st = T.min(T.max(KS[row], 0), n_keys)
                             en = T.max(T.min(T.max(KE[row], 0), n_keys), st)
-                            KSo[row] = st
-                            KEo[row] = en
                             if en > st:
                                 lo = T.min(lo, st)
                                 hi = T.max(hi, en)
-                    blo = lo // block_k
-                    bhi = (hi + block_k - 1) // block_k
-                    Lo[qb] = T.if_then_else(bhi > blo, blo, 0)
-                    Hi[qb] = T.if_then_else(bhi > blo, bhi, 0)
+                    blo = T.if_then_else(hi > 0, lo // block_k, 0)
+                    bhi = T.if_then_else(hi > 0, (hi + block_k - 1) // block_k, 0)
+                    Lo[qb] = blo
+                    Hi[qb] = bhi
+                    for r in T.unroll(block_q):
+                        row = qb * block_q + r
+                        if row < nq:
+                            st = T.min(T.max(KS[row], 0), n_keys)
+                            en = T.max(T.min(T.max(KE[row], 0), n_keys), st)
+                            Base[row] = blo * block_k
+                            KSo[row] = T.if_then_else(en > st, st - blo * block_k, 0)
+                            KEo[row] = T.if_then_else(en > st, en - blo * block_k, 0)
 
         return main
 
@@ -279,29 +300,21 @@ def _check(name, t, dtype, dim):
 def _plan_chunks(lo: np.ndarray, hi: np.ndarray, rows_per_block: int, block_k: int, max_bytes: int):
     """Split the query blocks into chunks whose score buffer stays under ``max_bytes``.
 
-    lo/hi: per query block, key-block range [lo, hi) (hi <= lo means nothing to compute).
-    Returns a list of (qb_start, qb_end, base_blk, width_blocks).
+    lo/hi: per query block, key-block range [lo, hi) (hi <= lo means nothing to compute). A row's
+    buffer columns start at its block's ``lo``, so a chunk is as wide as its widest block.
+    Returns a list of (qb_start, qb_end, width_blocks).
     """
-    lo = np.asarray(lo, dtype=np.int64)
-    hi = np.asarray(hi, dtype=np.int64)
-    nqb = lo.shape[0]
-    big = np.int64(np.iinfo(np.int64).max // 4)
-    lo_eff = np.where(hi > lo, lo, big)
-    hi_eff = np.where(hi > lo, hi, np.int64(-1))
+    width = np.maximum(np.asarray(hi, dtype=np.int64) - np.asarray(lo, dtype=np.int64), 0)
+    nqb = width.shape[0]
     chunks = []
     a = 0
     while a < nqb:
-        # Look ahead over a bounded window, vectorised.
-        span = min(nqb - a, 1 << 16)
-        run_lo = np.minimum.accumulate(lo_eff[a : a + span])
-        run_hi = np.maximum.accumulate(hi_eff[a : a + span])
-        width = np.where(run_hi >= 0, run_hi - np.minimum(run_lo, run_hi), 0)
-        nbytes = (np.arange(1, span + 1, dtype=np.int64) * rows_per_block) * (width * block_k * 4)
-        ok = np.nonzero(nbytes <= max_bytes)[0]
+        span = min(nqb - a, 1 << 16)  # look ahead over a bounded window, vectorised
+        run = np.maximum.accumulate(width[a : a + span])
+        nbytes = np.arange(1, span + 1, dtype=np.int64) * rows_per_block * run * block_k * 4
+        ok = np.nonzero(nbytes <= max_bytes)[0]  # nbytes is non-decreasing, so ok is a prefix
         n = int(ok[-1]) + 1 if ok.size else 1
-        # nbytes is non-decreasing, so ok is a prefix.
-        base = int(run_lo[n - 1]) if run_hi[n - 1] >= 0 else 0
-        chunks.append((a, a + n, base, int(width[n - 1])))
+        chunks.append((a, a + n, int(run[n - 1])))
         a += n
     return chunks
 
@@ -351,7 +364,8 @@ def _splits(query_blocks: int, width_blocks: int, device) -> int:
 class _Plan:
     """Inputs normalised once, per-query-block key ranges, and the chunk split."""
 
-    def __init__(self, index_q, index_k, weights, key_start, key_end, config, max_chunk_bytes, index_k_scale=None):
+    def __init__(self, index_q, index_k, weights, key_start, key_end, config, max_chunk_bytes, index_k_scale=None,
+                 entries=None):
         import torch
 
         fp8 = isinstance(index_q, torch.Tensor) and index_q.dtype == torch.float8_e4m3fn
@@ -391,7 +405,7 @@ class _Plan:
             self.k_scale = _unit_scale(self.device)  # not read without fp8
         if config is not None and "fp8" not in config:
             config = {**config, "fp8": fp8}  # a partial config takes the input's precision
-        cfg = dict(_norm_config(config if config is not None else default_config(Hi, Di, fp8)))
+        cfg = dict(_norm_config(config if config is not None else default_config(Hi, Di, fp8, rows=Tq)))
         if cfg["heads"] != Hi or cfg["dim"] != Di or cfg["fp8"] != fp8:
             raise ValueError(f"config is for heads={cfg['heads']} dim={cfg['dim']} fp8={cfg['fp8']}, inputs have "
                              f"{Hi}, {Di}, {index_q.dtype}")
@@ -403,51 +417,57 @@ class _Plan:
         self.w = weights.float().contiguous()
         self.chunks = []
         nqb = (Tq + bq - 1) // bq
-        self.ks = torch.empty(Tq, dtype=torch.int32, device=self.device)
+        self.ks = torch.empty(Tq, dtype=torch.int32, device=self.device)  # windows relative to base
         self.ke = torch.empty_like(self.ks)
+        self.base = torch.empty_like(self.ks)  # key row of each row's first score column
         self.blk_lo = torch.empty(nqb, dtype=torch.int32, device=self.device)
         self.blk_hi = torch.empty_like(self.blk_lo)
         if Tq == 0:
             return
-        build_block_ranges(bq, bk)(key_start.contiguous(), key_end.contiguous(), Tk, self.ks, self.ke, self.blk_lo,
-                                   self.blk_hi)
+        build_block_ranges(bq, bk)(key_start.contiguous(), key_end.contiguous(), Tk, self.ks, self.ke, self.base,
+                                   self.blk_lo, self.blk_hi)
         if Tk == 0:
             return
-        full_blocks = (Tk + bk - 1) // bk
-        if Tq * full_blocks * bk * 4 <= max_chunk_bytes:
-            # Everything fits in one buffer covering all keys: no host sync needed.
-            self.chunks = [(0, nqb, 0, full_blocks)]
+        # Widest block range, known without looking at the windows: every key, or (batched layout)
+        # the keys of the entries one block of rows can span, plus one block of misalignment
+        width = (Tk + bk - 1) // bk
+        if entries is not None:
+            rows_per_entry, keys_per_entry = (int(v) for v in entries)
+            spanned = 1 if rows_per_entry % bq == 0 else -(-(bq - 1) // rows_per_entry) + 1
+            width = min(width, -(-spanned * keys_per_entry // bk) + 1)
+        if Tq * width * bk * 4 <= max_chunk_bytes:
+            self.chunks = [(0, nqb, width)]  # one buffer: no host sync (CUDA-graph capturable)
         else:
             lohi = torch.stack([self.blk_lo, self.blk_hi]).cpu().numpy()  # the one host sync
             self.chunks = _plan_chunks(lohi[0], lohi[1], bq, bk, max_chunk_bytes)
 
     def chunk_scores(self, chunk):
-        """Run the score kernel for one chunk; returns (row0, row1, base_row, scores) or None."""
+        """Run the score kernel for one chunk; returns (row0, row1, scores or None)."""
         import torch
 
-        qb0, qb1, base_blk, wblocks = chunk
+        qb0, qb1, wblocks = chunk
         r0, r1 = qb0 * self.bq, min(qb1 * self.bq, self.Tq)
         if wblocks <= 0:
-            return r0, r1, 0, None
+            return r0, r1, None
         scores = torch.empty(r1 - r0, wblocks * self.bk, dtype=torch.float32, device=self.device)
         kern = build_indexer(self.cfg)
         kern(self.q[r0 * self.Hi : r1 * self.Hi], self.k, self.w[r0:r1], self.k_scale, self.blk_lo[qb0:qb1],
-             self.blk_hi[qb0:qb1], int(base_blk), _splits(qb1 - qb0, wblocks, self.device), scores)
-        return r0, r1, base_blk * self.bk, scores
+             self.blk_hi[qb0:qb1], _splits(qb1 - qb0, wblocks, self.device), scores)
+        return r0, r1, scores
 
-    def chunk_topk(self, r0, r1, base, scores, topk, out, config=None):
+    def chunk_topk(self, r0, r1, scores, topk, out, config=None):
         if scores is None:
             out[r0:r1].fill_(-1)
             return
-        starts, ends = self.ks[r0:r1], self.ke[r0:r1]
-        if base:
-            starts, ends = starts - base, ends - base
-        _topk.topk_rows_ranges(scores, starts, ends, topk,
-                               out_offset=base, out=out[r0:r1], config=config)
+        # score columns -> key rows: + each row's base; the top-k never reads past the buffer (a
+        # window beyond the caller's bound is cut to it)
+        _topk.topk_rows_ranges(scores, self.ks[r0:r1], self.ke[r0:r1], topk, row_offsets=self.base[r0:r1],
+                               out=out[r0:r1], config=config)
 
 
 def indexer_topk(index_q, index_k, weights, key_start, key_end, topk: int, *, config=None,
-                 max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, topk_config=None, index_k_scale=None):
+                 max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, topk_config=None, index_k_scale=None,
+                 entries: tuple[int, int] | None = None):
     """Lightning-indexer top-k over per-query key windows.
 
     index_q [Tq, Hi, Di] bf16 CUDA; index_k [Tk, Di] bf16; weights [Tq, Hi] fp32 (softmax
@@ -456,7 +476,10 @@ def indexer_topk(index_q, index_k, weights, key_start, key_end, topk: int, *, co
     index_k). Scores I[t, s] = sum_h relu(<index_q[t, h], index_k[s]>) * weights[t, h],
     accumulated in fp32. fp8: index_q and index_k float8_e4m3fn, index_k_scale [Tk] fp32
     (positive per-key scales, None = 1): I[t, s] = index_k_scale[s] * (the sum above); per-query
-    or per-head q scales belong in weights.
+    or per-head q scales belong in weights. ``entries=(S, Tk_e)`` says the rows come from a batched
+    layout: row t belongs to entry t // S and its window lies inside that entry's keys
+    [e * Tk_e, (e + 1) * Tk_e); it bounds the score buffer without a host sync. A window outside
+    its entry then gives a wrong selection: pass None when that does not hold.
 
     Returns [Tq, topk] int32: the rows s of the ``topk`` largest I[t, s] inside the window,
     -1 in the slots beyond the window size when the window holds fewer than ``topk`` keys.
@@ -466,21 +489,22 @@ def indexer_topk(index_q, index_k, weights, key_start, key_end, topk: int, *, co
     scores only, never on chunking, key-range splits or the rows packed beside it. Keys outside the
     window are never selected.
 
-    Chunked design: at most ``max_chunk_bytes`` of fp32 scores exist at once.
+    Chunked design: at most ``max_chunk_bytes`` of fp32 scores exist at once. With few rows
+    (generation steps) each CTA scores one row, so rows of different sequences never share work.
     """
     import torch
 
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
-    plan = _Plan(index_q, index_k, weights, key_start, key_end, config, max_chunk_bytes, index_k_scale)
+    plan = _Plan(index_q, index_k, weights, key_start, key_end, config, max_chunk_bytes, index_k_scale, entries)
     out = torch.empty(plan.Tq, topk, dtype=torch.int32, device=plan.device)
     if plan.Tq == 0:
         return out
     if plan.Tk == 0:
         return out.fill_(-1)
     for chunk in plan.chunks:
-        r0, r1, base, scores = plan.chunk_scores(chunk)
-        plan.chunk_topk(r0, r1, base, scores, topk, out, config=topk_config)
+        r0, r1, scores = plan.chunk_scores(chunk)
+        plan.chunk_topk(r0, r1, scores, topk, out, config=topk_config)
         del scores
     return out
 

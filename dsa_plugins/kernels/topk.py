@@ -170,6 +170,7 @@ def _factory():
         R = T.dynamic("R")
         n4 = T.dynamic("n4")
         K = T.dynamic("K")
+        n_off = T.dynamic("n_off")  # R (one offset per row) or 1 (offset_stride 0: one for all)
         u32 = T.uint32
         i32 = T.int32
         ordered, load_chunk, _ = _row_macros(T, threads, unroll)
@@ -210,7 +211,8 @@ def _factory():
             S: T.Tensor([R, n4, 4], T.float32),
             Starts: T.Tensor([R], T.int32),
             Ends: T.Tensor([R], T.int32),
-            out_offset: T.int32,
+            Offsets: T.Tensor([n_off], T.int32),
+            offset_stride: T.int32,
             Out: T.Tensor([R, K], T.int32),
             Ties: T.Tensor([R, 2], T.int32),
         ):
@@ -249,6 +251,8 @@ def _factory():
                     lane = tx % 32
                     lt = (T.uint32(1) << T.cast(lane, u32)) - T.uint32(1)
 
+                out_offset = T.alloc_var(i32)
+                out_offset = Offsets[bx * offset_stride]  # added to every selected column of the row
                 start = T.max(Starts[bx], 0)
                 end = T.min(Ends[bx], n4 * 4)
                 if tx == 0:
@@ -404,6 +408,7 @@ def _factory():
         R = T.dynamic("R")
         n4 = T.dynamic("n4")
         K = T.dynamic("K")
+        n_off = T.dynamic("n_off")
         ordered, load_chunk, emit_ties_in_column_order = _row_macros(T, threads, unroll)
 
         @T.prim_func
@@ -412,7 +417,8 @@ def _factory():
             Starts: T.Tensor([R], T.int32),
             Ends: T.Tensor([R], T.int32),
             Ties: T.Tensor([R, 2], T.int32),
-            out_offset: T.int32,
+            Offsets: T.Tensor([n_off], T.int32),
+            offset_stride: T.int32,
             Out: T.Tensor([R, K], T.int32),
         ):
             with T.Kernel(R, threads=threads) as bx:
@@ -432,7 +438,7 @@ def _factory():
                     T.sync_threads()
                     emit_ties_in_column_order(S, bx, start // 4, (end + 3) // 4, start, end,
                                               T.reinterpret(Ties[bx, 0], T.uint32), need, tx, vals, wsum, ctl,
-                                              out_offset, Out, K)
+                                              Offsets[bx * offset_stride], Out, K)
 
         return fill
 
@@ -496,12 +502,21 @@ def _check_cuda(name, t, dtype):
         raise ValueError(f"{name} must be a {dtype} CUDA tensor, got {got}")
 
 
-def topk_rows_ranges(scores, starts, ends, topk: int, out_offset: int = 0, out=None, config=None):
+@functools.lru_cache(maxsize=None)
+def _zero_offset(device):
+    """A one-element 0 for the Offsets argument with stride 0 (no offset)."""
+    import torch
+
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def topk_rows_ranges(scores, starts, ends, topk: int, row_offsets=None, out=None, config=None):
     """Top-k inside per-row column ranges [starts[r], ends[r]) of ``scores`` [R, N] fp32.
 
-    Returns [R, topk] int32 = column + ``out_offset`` of the selected entries, -1 padding
-    when a range holds fewer than ``topk`` columns. ``scores`` must be row-contiguous with
-    N % 4 == 0 (the caller pads); columns outside the ranges are never read.
+    Returns [R, topk] int32 = column + ``row_offsets[r]`` ([R] int32; None: 0) of the selected
+    entries, -1 padding when a range holds fewer than ``topk`` columns. ``scores`` must be
+    row-contiguous with N % 4 == 0 (the caller pads); ranges are clamped to [0, N), so columns outside
+    them, or past the buffer, are never read.
     """
     import torch
 
@@ -511,10 +526,15 @@ def topk_rows_ranges(scores, starts, ends, topk: int, out_offset: int = 0, out=N
         out = torch.empty(R, topk, dtype=torch.int32, device=scores.device)
     if R == 0:
         return out
+    if row_offsets is None:
+        offsets, stride = _zero_offset(scores.device), 0
+    else:
+        assert row_offsets.dtype == torch.int32 and row_offsets.shape == (R,) and row_offsets.stride(0) == 1
+        offsets, stride = row_offsets, 1
     ties = torch.empty(R, 2, dtype=torch.int32, device=scores.device)
     view = scores.view(R, N // 4, 4)
-    build_topk(config if config is not None else config_for_rows(R, N))(view, starts, ends, int(out_offset), out, ties)
-    build_tie_fill()(view, starts, ends, ties, int(out_offset), out)
+    build_topk(config if config is not None else config_for_rows(R, N))(view, starts, ends, offsets, stride, out, ties)
+    build_tie_fill()(view, starts, ends, ties, offsets, stride, out)
     return out
 
 

@@ -32,18 +32,21 @@ __all__ = [
 @torch.library.custom_op("dsa_plugins::indexer_topk", mutates_args=())
 def _indexer_topk_op(
     index_q: Tensor, index_k: Tensor, weights: Tensor, key_start: Tensor, key_end: Tensor, topk: int, backend: str,
-    index_k_scale: Tensor | None = None,
+    index_k_scale: Tensor | None = None, rows_per_entry: int = 0, keys_per_entry: int = 0,
 ) -> Tensor:
+    # rows_per_entry / keys_per_entry > 0: the rows come from a batched layout (see _batched_indexer_topk)
     reason = kernel_shape_reason("indexer_topk", num_heads=index_q.shape[1], head_dim=index_q.shape[2], topk=topk,
                                  dtype=index_q.dtype)
     if choose_kernel(backend, "indexer_topk", (index_q, index_k), reason):
+        entries = (rows_per_entry, keys_per_entry) if rows_per_entry > 0 else None
         return load_kernel("indexer_topk")(index_q, index_k, weights, key_start, key_end, topk,
-                                           index_k_scale=index_k_scale)
+                                           index_k_scale=index_k_scale, entries=entries)
     return indexer_topk_reference(index_q, index_k, weights, topk, key_start, key_end, index_k_scale)
 
 
 @_indexer_topk_op.register_fake
-def _(index_q, index_k, weights, key_start, key_end, topk, backend, index_k_scale=None):
+def _(index_q, index_k, weights, key_start, key_end, topk, backend, index_k_scale=None, rows_per_entry=0,
+      keys_per_entry=0):
     return index_q.new_empty(index_q.shape[0], topk, dtype=torch.int32)
 
 
@@ -97,6 +100,13 @@ def indexer_topk(
     check_tensor("index_q", index_q, ndim=(3, 4), dtypes=FLOAT_DTYPES + FP8_DTYPES)
     if index_q.dim() == 4:
         return _batched_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, backend, index_k_scale)
+    return _packed_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, backend, index_k_scale)
+
+
+def _packed_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, backend, index_k_scale,
+                         entries: tuple[int, int] = (0, 0)):
+    """The packed layout: checks, then the custom op. ``entries`` (rows, keys) per batch entry when the
+    rows come from the batched layout (each window inside its entry's keys), else (0, 0)."""
     device = index_q.device
     tq, hi, di = index_q.shape
     check_tensor("index_k", index_k, ndim=2, dtypes=(index_q.dtype,), device=device, shape={1: di})
@@ -119,7 +129,7 @@ def indexer_topk(
     weights = weights.float() if weights.dtype != torch.float64 else weights
     return torch.ops.dsa_plugins.indexer_topk(
         index_q.contiguous(), index_k.contiguous(), weights.contiguous(), key_start, key_end, topk,
-        resolve_backend(backend), index_k_scale,
+        resolve_backend(backend), index_k_scale, *entries,
     )
 
 
@@ -137,10 +147,10 @@ def _batched_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, b
     base = (torch.arange(b, device=device, dtype=torch.int32) * tk)[:, None]  # [B, 1]
     end = key_end.to(torch.int32).clamp(0, tk).expand(b, s)
     start = torch.minimum(key_start.to(torch.int32).clamp(0, tk).expand(b, s), end)
-    rows = indexer_topk(
+    rows = _packed_indexer_topk(
         index_q.reshape(b * s, hi, di), index_k.reshape(b * tk, di), weights.reshape(b * s, hi), topk,
         (start + base).reshape(-1), (end + base).reshape(-1), backend,
-        None if index_k_scale is None else index_k_scale.reshape(b * tk),
+        None if index_k_scale is None else index_k_scale.reshape(b * tk), entries=(s, tk),
     ).view(b, s, -1)
     return torch.where(rows >= 0, rows - base[..., None], rows) if b > 1 else rows
 

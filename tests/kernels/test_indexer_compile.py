@@ -102,8 +102,13 @@ def test_supported_shapes_and_configs():
     assert K.unsupported_reason(64, 128, 2048, torch.float8_e4m3fn) is None
     assert "multiple of 32" in K.unsupported_reason(64, 48, 2048, torch.float8_e4m3fn)
     assert "float8_e4m3fn" in K.unsupported_reason(64, 128, 2048, torch.float16)
-    for cfg in K.SHIPPED_CONFIGS:
+    for cfg in K.PREFILL_CONFIGS:
         assert K.default_config(cfg["heads"], cfg["dim"], cfg.get("fp8", False)) == cfg
+        assert K.default_config(cfg["heads"], cfg["dim"], cfg.get("fp8", False), rows=4096) == cfg
+    for cfg in K.DECODE_CONFIGS:  # generation steps: one query row per CTA
+        assert cfg["block_q"] == 1
+        assert K.default_config(cfg["heads"], cfg["dim"], cfg.get("fp8", False), rows=K.DECODE_MAX_ROWS) == cfg
+    assert K.SHIPPED_CONFIGS == K.PREFILL_CONFIGS + K.DECODE_CONFIGS
     assert TK.config_for_rows(64, 32768) == TK.DEFAULT_CONFIG
     assert TK.config_for_rows(8192, 8192) == TK.MANY_SHORT_ROWS_CONFIG
     assert TK.config_for_rows(4096, 65536) == TK.MANY_LONG_ROWS_CONFIG
@@ -112,6 +117,8 @@ def test_supported_shapes_and_configs():
 
 
 def test_plan_chunks_budget_and_cover():
+    """Each chunk's buffer fits the budget (or holds one block) and is as wide as its widest block
+    (a row's columns start at its own block's first key block)."""
     rng = np.random.default_rng(0)
     nqb = 500
     lo = rng.integers(0, 50, nqb).astype(np.int32)
@@ -120,10 +127,10 @@ def test_plan_chunks_budget_and_cover():
     bq, bk, budget = 2, 64, 2 * 64 * 4 * 40 * 5
     chunks = K._plan_chunks(lo, hi, bq, bk, budget)
     assert chunks[0][0] == 0 and chunks[-1][1] == nqb
-    for (a, b, base, wb), nxt in zip(chunks, chunks[1:] + [None]):
+    for (a, b, wb), nxt in zip(chunks, chunks[1:] + [None]):
         if nxt is not None:
             assert nxt[0] == b
         assert (b - a) * bq * wb * bk * 4 <= budget or b - a == 1
-        m = hi[a:b] > lo[a:b]
-        if m.any():
-            assert base <= lo[a:b][m].min() and base + wb >= hi[a:b][m].max()
+        assert wb == max(0, int((hi[a:b].astype(np.int64) - lo[a:b]).max()))
+
+

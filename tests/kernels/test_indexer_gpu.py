@@ -321,3 +321,76 @@ def test_indexer_decode_rows_split_key_ranges(fp8, monkeypatch):
     monkeypatch.setattr(K, "_splits", lambda *a: 1)
     one = K.indexer_topk(q, kk, w, ks, ke, k, index_k_scale=k_scale)
     assert torch.equal(out.sort(1).values, one.sort(1).values)
+
+
+@pytest.mark.parametrize("hi,di,fp8", [(64, 128, False), (32, 128, False), (16, 64, False), (64, 128, True)])
+def test_indexer_decode_config_one_row_per_cta(hi, di, fp8):
+    """Generation steps run one query row per CTA (DECODE_CONFIGS): the same sets as the prefill
+    tiling, windows of every awkward length (empty, 1, < k, not a multiple of any block)."""
+    lens = [3000, 0, 1, 8191, 129, 2047, 2049, 6000, 700]
+    starts = torch.tensor([0] + lens[:-1], device="cuda").cumsum(0).to(torch.int32)
+    ks, ke = starts, starts + torch.tensor(lens, device="cuda", dtype=torch.int32)
+    B, Tk, k = len(lens), sum(lens), 2048
+    q, kk, w = make_inputs(B, Tk, hi, di, seed=hi + di)
+    k_scale, qd, kd = None, q, kk
+    if fp8:
+        q, kk, k_scale, w, qd, kd = _fp8_inputs(q, kk, w)
+    assert K.default_config(hi, di, fp8, rows=B)["block_q"] == 1
+    out = K.indexer_topk(q, kk, w, ks, ke, k, index_k_scale=k_scale)
+    check_indexer_rows(out, qd, kd, w, ks, ke, k, rel_tol=FP8_TOL if fp8 else 2e-5)
+    assert bool((out[1] == -1).all())
+    prefill = K.indexer_topk(q, kk, w, ks, ke, k, index_k_scale=k_scale,
+                             config=K.default_config(hi, di, fp8))
+    assert torch.equal(out.sort(1).values, prefill.sort(1).values)
+
+
+@pytest.mark.parametrize("rows_per_entry", [1, 2, 3, 8])
+def test_indexer_batched_entries_bound_the_buffer(rows_per_entry):
+    """With the batched layout declared (entries), each row's score buffer spans its own entry's keys
+    only (no [rows, B * keys] buffer, no host sync); the sets are those of the unbounded call."""
+    B, tk, k = 12, 5000, 1024
+    S = rows_per_entry
+    q, kk, w = make_inputs(B * S, B * tk, 64, 128, seed=S)
+    g = torch.Generator(device="cuda").manual_seed(S)
+    lens = torch.randint(0, tk + 1, (B * S,), device="cuda", generator=g).int()
+    lens[0] = 0
+    lens[-1] = tk
+    base = (torch.arange(B * S, device="cuda", dtype=torch.int32) // S) * tk
+    offs = torch.randint(0, tk + 1, (B * S,), device="cuda", generator=g).int()
+    ks = base + torch.minimum(offs, tk - lens)
+    ke = ks + lens
+    out = K.indexer_topk(q, kk, w, ks, ke, k, entries=(S, tk))
+    check_indexer_rows(out, q, kk, w, ks, ke, k)
+    free = K.indexer_topk(q, kk, w, ks, ke, k)
+    assert torch.equal(out.sort(1).values, free.sort(1).values)
+
+
+def test_indexer_generation_step_is_graph_capturable():
+    """A batched generation step through the public op (B 64, a 64K cache each: a [B, B * cache]
+    buffer would have taken 1 TiB) is captured in a CUDA graph and replays on new inputs."""
+    from dsa_plugins import ops
+
+    B, tk, hi, di, k = 64, 65536, 64, 128, 2048
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(B, 1, hi, di, device="cuda", generator=g).bfloat16()
+    kk = torch.randn(B, tk, di, device="cuda", generator=g).bfloat16()
+    w = torch.randn(B, 1, hi, device="cuda", generator=g) * (hi**-0.5 * di**-0.5)
+    end = torch.randint(1, tk + 1, (B, 1), device="cuda", generator=g)
+    start = torch.zeros_like(end)
+    step = lambda: ops.indexer_topk(q, kk, w, k, start, end, backend="tilelang")  # noqa: E731
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for seed in (6, 7):
+        q.copy_(torch.randn(q.shape, device="cuda", generator=g.manual_seed(seed)).bfloat16())
+        end.copy_(torch.randint(1, tk + 1, (B, 1), device="cuda", generator=g))
+        graph.replay()
+        eager = step()
+        assert torch.equal(captured.sort(-1).values, eager.sort(-1).values)
+    rows = torch.arange(B, device="cuda")[:8]
+    flat_k = kk.reshape(B * tk, di)
+    ks = (rows * tk).int()
+    sel = torch.where(eager[rows, 0] >= 0, eager[rows, 0] + ks[:, None], -1)
+    check_indexer_rows(sel, q[rows, 0], flat_k, w[rows, 0], ks, ks + end[rows, 0].int(), k)
