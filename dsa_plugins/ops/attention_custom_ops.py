@@ -45,6 +45,18 @@ def _query_chunks(q: Tensor, indices: Tensor, dv: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, s)) for a in range(0, s, step)]
 
 
+def _batch_chunks(kv: Tensor) -> list[tuple[int, int]]:
+    """Ranges of the batch axis whose kv slice stays under 2**31 elements (one range, the whole
+    batch, unless the caches are long and many: B 32 x 128K tokens x 576 needs two)."""
+    b, t, d = kv.shape
+    step = max(1, _MAX_KERNEL_ELEMENTS // max(1, t * d))
+    return [(a, min(a + step, b)) for a in range(0, b, step)]
+
+
+def _cat(parts: list[Tensor], dim: int) -> Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
 def _trivial(q, kv) -> bool:
     """No query or no key: nothing for a kernel to do (and a grid of size 0 is not launched)."""
     return q.numel() == 0 or kv.shape[1] == 0
@@ -55,11 +67,14 @@ def attention_forward(q, kv, indices, sink, scale: float, dv: int, backend: str)
         return sparse_attention_forward(q, kv, indices, scale, sink, dv)
     if choose_kernel(backend, "sparse_attention_fwd", (q, kv), _shape_reason("sparse_attention_fwd", q, dv, sink)):
         kernel = load_kernel("sparse_attention_fwd")
-        parts = [kernel(q[:, a:b].contiguous(), kv, indices[:, a:b].contiguous(), scale, sink, dv)
-                 for a, b in _query_chunks(q, indices, dv)]
-        if len(parts) == 1:
-            return parts[0]
-        return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
+        outs, lses = [], []
+        for b0, b1 in _batch_chunks(kv):
+            qb, kvb, ib = q[b0:b1], kv[b0:b1], indices[b0:b1]
+            parts = [kernel(qb[:, a:b].contiguous(), kvb, ib[:, a:b].contiguous(), scale, sink, dv)
+                     for a, b in _query_chunks(qb, ib, dv)]
+            outs.append(_cat([p[0] for p in parts], 1))
+            lses.append(_cat([p[1] for p in parts], 1))
+        return _cat(outs, 0), _cat(lses, 0)
     return sparse_attention_forward(q, kv, indices, scale, sink, dv)
 
 
@@ -71,22 +86,27 @@ def attention_backward(q, kv, indices, sink, out, lse, dout, scale: float, dv: i
         return sparse_attention_backward(q, kv, indices, out, lse, dout, scale, sink, dv, return_probs)
     if choose_kernel(backend, "sparse_attention_bwd", (q, kv), _shape_reason("sparse_attention_bwd", q, dv, sink)):
         kernel = load_kernel("sparse_attention_bwd")
-        dq, dkv, dsink, probs = [], None, None, []
-        for a, b in _query_chunks(q, indices, dv):
-            sl = slice(a, b)
-            res = kernel(
-                q[:, sl].contiguous(), kv, indices[:, sl].contiguous(), out[:, sl].contiguous(),
-                lse[:, sl].contiguous(), dout[:, sl].contiguous(), scale, sink, dv, deterministic=deterministic,
-                **({"return_probs": True} if return_probs else {}),
-            )
-            dq_c, dkv_c, dsink_c = res[:3]
-            dq.append(dq_c)
-            probs.append(res[3] if return_probs else None)
-            dkv = dkv_c if dkv is None else dkv.add_(dkv_c)  # fp32, fixed order: deterministic stays so
-            dsink = dsink_c if dsink is None or dsink_c is None else dsink.add_(dsink_c)
-        res = (dq[0] if len(dq) == 1 else torch.cat(dq, dim=1)), dkv, dsink
+        dq_all, dkv_all, probs_all, dsink = [], [], [], None
+        for b0, b1 in _batch_chunks(kv):  # disjoint caches: the dkv parts are concatenated
+            dq, dkv, probs = [], None, []
+            for a, b in _query_chunks(q[b0:b1], indices[b0:b1], dv):
+                sl = (slice(b0, b1), slice(a, b))
+                res = kernel(
+                    q[sl].contiguous(), kv[b0:b1], indices[sl].contiguous(), out[sl].contiguous(),
+                    lse[sl].contiguous(), dout[sl].contiguous(), scale, sink, dv, deterministic=deterministic,
+                    **({"return_probs": True} if return_probs else {}),
+                )
+                dq_c, dkv_c, dsink_c = res[:3]
+                dq.append(dq_c)
+                probs.append(res[3] if return_probs else None)
+                dkv = dkv_c if dkv is None else dkv.add_(dkv_c)  # fp32, fixed order: deterministic stays so
+                dsink = dsink_c if dsink is None or dsink_c is None else dsink.add_(dsink_c)
+            dq_all.append(_cat(dq, 1))
+            dkv_all.append(dkv)
+            probs_all.append(_cat(probs, 1) if return_probs else None)
+        res = _cat(dq_all, 0), _cat(dkv_all, 0), dsink
         if return_probs:
-            res += (probs[0] if len(probs) == 1 else torch.cat(probs, dim=1),)
+            res += (_cat(probs_all, 0),)
         return res
     return sparse_attention_backward(q, kv, indices, out, lse, dout.contiguous(), scale, sink, dv, return_probs)
 

@@ -185,3 +185,35 @@ def test_query_chunking_for_int32_kernels_is_exact(monkeypatch):
     dout = torch.randn_like(out)
     for a, b in zip(torch.autograd.grad(out, leaves, dout), torch.autograd.grad(ref, ref_leaves, dout)):
         torch.testing.assert_close(a, b)
+
+
+def test_batch_chunking_for_int32_kernels_is_exact(monkeypatch):
+    """Caches over the kernels' int32 range (B 32 x 128K tokens x 576) run in batch chunks, each with
+    its own cache slice; the split must not change outputs or gradients (dkv parts concatenated)."""
+    import importlib
+
+    sa = importlib.import_module("dsa_plugins.ops.attention_custom_ops")
+
+    q, kv, idx, sink = _batched(b=3, s=4, skv=9, h=4, d=16, k=6, seed=9)
+    batches = []
+
+    def fake_fwd(q_, kv_, idx_, scale, sink_, dv):
+        batches.append(kv_.shape[0])
+        assert q_.shape[0] == kv_.shape[0] == idx_.shape[0]
+        return sa.sparse_attention_forward(q_, kv_, idx_, scale, sink_, dv)
+
+    def fake_bwd(q_, kv_, idx_, out_, lse_, dout_, scale, sink_, dv, deterministic=False):
+        return sa.sparse_attention_backward(q_, kv_, idx_, out_, lse_, dout_, scale, sink_, dv)
+
+    monkeypatch.setattr(sa, "choose_kernel", lambda *a, **k: True)
+    monkeypatch.setattr(sa, "load_kernel", lambda name: fake_fwd if name.endswith("fwd") else fake_bwd)
+    monkeypatch.setattr(sa, "_MAX_KERNEL_ELEMENTS", 2 * 9 * 16 + 20)  # two caches of 9 x 16 per chunk
+    leaves = [t.clone().requires_grad_() for t in (q, kv, sink.double())]
+    out = ops.sparse_attention(leaves[0], leaves[1], idx, 0.3, sink=leaves[2])
+    assert sorted(set(batches)) == [1, 2]
+    ref_leaves = [t.clone().requires_grad_() for t in (q, kv, sink.double())]
+    ref, _ = sparse_attention_dense(ref_leaves[0], ref_leaves[1], idx, 0.3, ref_leaves[2])
+    torch.testing.assert_close(out, ref)
+    dout = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, leaves, dout), torch.autograd.grad(ref, ref_leaves, dout)):
+        torch.testing.assert_close(a, b)
