@@ -49,3 +49,17 @@ def test_bench_hf_layer_smoke(capsys):
     assert bench_hf_layer.main(["--smoke", "--providers", "dsa_tilelang"]) == 0
     out = capsys.readouterr().out
     assert "dsa_tilelang" in out and "S128" in out
+
+
+def test_bench_hf_decode_smoke(capsys):
+    """The decode benchmark's CPU mode: filled caches, eager dynamic and static steps; the static
+    cache's first step gives the dynamic cache's output (same cache contents, same token)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_hf_decode
+    finally:
+        sys.path.pop(0)
+    assert bench_hf_decode.main(["--smoke"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("smoke B")]
+    assert any("eager_static" in line for line in lines) and any("sdpa" in line for line in lines)
+    assert all(line.rstrip().endswith("diff 0") for line in lines if "dsa_tilelang" in line), lines

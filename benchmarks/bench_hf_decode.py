@@ -1,0 +1,177 @@
+"""Generation steps of one Hugging Face DSA decoder layer over a long cache: per new token, eager
+and with transformers' static cache under ``torch.compile`` (CUDA graphs).
+
+    python benchmarks/bench_hf_decode.py                                 # GPU, GLM-5 dims, B 1 and 32
+    python benchmarks/bench_hf_decode.py --model deepseek_v32 --contexts 4096,65536 --batches 1,32
+    python benchmarks/bench_hf_decode.py --smoke                         # CPU, tiny dims, seconds
+
+Model: the base model of ``bench_hf_layer.py`` (one decoder layer, small dense MLP, vocab 128, no LM
+head: the time is the layer's), bf16, eval. The cache is filled with random latents and indexer keys
+up to ``context`` tokens (a real prefill of B 32 x 128K tokens would take minutes and does not change
+a decode step's work), then one token per sequence is decoded per step. Modes:
+
+* ``eager_dynamic``: transformers' default ``DynamicCache``, no compile;
+* ``eager_static``: ``StaticCache`` (fixed buffers), no compile;
+* ``compiled_static``: ``StaticCache`` and ``torch.compile(mode="reduce-overhead", fullgraph=True)``,
+  what ``generate(..., cache_implementation="static")`` runs for its decode steps on a GPU.
+
+Rows (ms per step = per layer-token at B 1; tokens/s = B / step time; peak memory) go to
+``benchmarks/results/hf_decode_<model>.{csv,md}``. sdpa (transformers' own path) runs at B 1, at the
+smallest and the largest context. DeepSeek-V4 is not covered: its compressed caches are not filled
+here, and transformers 5.24 has no static cache for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bench_hf_layer import DIMS, build_layer  # noqa: E402
+
+MODES = ("eager_dynamic", "eager_static", "compiled_static")
+
+
+def _cache_kwarg(model) -> str:
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def filled_cache(model, mode: str, batch: int, context: int, headroom: int, device, dtype):
+    """A cache holding ``context`` random tokens per sequence (latent and indexer keys)."""
+    from transformers import DynamicCache, StaticCache
+
+    config = model.config
+    static = mode != "eager_dynamic"
+    cache = StaticCache(config=config, max_cache_len=context + headroom) if static else DynamicCache(config=config)
+    ids = torch.randint(3, config.vocab_size, (batch, 4), device=device)
+    with torch.no_grad():  # a short real prefill creates every buffer the model uses
+        model(input_ids=ids, use_cache=True, **{_cache_kwarg(model): cache})
+    g = torch.Generator(device=device).manual_seed(0)
+    for layer in cache.layers:
+        for name in ("keys", "values", "indexer_keys"):
+            t = getattr(layer, name, None)
+            if not isinstance(t, torch.Tensor) or t.numel() == 0:
+                continue
+            shape = (*t.shape[:-2], context, t.shape[-1])
+            fill = torch.randn(shape, device=device, dtype=torch.float32, generator=g).to(t.dtype)
+            if static:
+                t[..., :context, :].copy_(fill)  # in place: the static buffers keep their addresses
+            else:
+                setattr(layer, name, fill)
+        for counter in ("cumulative_length", "indexer_cumulative_length"):
+            c = getattr(layer, counter, None)
+            if isinstance(c, torch.Tensor):
+                c.fill_(context)
+    return cache
+
+
+def decode_steps(model, mode: str, batch: int, context: int, steps: int, device, dtype):
+    """(ms per step, peak GiB, last hidden state of the first step)."""
+    warm = 3
+    cache = filled_cache(model, mode, batch, context, warm + steps + 2, device, dtype)
+    forward = model.forward
+    if mode == "compiled_static":
+        torch._dynamo.reset()
+        forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    kw = {_cache_kwarg(model): cache, "use_cache": True}
+    tok = torch.randint(3, model.config.vocab_size, (batch, 1), device=device,
+                        generator=torch.Generator(device=device).manual_seed(1))
+    first = None
+
+    def step(i):
+        pos = torch.full((batch, 1), context + i, device=device, dtype=torch.long)
+        return forward(input_ids=tok, position_ids=pos, **kw).last_hidden_state
+
+    with torch.no_grad():
+        for i in range(warm):
+            out = step(i)
+            if first is None:
+                first = out.float().clone()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for i in range(warm, warm + steps):
+            step(i)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) * 1e3 / steps
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+    return ms, peak, first
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # the V3.2 family: DeepSeek-V4's compressed caches are filled by its compressor, not here (and
+    # transformers has no static cache for it)
+    parser.add_argument("--model", choices=sorted(m for m in DIMS if DIMS[m][0] != "deepseek_v4"), default="glm5")
+    parser.add_argument("--contexts", default="4096,65536,131072")
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny dims, no result files")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+
+    import dsa_plugins.hf
+    from dsa_plugins.bench.runner import env_info, write_results
+
+    dsa_plugins.hf.register()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    args.smoke = args.smoke or device.type == "cpu"
+    contexts = [64] if args.smoke else [int(c) for c in args.contexts.split(",")]
+    batches = [1, 2] if args.smoke else [int(b) for b in args.batches.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    if args.smoke:
+        modes = [m for m in modes if m != "compiled_static"]  # inductor on two CPU cores: minutes
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    env = env_info(device)
+    model_type = DIMS[args.model][0]
+    cases = [(c, b, m, "dsa_tilelang") for c in contexts for b in batches for m in modes]
+    cases += [(c, 1, m, "sdpa") for c in sorted({contexts[0], contexts[-1]}) for m in modes if m != "eager_dynamic"]
+    rows, models, firsts = [], {}, {}
+    for context, batch, mode, provider in cases:
+        shape = f"{'smoke' if args.smoke else args.model} B{batch} ctx{context}"
+        row = {"op": f"hf_{model_type}_decode", "mode": mode, "shape": shape, "provider": provider, **env}
+        try:
+            if provider not in models:
+                models.clear()
+                model, _ = build_layer(args.model, provider, args.smoke, device, dtype)
+                models[provider] = model.eval()
+            ms, peak, first = decode_steps(models[provider], mode, batch, context, 2 if args.smoke else args.steps,
+                                           device, dtype)
+            row.update(median_ms=ms, tokens_per_s=batch / ms * 1e3, peak_gib=peak)
+            ref = firsts.setdefault((context, batch, provider), first)
+            row["max_diff_vs_first_mode"] = float((first - ref).abs().max())
+            print(f"{shape:<28} {provider:<13} {mode:<16} {ms:8.3f} ms/step  {batch / ms * 1e3:9.0f} tok/s  "
+                  f"peak {peak:6.2f} GiB  diff {row['max_diff_vs_first_mode']:.3g}", flush=True)
+        except Exception as exc:  # an out-of-memory or a compile failure is a row, not a crash
+            row["error"] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
+            print(f"{shape:<28} {provider:<13} {mode:<16} {row['error']}", flush=True)
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        rows.append(row)
+    for row in rows:  # B > 1: tokens/s over B 1's, same context and mode
+        one = [r for r in rows if r["provider"] == row["provider"] and r["mode"] == row["mode"]
+               and r["shape"] == row["shape"].replace(row["shape"].split()[1], "B1") and "tokens_per_s" in r]
+        if one and "tokens_per_s" in row and row is not one[0]:
+            row["throughput_vs_B1"] = row["tokens_per_s"] / one[0]["tokens_per_s"]
+    if not args.smoke:
+        paths = write_results(rows, Path(args.out), f"hf_decode_{args.model}")
+        print("results:", ", ".join(str(p) for p in paths if p))
+    return 0 if all("error" not in r for r in rows if r["provider"] == "dsa_tilelang") else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
