@@ -5,6 +5,7 @@
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="dsa_tilelang")
     # or, on a model already built: model.set_attn_implementation("dsa_tilelang")
     dsa_plugins.hf.unregister()        # reverts every patch
+    handle = dsa_plugins.hf.enable_indexer_loss(model, weight=0.01)   # fine-tuning: train the indexers too
 
 With the package installed, ``import torch`` already registers it (entry point ``torch.backends``);
 ``DSA_PLUGINS_AUTOLOAD=0`` turns that off.
@@ -17,7 +18,9 @@ from dsa_plugins.adapters.hf import (
     register,
     unregister,
 )
+from dsa_plugins.adapters.hf.indexer_loss import IndexerLossHandle, disable_indexer_loss, enable_indexer_loss
 
 ATTN_IMPLEMENTATION = "dsa_tilelang"
 
-__all__ = ["ADAPTER", "ATTN_IMPLEMENTATION", "available_models", "is_registered", "register", "unregister"]
+__all__ = ["ADAPTER", "ATTN_IMPLEMENTATION", "IndexerLossHandle", "available_models", "disable_indexer_loss",
+           "enable_indexer_loss", "is_registered", "register", "unregister"]

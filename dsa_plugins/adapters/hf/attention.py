@@ -23,6 +23,7 @@ from ...common.settings import warn_once
 from ... import ops
 from .cache import fused_latent
 from .constants import ATTN_NAME
+from .indexer_loss import pending_loss
 from .masks import DenseMask, LazyMask, TopkSelection, as_mask, mask_indices
 
 __all__ = [
@@ -146,7 +147,8 @@ def absorbed_mla_forward(module, query, latent, attention_mask, scaling, indices
         idx = indices.to(torch.int32)  # from the patched indexer: already -1 wherever the mask forbids
     else:
         idx = mask_indices(indices, as_mask(attention_mask, B, S, T, query.device))
-    out = ops.sparse_mla(q_abs, kv, idx, w_vc, scaling, sink=None if sink is None else sink.float())
+    out = ops.sparse_mla(q_abs, kv, idx, w_vc, scaling, sink=None if sink is None else sink.float(),
+                         indexer_loss=pending_loss(module))  # enable_indexer_loss: fused into the backward
     return out, None
 
 

@@ -22,9 +22,10 @@ from ....patches.attributes import PatchPointMissing, class_in, own_attributes, 
 from ..attention import wrap_expand_kv
 from ..constants import PATCH_KEY
 from ..indexer import indexer_binder, indexer_cache, select_topk
+from ..indexer_loss import loss_handle, stash_loss
 from ..masks import LazyMask
 
-__all__ = ["mistral_large4_projection", "patcher", "rope_first_projection"]
+__all__ = ["is_patched_indexer", "mistral_large4_projection", "patcher", "rope_first_projection"]
 
 
 def _rope_fn(indexer, name: str) -> Callable:
@@ -93,13 +94,30 @@ def _wrap_indexer_forward(original: Callable, project: Callable) -> Callable:
         mask = a.get("attention_mask")
         if not isinstance(mask, LazyMask):  # not our implementation (or a user-built 4D mask)
             return original(self, *args, **kwargs)
+        handle = loss_handle(self, cache)
+        if handle is None:
+            with torch.no_grad():
+                q, k, w = project(
+                    self, a["hidden_states"], a.get("q_resid"), a["position_embeddings"], a.get("position_ids")
+                )
+                return select_topk(self, q, k, w, mask, cache)
+        # indexer loss on: the projections keep their graph (on inputs detached from the model, so the
+        # loss trains the indexer only); the selection itself is not differentiable
+        q_resid = a.get("q_resid")
+        q, k, w = project(self, a["hidden_states"].detach(), None if q_resid is None else q_resid.detach(),
+                          a["position_embeddings"], a.get("position_ids"))
         with torch.no_grad():
-            q, k, w = project(
-                self, a["hidden_states"], a.get("q_resid"), a["position_embeddings"], a.get("position_ids")
-            )
-            return select_topk(self, q, k, w, mask, cache)
+            selected = select_topk(self, q.detach(), k.detach(), w.detach(), mask, cache)
+        stash_loss(self, handle, q, k, w, mask)
+        return selected
 
+    forward.__dsa_indexer__ = True
     return forward
+
+
+def is_patched_indexer(indexer: torch.nn.Module) -> bool:
+    """Whether ``indexer``'s class runs the V3.2-family indexer patch (so the indexer loss can serve it)."""
+    return getattr(type(indexer).forward, "__dsa_indexer__", False) is True
 
 
 def patcher(model_type: str, attention: str, indexer: str, project: Callable) -> Callable:
