@@ -106,6 +106,8 @@ def main(argv=None) -> int:
     parser.add_argument("--providers", default="dsa_tilelang,sdpa,eager")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny dims, 2 reps, no result files")
+    parser.add_argument("--indexer-loss", type=float, default=0.0, metavar="WEIGHT",
+                        help="also time dsa_tilelang with dsa_plugins.hf.enable_indexer_loss (mode 'full+indexer_loss')")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -125,30 +127,37 @@ def main(argv=None) -> int:
         providers = [p for p in providers if p != "sdpa"]
     env = env_info(device)
     rows = []
+    runs = [(p, False) for p in providers]
+    if args.indexer_loss and "dsa_tilelang" in providers:
+        runs.insert(providers.index("dsa_tilelang") + 1, ("dsa_tilelang", True))
     for seqlen in seqlens:
-        for provider in providers:
+        for provider, with_loss in runs:
             name = "smoke" if args.smoke else args.model
             shape = f"{name} S{seqlen}"
-            row = {"op": f"hf_{DIMS[args.model][0]}_layer", "provider": provider, "mode": "full", "shape": shape, **env}
+            mode = "full+indexer_loss" if with_loss else "full"
+            row = {"op": f"hf_{DIMS[args.model][0]}_layer", "provider": provider, "mode": mode, "shape": shape, **env}
             layer = step = None
             try:
                 layer, config = build_layer(args.model, provider, args.smoke, device, dtype)
+                if with_loss:
+                    dsa_plugins.hf.enable_indexer_loss(layer, weight=args.indexer_loss)
                 step = step_fn(layer, config, seqlen, device, dtype)
                 med, p20, p80, peak = time_callable(
                     step, device, warmup=1 if args.smoke else 2, reps=2 if args.smoke else args.reps
                 )
                 row.update(median_ms=med, p20_ms=p20, p80_ms=p80, peak_gib=peak)
-                print(f"{shape:<24} {provider:<14} {med:10.2f} ms  peak {peak:.2f} GiB", flush=True)
+                print(f"{shape:<24} {provider:<14} {mode:<18} {med:10.2f} ms  peak {peak:.2f} GiB", flush=True)
             except Exception as exc:  # an out-of-memory is a result, not a crash
                 row["error"] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:100]}"
-                print(f"{shape:<24} {provider:<14} {row['error']}", flush=True)
+                print(f"{shape:<24} {provider:<14} {mode:<18} {row['error']}", flush=True)
             finally:
                 layer = step = None
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             rows.append(row)
     for seqlen in seqlens:  # speed-up over the best baseline that ran
-        mine = [r for r in rows if r["shape"].endswith(f"S{seqlen}") and r["provider"] == "dsa_tilelang"]
+        mine = [r for r in rows if r["shape"].endswith(f"S{seqlen}") and r["provider"] == "dsa_tilelang"
+                and r["mode"] == "full"]
         base = [r for r in rows if r["shape"].endswith(f"S{seqlen}") and r["provider"] != "dsa_tilelang"
                 and "median_ms" in r]
         if mine and "median_ms" in mine[0] and base:
