@@ -114,7 +114,8 @@ def disable_indexer_loss(model: torch.nn.Module) -> int:
     for module in model.modules():
         if hasattr(module, _CONFIG_ATTR):
             delattr(module, _CONFIG_ATTR)
-            module.__dict__.pop(_PENDING_ATTR, None)
+            if hasattr(module, _PENDING_ATTR):
+                delattr(module, _PENDING_ATTR)
             n += 1
     return n
 
@@ -123,6 +124,10 @@ def loss_handle(indexer: torch.nn.Module, cache) -> IndexerLossHandle | None:
     """The handle when this indexer call should build the loss: enabled, training, gradients on."""
     handle = getattr(indexer, _CONFIG_ATTR, None)
     if handle is None or not indexer.training or not torch.is_grad_enabled():
+        return None
+    if torch.compiler.is_compiling():
+        warn_once("hf:indexer_loss_compile", "dsa_tilelang: the indexer loss is skipped in a torch.compile'd "
+                  "forward (it runs in eager training)")
         return None
     if cache is not None:
         warn_once("hf:indexer_loss_cache", "dsa_tilelang: the indexer loss is skipped in calls with a KV cache "
@@ -145,13 +150,15 @@ def stash_loss(indexer: torch.nn.Module, handle: IndexerLossHandle, q: torch.Ten
         row_weights = real / real.sum().clamp_min(1.0)
     loss = ops.FusedIndexerLoss(q.reshape(b * s, hi, di), k.reshape(b * s, di), w.reshape(b * s, hi),
                                 weight=handle.weight, on_value=handle._record, row_weights=row_weights)
-    indexer.__dict__[_PENDING_ATTR] = loss
+    setattr(indexer, _PENDING_ATTR, loss)
 
 
 def pending_loss(attention: torch.nn.Module):
     """The FusedIndexerLoss stashed by this attention module's indexer in the current forward, if any
-    (taken: a second call gets None)."""
+    (taken: a second call gets None). Plain attribute reads, so that a compiled graph (generation)
+    traces them; the loss itself is for eager training."""
     indexer = getattr(attention, "indexer", None)
-    if not isinstance(indexer, torch.nn.Module):
-        return None
-    return indexer.__dict__.pop(_PENDING_ATTR, None)
+    loss = getattr(indexer, _PENDING_ATTR, None) if isinstance(indexer, torch.nn.Module) else None
+    if loss is not None:
+        setattr(indexer, _PENDING_ATTR, None)
+    return loss
