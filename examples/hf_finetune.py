@@ -3,6 +3,7 @@
     python examples/hf_finetune.py --model tiny:glm_moe_dsa --steps 50             # CPU, seconds
     python examples/hf_finetune.py --model PATH_OR_HUB_ID --seq-len 32768 --bf16   # one GPU
     accelerate launch --num_processes 2 --use_fsdp --fsdp_version 2 \\
+        --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP --fsdp_transformer_layer_cls_to_wrap GlmMoeDsaDecoderLayer \\
         examples/hf_finetune.py --model PATH --bf16                                 # FSDP2, 2 GPUs
     python examples/hf_finetune.py --model tiny:glm_moe_dsa --lora                 # LoRA (needs peft)
     python examples/hf_finetune.py --model tiny:glm_moe_dsa --indexer-loss 0.01    # train the indexers too
@@ -28,12 +29,18 @@ import math
 import torch
 
 
-def build_model(name: str, attn: str, dtype):
+# GLM-5's attention and indexer head sizes (64 heads, latent 512 + rope 64, indexer 32 x 128) on a tiny
+# model: small enough for a smoke run, shaped so that the GPU kernels serve it
+KERNEL_DIMS = dict(num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=512, qk_rope_head_dim=64,
+                   qk_nope_head_dim=128, v_head_dim=128, index_n_heads=32, index_head_dim=128, index_topk=64)
+
+
+def build_model(name: str, attn: str, dtype, kernel_dims: bool = False):
     """(model, vocab size): a tiny random model (``tiny:<model_type>``) or a pretrained one."""
     if name.startswith("tiny:"):
         from dsa_plugins.adapters.hf import tiny
 
-        model = tiny.tiny_model(name.split(":", 1)[1], seed=0).to(dtype)
+        model = tiny.tiny_model(name.split(":", 1)[1], seed=0, **(KERNEL_DIMS if kernel_dims else {})).to(dtype)
         model.set_attn_implementation(attn)
         return model, model.config.get_text_config().vocab_size
     from transformers import AutoModelForCausalLM
@@ -94,6 +101,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--lora", type=int, nargs="?", const=8, default=0, metavar="RANK")
     parser.add_argument("--indexer-loss", type=float, default=0.0, metavar="WEIGHT")
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--kernel-dims", action="store_true",
+                        help="tiny models only: GLM-5's attention head sizes, so that the GPU kernels run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--log", default=None, help="write the logged steps as JSON lines")
@@ -107,7 +116,7 @@ def main(argv=None) -> list[dict]:
     dsa_plugins.hf.register()  # a no-op when the entry point already did it
     accelerator = Accelerator(mixed_precision="bf16" if args.bf16 else "no")
     set_seed(args.seed)
-    model, vocab = build_model(args.model, args.attn, torch.float32)
+    model, vocab = build_model(args.model, args.attn, torch.float32, args.kernel_dims)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if args.lora:
