@@ -33,6 +33,9 @@ scale staged by the producer with the key block. Same H200, same run: T 8K 1.02 
 with the run-time loop start used here.
 
 TileLang is imported lazily so that this module imports without TileLang or a GPU.
+
+Size: one file for the family: the score and plan programs, their configurations (prefill and
+generation steps), the chunk planner and the wrapper share the tiling and the buffer layout.
 """
 
 import functools

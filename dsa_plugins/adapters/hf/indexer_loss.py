@@ -71,14 +71,16 @@ class IndexerLossHandle:
         disable_indexer_loss(self.model)
 
 
+#: set on the forward of the indexer classes the V3.2-family patch drives (``models/v32_family.py``)
+SERVED_MARKER = "__dsa_indexer__"
+
+
 def _indexers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The indexer modules the V3.2-family patches drive (attention modules' ``indexer`` children)."""
-    from .models import v32_family
-
     found = []
     for module in model.modules():
         indexer = getattr(module, "indexer", None)
-        if isinstance(indexer, torch.nn.Module) and v32_family.is_patched_indexer(indexer):
+        if isinstance(indexer, torch.nn.Module) and getattr(type(indexer).forward, SERVED_MARKER, False) is True:
             found.append(indexer)
     return found
 

@@ -20,8 +20,8 @@ everything this module declines still works, slowly:
   explicit key positions or masks.
 * :func:`run_fused_qk_topk`: the top-k alone (no loss: eval, coefficient 0).
 * :func:`run_fused_qk_topk_with_loss`: top-k and the standalone sparse loss (layers whose full
-  hook declined); declined under tensor parallelism and with padding rows or per-token losses (the
-  standalone op has no TP group and takes the mean over all rows).
+  hook declined), padding rows and per-token losses as megatron reduces them (row weights);
+  declined under tensor parallelism (the standalone op has no TP group).
 * :func:`run_fused_absorbed_sparse_attention`: attention over given indices (top-k sharing layers).
 
 Masks reach the hooks as per-row key windows ``[start, end)`` over the (CP-gathered, reordered)
@@ -223,15 +223,15 @@ def run_fused_qk_topk_with_loss(config, q, k, weights, index_topk, starts, ends,
     if not use_relu:
         return _decline("indexer scores without ReLU are not supported")
     sq, b = q.shape[:2]
-    if (_tp_group(pg_collection) is not None or key.shape[2] != 1
-            or _row_weights(query_valid_rows, b, sq, calculate_per_token_loss, q.device) is not None):
-        return None  # the standalone op has no TP group and reduces by the mean over all rows
+    if _tp_group(pg_collection) is not None or key.shape[2] != 1:
+        return None  # the standalone op has no TP group (the full hook all-reduces the target)
     topk = _select(q, k, weights, index_topk, starts, ends)
     skv = k.shape[0]
     base = (torch.arange(b, device=q.device, dtype=torch.int32) * skv).view(b, 1, 1)
     rows = torch.where(topk >= 0, topk + base, -1).reshape(b * sq, -1)
     kl = ops.indexer_kl_loss(*_packed_loss_inputs(q, k, weights, query, key), None, softmax_scale,
-                             topk_indices=rows)
+                             topk_indices=rows,
+                             row_weights=_row_weights(query_valid_rows, b, sq, calculate_per_token_loss, q.device))
     return topk, None, kl * float(loss_coeff)
 
 

@@ -170,3 +170,36 @@ def test_fifty_training_steps_follow_megatrons_curve(monkeypatch):
     assert curves["dsa_plugins"][-1] < curves["dsa_plugins"][0]  # it trains
     rel = ((curves["dsa_plugins"] - curves["none"]).abs() / curves["none"]).max()
     assert rel < 0.01, f"loss curves differ by {float(rel):.2%}"
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["mean", "per-token"])
+def test_standalone_loss_hook_takes_padding_rows(per_token, monkeypatch):
+    """Layers whose full hook declines go through the top-k + loss hook: with padded packed sequences
+    (megatron's real-token mask) and per-token losses it reduces the KL as megatron does (row weights),
+    instead of declining to the torch path."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from dsa_plugins.adapters.megatron import backend
+
+    served = []
+    real = backend.run_fused_qk_topk_with_loss
+    monkeypatch.setattr(backend, "run_fused_dsa_attention", lambda **k: None)
+    monkeypatch.setattr(backend, "run_fused_qk_topk_with_loss",
+                        lambda *a, **k: served.append(r := real(*a, **k)) or r)
+    cu = torch.tensor([0, 5, 14], dtype=torch.int32)
+    cu_padded = torch.tensor([0, 6, 16], dtype=torch.int32)
+    real_rows = torch.ones(1, 16, dtype=torch.bool)
+    real_rows[0, 5] = real_rows[0, 14:] = False
+    tokens, labels = M.batch(b=1)
+    position_ids = torch.cat([torch.arange(6), torch.arange(10)]).unsqueeze(0)
+    results = {}
+    for name, takeover in (("none", "0"), ("dsa_plugins", "1")):
+        monkeypatch.setenv("DSA_PLUGINS_MEGATRON_TAKEOVER", takeover)
+        cfg, model = M.build(backend=name)
+        cfg.calculate_per_token_loss = per_token
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
+                                 cu_seqlens_kv_padded=cu_padded, max_seqlen_q=10, max_seqlen_kv=10)
+        packed.real_token_mask_q = real_rows
+        results[name] = M.step(model, tokens, labels, position_ids=position_ids, packed_seq_params=packed)
+    assert len(served) == 2 and all(r is not None for r in served)
+    _assert_same(results["dsa_plugins"], results["none"])

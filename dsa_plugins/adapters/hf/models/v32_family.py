@@ -22,10 +22,10 @@ from ....patches.attributes import PatchPointMissing, class_in, own_attributes, 
 from ..attention import wrap_expand_kv
 from ..constants import PATCH_KEY
 from ..indexer import indexer_binder, indexer_cache, select_topk
-from ..indexer_loss import loss_handle, stash_loss
+from ..indexer_loss import SERVED_MARKER, loss_handle, stash_loss
 from ..masks import LazyMask
 
-__all__ = ["is_patched_indexer", "mistral_large4_projection", "patcher", "rope_first_projection"]
+__all__ = ["mistral_large4_projection", "patcher", "rope_first_projection"]
 
 
 def _rope_fn(indexer, name: str) -> Callable:
@@ -111,13 +111,8 @@ def _wrap_indexer_forward(original: Callable, project: Callable) -> Callable:
         stash_loss(self, handle, q, k, w, mask)
         return selected
 
-    forward.__dsa_indexer__ = True
+    setattr(forward, SERVED_MARKER, True)  # enable_indexer_loss serves this indexer
     return forward
-
-
-def is_patched_indexer(indexer: torch.nn.Module) -> bool:
-    """Whether ``indexer``'s class runs the V3.2-family indexer patch (so the indexer loss can serve it)."""
-    return getattr(type(indexer).forward, "__dsa_indexer__", False) is True
 
 
 def patcher(model_type: str, attention: str, indexer: str, project: Callable) -> Callable:
