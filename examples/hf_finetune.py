@@ -76,14 +76,15 @@ def apply_lora(model, rank: int):
         from peft import LoraConfig, get_peft_model
     except ImportError as exc:
         raise SystemExit("--lora needs peft: pip install peft") from exc
-    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    targets = sorted(names & {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_proj",
-                              "wq_a", "wq_b", "wkv", "wo_a", "wo_b"})
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
-                        modules_to_save=None, lora_dropout=0.0)
-    model = get_peft_model(model, config)
+    projections = {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_proj", "wq_a", "wq_b", "wkv",
+                   "wo_a", "wo_b"}
+    # the attention's projections by their full names: the indexers have a wq_b too, and they train whole
+    # (their weights are not part of the adapter: save the model's indexers with it when you train them)
+    targets = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+                     and n.rsplit(".", 1)[-1] in projections and ".indexer." not in n)
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0))
     for n, p in model.named_parameters():
-        if ".indexer." in n and "lora_" not in n:
+        if ".indexer." in n:
             p.requires_grad_(True)
     return model
 

@@ -438,6 +438,10 @@ class _Plan:
         width = (Tk + bk - 1) // bk
         if entries is not None:
             rows_per_entry, keys_per_entry = (int(v) for v in entries)
+            if (rows_per_entry < 1 or keys_per_entry < 1 or Tq % rows_per_entry or Tk % keys_per_entry
+                    or Tq // rows_per_entry != Tk // keys_per_entry):
+                raise ValueError(f"entries=({rows_per_entry}, {keys_per_entry}) must split the {Tq} query rows and "
+                                 f"{Tk} keys into the same number of batch entries")
             spanned = 1 if rows_per_entry % bq == 0 else -(-(bq - 1) // rows_per_entry) + 1
             width = min(width, -(-spanned * keys_per_entry // bk) + 1)
         if Tq * width * bk * 4 <= max_chunk_bytes:

@@ -527,7 +527,10 @@ def topk_rows_ranges(scores, starts, ends, topk: int, row_offsets=None, out=None
     if R == 0:
         return out
     if row_offsets is None:
-        offsets, stride = _zero_offset(scores.device), 0
+        # (a first zero made while a CUDA graph is captured would only be filled at replay: not cached then)
+        capturing = torch.cuda.is_current_stream_capturing()
+        offsets = torch.zeros(1, dtype=torch.int32, device=scores.device) if capturing else _zero_offset(scores.device)
+        stride = 0
     else:
         assert row_offsets.dtype == torch.int32 and row_offsets.shape == (R,) and row_offsets.stride(0) == 1
         offsets, stride = row_offsets, 1

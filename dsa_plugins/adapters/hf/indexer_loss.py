@@ -15,7 +15,7 @@ and its gradient enters with ``weight``; the model's own loss is unchanged.
     handle.remove()                      # or dsa_plugins.hf.disable_indexer_loss(model)
 
 Served: the V3.2 family (``glm_moe_dsa``, ``deepseek_v32``, ``axk2``, ``hy_v4``, ``mistral_large4``,
-``dots3_note``) under ``dsa_tilelang``, in training mode with gradients on and no KV cache; layers that
+``dots3_note``) under ``dsa_tilelang``, in training mode with gradients on and no earlier keys in a cache; layers that
 reuse another layer's selection (GLM-5's "shared" layers) have no indexer to train.
 """
 
@@ -122,8 +122,10 @@ def disable_indexer_loss(model: torch.nn.Module) -> int:
     return n
 
 
-def loss_handle(indexer: torch.nn.Module, cache) -> IndexerLossHandle | None:
-    """The handle when this indexer call should build the loss: enabled, training, gradients on."""
+def loss_handle(indexer: torch.nn.Module, mask, query_rows: int) -> IndexerLossHandle | None:
+    """The handle when this indexer call should build the loss: enabled, training, gradients on, and
+    the keys are this call's own (no past keys in a cache: transformers makes a cache in training
+    forwards too, unless ``use_cache=False``; an empty one changes nothing)."""
     handle = getattr(indexer, _CONFIG_ATTR, None)
     if handle is None or not indexer.training or not torch.is_grad_enabled():
         return None
@@ -131,9 +133,9 @@ def loss_handle(indexer: torch.nn.Module, cache) -> IndexerLossHandle | None:
         warn_once("hf:indexer_loss_compile", "dsa_tilelang: the indexer loss is skipped in a torch.compile'd "
                   "forward (it runs in eager training)")
         return None
-    if cache is not None:
-        warn_once("hf:indexer_loss_cache", "dsa_tilelang: the indexer loss is skipped in calls with a KV cache "
-                  "(pass use_cache=False when training)")
+    if mask.kv_length != query_rows:
+        warn_once("hf:indexer_loss_cache", "dsa_tilelang: the indexer loss is skipped in calls whose cache holds "
+                  "earlier keys (training forwards start from an empty cache, or pass use_cache=False)")
         return None
     return handle
 

@@ -107,8 +107,13 @@ def test_indexer_loss_only_where_it_can_serve(registered, make_batch):
 def test_lora_finetune_trains_adapters_and_indexers(registered):
     """LoRA through peft on the attention projections, indexer loss on: finite losses, and the loss falls."""
     pytest.importorskip("peft")
-    log = _example().main(["--steps", "30", "--lora", "8", "--indexer-loss", "0.1", "--lr", "3e-3",
-                           "--log-every", "1000"])
+    example = _example()
+    log = example.main(["--steps", "30", "--lora", "8", "--indexer-loss", "0.1", "--lr", "3e-3",
+                        "--log-every", "1000"])
+    lora = example.apply_lora(tiny.tiny_model("glm_moe_dsa"), 4)
+    names = [n for n, _ in lora.named_parameters()]
+    assert any("lora_A" in n and ".self_attn." in n for n in names)
+    assert not any("lora_" in n and ".indexer." in n for n in names)  # the indexers train whole, not as LoRA
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in log)
     assert log[-1]["loss"] < log[0]["loss"]
 
@@ -142,3 +147,16 @@ def test_gpu_bf16_indexer_loss_through_the_kernels(registered, make_batch, monke
         kls[weight] = curve
     assert kls[1.0][0] == pytest.approx(kls[1e-12][0], rel=1e-3)
     assert kls[1.0][-1] < 0.8 * kls[1e-12][-1], kls
+
+
+def test_indexer_loss_with_transformers_default_cache(registered, make_batch):
+    """A plain training forward (use_cache left to the config: transformers makes an empty cache) still
+    trains the indexers (a wrapper that skipped every call with a cache left the loss silently off)."""
+    model = tiny.tiny_model("glm_moe_dsa")
+    model.set_attn_implementation("dsa_tilelang")
+    model.train()
+    handle = dsa_plugins.hf.enable_indexer_loss(model)
+    ids, mask = make_batch(seed=7)
+    model(ids, attention_mask=mask, labels=ids).loss.backward()
+    assert len(handle.values) == 2
+    assert all(p.grad is not None for n, p in model.named_parameters() if ".indexer.wk." in n)

@@ -94,7 +94,7 @@ def _wrap_indexer_forward(original: Callable, project: Callable) -> Callable:
         mask = a.get("attention_mask")
         if not isinstance(mask, LazyMask):  # not our implementation (or a user-built 4D mask)
             return original(self, *args, **kwargs)
-        handle = loss_handle(self, cache)
+        handle = loss_handle(self, mask, a["hidden_states"].shape[1])
         if handle is None:
             with torch.no_grad():
                 q, k, w = project(
