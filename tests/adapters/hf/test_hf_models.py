@@ -323,9 +323,18 @@ def test_call_binder_binds_as_inspect_does():
         assert bind(args, kwargs) == dict(ref.arguments)
     for args, kwargs, message in [((0,), {}, "missing the argument 'a'"), ((0, 1), {"a": 1}, "multiple values"),
                                   ((0, 1), {"e": 1}, "unexpected keyword argument 'e'"),
-                                  ((0, 1, 2, 3, 4, 5), {}, "takes 5 arguments")]:
+                                  ((0, 1, 2, 3), {}, "takes 3 positional arguments")]:  # c, d: keyword-only
         with pytest.raises(TypeError, match=message):
             bind(args, kwargs)
+
+    def more(self, a, /, b=2, **extra):
+        ...
+
+    bind = CallBinder(more)
+    for args, kwargs in [((0, 1), {"z": 3}), ((0, 1), {"a": 5})]:  # a is positional-only: "a" lands in **extra
+        ref = inspect.signature(more).bind(*args, **kwargs)
+        ref.apply_defaults()
+        assert bind(args, kwargs) == dict(ref.arguments)
 
 
 def test_output_attentions_is_refused_with_a_message(registered):
