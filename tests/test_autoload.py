@@ -49,7 +49,7 @@ def test_autoload_costs_under_5ms(monkeypatch):
     assert set(_autoload.pending_hooks()) == set(_autoload.TRIGGERS)
 
 
-def test_autoload_module_import_is_light():
+def test_autoload_module_import_is_light(tmp_path):
     """Loading the hook module and calling autoload(): no torch, transformers, megatron or wrapt, < 5 ms.
 
     (Measured on the file itself: ``import dsa_plugins._autoload`` also runs ``dsa_plugins/__init__``,
@@ -58,8 +58,9 @@ def test_autoload_module_import_is_light():
         """
         import sys, time
         import importlib, importlib.abc, importlib.util, logging, os, threading  # already loaded by `import torch`
+        sys.pycache_prefix, sys.dont_write_bytecode = %r, False  # an installed package has its .pyc files
         dt = float("inf")
-        for _ in range(5):  # best of 5: the machine may be busy
+        for _ in range(6):  # the first run writes the .pyc; then best of 5: the machine may be busy
             t0 = time.perf_counter()
             spec = importlib.util.spec_from_file_location("_al", %r)
             mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
@@ -69,7 +70,7 @@ def test_autoload_module_import_is_light():
         heavy = [m for m in ("torch", "transformers", "megatron", "wrapt") if m in sys.modules]
         print(f"{dt * 1e3:.3f}", heavy)
         """
-        % _autoload.__file__
+        % (str(tmp_path), _autoload.__file__)
     )
     assert proc.returncode == 0, proc.stderr
     ms, heavy = proc.stdout.split(" ", 1)
@@ -166,14 +167,17 @@ def test_failing_adapter_is_logged_not_raised(monkeypatch, caplog):
     assert any("adapter exploded" in r.getMessage() for r in caplog.records)
 
 
-def test_package_import_is_light():
+def test_package_import_is_light(tmp_path):
     proc = _python(
         """
         import sys, time
         import importlib
         import torch  # the entry point already ran; measure a re-import of the package in isolation
+        # An installed package has its .pyc files; CI sets PYTHONDONTWRITEBYTECODE, which would make
+        # every import here compile the sources (~3 ms of the budget), so write them to a temp prefix.
+        sys.pycache_prefix, sys.dont_write_bytecode = %r, False
         best = float("inf")
-        for _ in range(5):  # best of 5: the machine may be busy
+        for _ in range(6):  # the first run writes the .pyc; then best of 5: the machine may be busy
             for name in [m for m in sys.modules if m == "dsa_plugins" or m.startswith("dsa_plugins.")]:
                 del sys.modules[name]
             t0 = time.perf_counter()
@@ -181,6 +185,7 @@ def test_package_import_is_light():
             best = min(best, time.perf_counter() - t0)
         print(f"{best * 1e3:.3f}")
         """
+        % str(tmp_path)
     )
     assert proc.returncode == 0, proc.stderr
     assert float(proc.stdout.strip()) < 5.0, proc.stdout
