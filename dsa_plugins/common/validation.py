@@ -59,6 +59,19 @@ def check_tensor(
     return t
 
 
+def output_buffer(name: str, t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
+                  device: torch.device, *, zeros: bool = False) -> torch.Tensor:
+    """A new tensor of ``shape`` (zero-filled with ``zeros``), or ``t`` after checking that a kernel
+    can write it: that shape, dtype and device, contiguous (the kernels write flat rows)."""
+    if t is None:
+        return (torch.zeros if zeros else torch.empty)(shape, dtype=dtype, device=device)
+    check_tensor(name, t, ndim=len(shape), dtypes=(dtype,), device=device,
+                 shape=dict(enumerate(shape)))
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (the kernel writes it in place), got strides {t.stride()}")
+    return t
+
+
 def check_scale(scale: object, name: str = "scale") -> float:
     if isinstance(scale, torch.Tensor):
         raise ValueError(f"{name} must be a Python float, got a tensor")

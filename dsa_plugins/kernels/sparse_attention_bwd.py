@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from ..common.indices import global_rows
+from ..common.validation import output_buffer
 from . import announce_compile
 
 __all__ = ["BWD_PROGRAMS", "SHIPPED_CONFIGS", "build_bwd_kernels", "build_bwd_program", "bwd_flops", "sparse_attention_bwd"]
@@ -570,14 +571,15 @@ def unsupported_reason(num_heads: int, dqk: int, dv: int, has_sink: bool, dtype:
 
 
 def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None, dv: int | None = None,
-                         deterministic: bool = False, *, config: dict | None = None, return_probs: bool = False):
+                         deterministic: bool = False, *, config: dict | None = None, return_probs: bool = False,
+                         dq=None, dkv=None):
     """Backward of sparse attention over a shared latent.
 
     q [B,S,H,Dqk] bf16/fp16; kv [B,Skv,Dqk] q.dtype; indices [B,S,K] int32 (any K >= 1; entries
     < 0 or >= Skv are invalid, never read); out [B,S,H,dv] q.dtype; lse [B,S,H] fp32 natural log,
     sink excluded, +inf for rows with no valid index; dout like out; sink [H] fp32 or None; dv
     defaults to Dqk. Returns dq [B,S,H,Dqk] q.dtype, dkv [B,Skv,Dqk] float32 (zero-initialised
-    here, accumulated with fp32 atomics), dsink [H] fp32 or None.
+    here unless given, accumulated with fp32 atomics), dsink [H] fp32 or None.
 
     deterministic=True gives bitwise-reproducible results: the main kernel writes each slot's kv
     gradient (per block of 64 heads) into a contribution buffer instead of adding it atomically,
@@ -593,6 +595,10 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
     return_probs=True adds a fourth result, probs [B,S,K] fp32: sum over heads of the attention
     probabilities P[h, j] = exp(scale * s_hj - lse'_h) of each slot (lse' with the sink), 0 for
     invalid slots; the indexer KL loss's target, taken from the P the backward recomputes anyway.
+
+    ``dq`` [B,S,H,Dqk] q.dtype is written in place of a new tensor; ``dkv`` [B,Skv,Dqk] fp32 is
+    added to (not zeroed), so query chunks of one cache accumulate into one buffer (both
+    contiguous). The ops layer uses them to run long inputs in chunks without concatenating.
 
     ``config`` overrides tuning keys (block_k, dkv_chunk, overlap, ...);
     the env variable DSA_PLUGINS_BWD_TUNING (JSON) does the same for experiments.
@@ -614,11 +620,14 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
         _check("sink", sink, (H,), None, dev)
         sink = sink.float().contiguous()
 
+    dq = output_buffer("dq", dq, (B, S, H, Dqk), q.dtype, dev)
+    dkv = output_buffer("dkv", dkv, (B, Skv, Dqk), torch.float32, dev, zeros=True)
+
     cfg = _normalise_config({"heads": H, "dqk": Dqk, "dv": dv, "has_sink": sink is not None,
                              "dtype": str(q.dtype).replace("torch.", ""), **(config or {})})
     if B * S == 0 or Skv == 0:
         dsink = torch.zeros(H, device=dev, dtype=torch.float32) if sink is not None else None
-        res = (torch.zeros_like(q), torch.zeros(B, Skv, Dqk, device=dev, dtype=torch.float32), dsink)
+        res = (dq.zero_(), dkv, dsink)
         if return_probs:
             res += (torch.zeros(B, S, indices.shape[2], device=dev, dtype=torch.float32),)
         return res
@@ -636,7 +645,7 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
 
     with torch.cuda.device(dev):
         res = _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, deterministic, B, S, Skv,
-                      return_probs)
+                      return_probs, dq.view(T_, H, Dqk), dkv.view(N, Dqk))
     if return_probs:
         probs = res[3]
         probs = probs[0] if probs.shape[0] == 1 else probs.sum(0)  # head blocks, fixed order
@@ -658,7 +667,8 @@ def _probs_arg(probs, device):
 
 
 def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, deterministic, B, S, Skv,
-            return_probs=False):
+            return_probs, dq, dkv):
+    """Run the programs; ``dq`` [T, H, Dqk] is written, ``dkv`` [N, Dqk] fp32 is added to."""
     dev = q2.device
     T_, H, Dqk = q2.shape
     dv = cfg["dv"]
@@ -670,8 +680,6 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
     sink_arg = sink if sink is not None else torch.zeros(H, device=dev, dtype=torch.float32)
     pre(o2, do2, lse2_in, sink_arg, delta, lse2)
 
-    dq = torch.empty(T_, H, Dqk, device=dev, dtype=q2.dtype)
-    dkv = torch.zeros(N, Dqk, device=dev, dtype=torch.float32)
     s = float(scale)
     kind, args = _main_kernel(cfg, deterministic, return_probs)
     main = _get(kind, target, *args)

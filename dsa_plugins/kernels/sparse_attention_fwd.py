@@ -41,7 +41,7 @@ import torch
 
 from ..common.settings import logger
 from ..common.indices import as_int32
-from ..common.validation import check_scale, check_tensor
+from ..common.validation import check_scale, check_tensor, output_buffer
 from . import announce_compile
 
 __all__ = [
@@ -608,7 +608,7 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
         kernel(q, kv, idx, sinks, scale, out, lse)
 
 
-def sparse_attention_fwd(q, kv, indices, scale: float, sink=None, dv: int | None = None):
+def sparse_attention_fwd(q, kv, indices, scale: float, sink=None, dv: int | None = None, *, out=None, lse=None):
     """Sparse attention forward with the TileLang kernel.
 
     q [B, S, H, Dqk] bf16/fp16 CUDA; kv [B, Skv, Dqk] same dtype; indices [B, S, K] int32 (int64 is
@@ -616,10 +616,14 @@ def sparse_attention_fwd(q, kv, indices, scale: float, sink=None, dv: int | None
     or None; dv defaults to Dqk, V = kv[..., :dv]. Dqk - dv must be a multiple of 16, dv of 32.
     Returns out [B, S, H, dv] in q.dtype and lse [B, S, H] float32 (natural log, sink excluded;
     +inf with out = 0 for rows without a valid index).
+
+    ``out`` / ``lse`` (contiguous, those shapes and dtypes) are written in place of new tensors: the
+    ops layer hands in views of one buffer when it runs long inputs in chunks, so nothing is
+    concatenated afterwards (a second copy of the output at 64K tokens x 64 heads is 4 GiB).
     """
     scale, dv = _check_inputs(q, kv, indices, scale, sink, dv)
     b, s, h, _ = q.shape
-    out = torch.empty((b, s, h, dv), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, s, h), dtype=torch.float32, device=q.device)
+    out = output_buffer("out", out, (b, s, h, dv), q.dtype, q.device)
+    lse = output_buffer("lse", lse, (b, s, h), torch.float32, q.device)
     _launch(q, kv, indices, scale, sink, dv, out, lse)
     return out, lse

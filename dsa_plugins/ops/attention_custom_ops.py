@@ -30,19 +30,18 @@ def _shape_reason(kernel: str, q: Tensor, dv: int, sink: Optional[Tensor]) -> st
                                dtype=q.dtype)
 
 
-# The kernels address tensors with int32 offsets: longer inputs run in query chunks below this.
+# The kernels address tensors with int32 offsets: longer inputs run in chunks below this.
 _MAX_KERNEL_ELEMENTS = 2**31 - 1
 # ... and the forward launches one CTA row per query on the grid's y axis, at most 65535 long.
 _MAX_GRID_ROWS = 65535
 
 
-def _query_chunks(q: Tensor, indices: Tensor, dv: int) -> list[tuple[int, int]]:
-    """Ranges of the query axis whose q / out / indices slices each stay under 2**31 elements
-    (one range, the whole axis, for every realistic batch; 64K+ tokens x 64 heads x 576 need more)."""
-    b, s, h, d = q.shape
-    per_query = b * max(h * max(d, dv), indices.shape[-1] + 128)  # + the kernel's K padding
-    step = min(max(1, _MAX_KERNEL_ELEMENTS // per_query), _MAX_GRID_ROWS)
-    return [(a, min(a + step, s)) for a in range(0, s, step)]
+def _query_step(q: Tensor, indices: Tensor, dv: int, batch: int) -> int:
+    """Queries per chunk whose q / out / indices slices (``batch`` entries wide) stay under 2**31
+    elements and whose grid rows stay under 65535."""
+    _, _, h, d = q.shape
+    per_query = batch * max(h * max(d, dv), indices.shape[-1] + 128)  # + the kernel's K padding
+    return min(max(1, _MAX_KERNEL_ELEMENTS // per_query), _MAX_GRID_ROWS)
 
 
 def _batch_chunks(kv: Tensor) -> list[tuple[int, int]]:
@@ -53,8 +52,23 @@ def _batch_chunks(kv: Tensor) -> list[tuple[int, int]]:
     return [(a, min(a + step, b)) for a in range(0, b, step)]
 
 
-def _cat(parts: list[Tensor], dim: int) -> Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+def _kernel_chunks(q: Tensor, kv: Tensor, indices: Tensor, dv: int) -> list[tuple[int, int, int, int]]:
+    """(b0, b1, s0, s1) blocks of the (batch, query) axes that each kernel launch takes.
+
+    One block, the whole input, for every realistic shape. Long caches split the batch
+    (:func:`_batch_chunks`); long inputs (64K+ tokens x 64 heads x 576) split the queries one batch
+    entry at a time. Every block is either whole query rows or a single entry, so its slice of a
+    contiguous [B, S, ...] tensor is contiguous: the kernels write views of one output buffer
+    and nothing is concatenated (a concatenation holds the output twice)."""
+    s = q.shape[1]
+    blocks = []
+    for b0, b1 in _batch_chunks(kv):
+        if _query_step(q, indices, dv, b1 - b0) >= s:
+            blocks.append((b0, b1, 0, s))
+            continue
+        step = _query_step(q, indices, dv, 1)
+        blocks += [(b, b + 1, a, min(a + step, s)) for b in range(b0, b1) for a in range(0, s, step)]
+    return blocks
 
 
 def _trivial(q, kv) -> bool:
@@ -67,14 +81,13 @@ def attention_forward(q, kv, indices, sink, scale: float, dv: int, backend: str)
         return sparse_attention_forward(q, kv, indices, scale, sink, dv)
     if choose_kernel(backend, "sparse_attention_fwd", (q, kv), _shape_reason("sparse_attention_fwd", q, dv, sink)):
         kernel = load_kernel("sparse_attention_fwd")
-        outs, lses = [], []
-        for b0, b1 in _batch_chunks(kv):
-            qb, kvb, ib = q[b0:b1], kv[b0:b1], indices[b0:b1]
-            parts = [kernel(qb[:, a:b].contiguous(), kvb, ib[:, a:b].contiguous(), scale, sink, dv)
-                     for a, b in _query_chunks(qb, ib, dv)]
-            outs.append(_cat([p[0] for p in parts], 1))
-            lses.append(_cat([p[1] for p in parts], 1))
-        return _cat(outs, 0), _cat(lses, 0)
+        b, s, h, _ = q.shape
+        out = q.new_empty(b, s, h, dv)
+        lse = q.new_empty(b, s, h, dtype=lse_dtype(q.dtype))  # float32 for the kernels' dtypes
+        for b0, b1, s0, s1 in _kernel_chunks(q, kv, indices, dv):
+            blk = (slice(b0, b1), slice(s0, s1))
+            kernel(q[blk], kv[b0:b1], indices[blk], scale, sink, dv, out=out[blk], lse=lse[blk])
+        return out, lse
     return sparse_attention_forward(q, kv, indices, scale, sink, dv)
 
 
@@ -86,28 +99,24 @@ def attention_backward(q, kv, indices, sink, out, lse, dout, scale: float, dv: i
         return sparse_attention_backward(q, kv, indices, out, lse, dout, scale, sink, dv, return_probs)
     if choose_kernel(backend, "sparse_attention_bwd", (q, kv), _shape_reason("sparse_attention_bwd", q, dv, sink)):
         kernel = load_kernel("sparse_attention_bwd")
-        dq_all, dkv_all, probs_all, dsink = [], [], [], None
-        for b0, b1 in _batch_chunks(kv):  # disjoint caches: the dkv parts are concatenated
-            dq, dkv, probs = [], None, []
-            for a, b in _query_chunks(q[b0:b1], indices[b0:b1], dv):
-                sl = (slice(b0, b1), slice(a, b))
-                res = kernel(
-                    q[sl].contiguous(), kv[b0:b1], indices[sl].contiguous(), out[sl].contiguous(),
-                    lse[sl].contiguous(), dout[sl].contiguous(), scale, sink, dv, deterministic=deterministic,
-                    **({"return_probs": True} if return_probs else {}),
-                )
-                dq_c, dkv_c, dsink_c = res[:3]
-                dq.append(dq_c)
-                probs.append(res[3] if return_probs else None)
-                dkv = dkv_c if dkv is None else dkv.add_(dkv_c)  # fp32, fixed order: deterministic stays so
-                dsink = dsink_c if dsink is None or dsink_c is None else dsink.add_(dsink_c)
-            dq_all.append(_cat(dq, 1))
-            dkv_all.append(dkv)
-            probs_all.append(_cat(probs, 1) if return_probs else None)
-        res = _cat(dq_all, 0), _cat(dkv_all, 0), dsink
-        if return_probs:
-            res += (_cat(probs_all, 0),)
-        return res
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        # one fp32 buffer: each block adds its part (query blocks of one cache accumulate into
+        # it in a fixed order, so the deterministic mode stays bitwise reproducible)
+        acc = lse_dtype(q.dtype)  # float32 for the kernels' dtypes
+        dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+        probs = q.new_empty(*indices.shape, dtype=acc) if return_probs else None
+        dsink = None
+        for b0, b1, s0, s1 in _kernel_chunks(q, kv, indices, dv):
+            blk = (slice(b0, b1), slice(s0, s1))
+            res = kernel(
+                q[blk], kv[b0:b1], indices[blk], out[blk], lse[blk], dout[blk], scale, sink, dv,
+                deterministic=deterministic, dq=dq[blk], dkv=dkv[b0:b1],
+                **({"return_probs": True} if return_probs else {}),
+            )
+            dsink = res[2] if dsink is None or res[2] is None else dsink.add_(res[2])
+            if return_probs:
+                probs[blk].copy_(res[3])
+        return (dq, dkv, dsink) + ((probs,) if return_probs else ())
     return sparse_attention_backward(q, kv, indices, out, lse, dout.contiguous(), scale, sink, dv, return_probs)
 
 

@@ -157,6 +157,30 @@ def test_packed_varlen_many_short_sequences_matches_per_sequence_batches():
         torch.testing.assert_close(out[a:b], ref[0])
 
 
+def _fake_kernels(sa, calls):
+    """Stand-ins for the kernel wrappers (the reference inside), with their in-place outputs: each
+    launch gets contiguous views of one buffer (the forward's out / lse and the backward's dq are
+    written, the backward's dkv is added to) and records (direction, batch, queries)."""
+
+    def fake_fwd(q_, kv_, idx_, scale, sink_, dv, *, out, lse):
+        calls.append(("fwd", q_.shape[0], q_.shape[1]))
+        assert q_.shape[0] == kv_.shape[0] == idx_.shape[0] and out.is_contiguous() and lse.is_contiguous()
+        o, l = sa.sparse_attention_forward(q_, kv_, idx_, scale, sink_, dv)
+        out.copy_(o)
+        lse.copy_(l)
+        return out, lse
+
+    def fake_bwd(q_, kv_, idx_, out_, lse_, dout_, scale, sink_, dv, deterministic=False, *, dq, dkv):
+        calls.append(("bwd", q_.shape[0], q_.shape[1]))
+        assert dq.is_contiguous() and dkv.is_contiguous() and dkv.shape == kv_.shape
+        dq_, dkv_, dsink = sa.sparse_attention_backward(q_, kv_, idx_, out_, lse_, dout_, scale, sink_, dv)
+        dq.copy_(dq_)
+        dkv.add_(dkv_)
+        return dq, dkv, dsink
+
+    return fake_fwd, fake_bwd
+
+
 def test_query_chunking_for_int32_kernels_is_exact(monkeypatch):
     """Inputs over the kernels' int32 range run in query chunks; the split must not change results."""
     import importlib
@@ -165,20 +189,15 @@ def test_query_chunking_for_int32_kernels_is_exact(monkeypatch):
 
     q, kv, idx, sink = _batched(b=2, s=9, h=4, d=16, k=6, seed=8)
     calls = []
-
-    def fake_fwd(q_, kv_, idx_, scale, sink_, dv):
-        calls.append(q_.shape[1])
-        return sa.sparse_attention_forward(q_, kv_, idx_, scale, sink_, dv)
-
-    def fake_bwd(q_, kv_, idx_, out_, lse_, dout_, scale, sink_, dv, deterministic=False):
-        return sa.sparse_attention_backward(q_, kv_, idx_, out_, lse_, dout_, scale, sink_, dv)
-
+    fake_fwd, fake_bwd = _fake_kernels(sa, calls)
     monkeypatch.setattr(sa, "choose_kernel", lambda *a, **k: True)
     monkeypatch.setattr(sa, "load_kernel", lambda name: fake_fwd if name.endswith("fwd") else fake_bwd)
-    monkeypatch.setattr(sa, "_MAX_KERNEL_ELEMENTS", 2 * 2 * (6 + 128))  # two queries per chunk (B=2, K+pad)
+    # four query-entries per chunk: the whole batch does not fit two queries' worth, so the
+    # queries split one batch entry at a time (contiguous slices, written in place)
+    monkeypatch.setattr(sa, "_MAX_KERNEL_ELEMENTS", 4 * (6 + 128))
     leaves = [t.clone().requires_grad_() for t in (q, kv, sink.double())]
     out = ops.sparse_attention(leaves[0], leaves[1], idx, 0.3, sink=leaves[2])
-    assert calls == [2, 2, 2, 2, 1]
+    assert calls == [("fwd", 1, 4), ("fwd", 1, 4), ("fwd", 1, 1)] * 2
     ref_leaves = [t.clone().requires_grad_() for t in (q, kv, sink.double())]
     ref, _ = sparse_attention_dense(ref_leaves[0], ref_leaves[1], idx, 0.3, ref_leaves[2])
     torch.testing.assert_close(out, ref)
@@ -194,23 +213,15 @@ def test_batch_chunking_for_int32_kernels_is_exact(monkeypatch):
 
     sa = importlib.import_module("dsa_plugins.ops.attention_custom_ops")
 
-    q, kv, idx, sink = _batched(b=3, s=4, skv=9, h=4, d=16, k=6, seed=9)
-    batches = []
-
-    def fake_fwd(q_, kv_, idx_, scale, sink_, dv):
-        batches.append(kv_.shape[0])
-        assert q_.shape[0] == kv_.shape[0] == idx_.shape[0]
-        return sa.sparse_attention_forward(q_, kv_, idx_, scale, sink_, dv)
-
-    def fake_bwd(q_, kv_, idx_, out_, lse_, dout_, scale, sink_, dv, deterministic=False):
-        return sa.sparse_attention_backward(q_, kv_, idx_, out_, lse_, dout_, scale, sink_, dv)
-
+    q, kv, idx, sink = _batched(b=3, s=4, skv=40, h=4, d=16, k=6, seed=9)
+    calls = []
+    fake_fwd, fake_bwd = _fake_kernels(sa, calls)
     monkeypatch.setattr(sa, "choose_kernel", lambda *a, **k: True)
     monkeypatch.setattr(sa, "load_kernel", lambda name: fake_fwd if name.endswith("fwd") else fake_bwd)
-    monkeypatch.setattr(sa, "_MAX_KERNEL_ELEMENTS", 2 * 9 * 16 + 20)  # two caches of 9 x 16 per chunk
+    monkeypatch.setattr(sa, "_MAX_KERNEL_ELEMENTS", 2 * 40 * 16 + 20)  # two caches of 40 x 16 per chunk
     leaves = [t.clone().requires_grad_() for t in (q, kv, sink.double())]
     out = ops.sparse_attention(leaves[0], leaves[1], idx, 0.3, sink=leaves[2])
-    assert sorted(set(batches)) == [1, 2]
+    assert [c[1:] for c in calls if c[0] == "fwd"] == [(2, 4), (1, 4)]
     ref_leaves = [t.clone().requires_grad_() for t in (q, kv, sink.double())]
     ref, _ = sparse_attention_dense(ref_leaves[0], ref_leaves[1], idx, 0.3, ref_leaves[2])
     torch.testing.assert_close(out, ref)
