@@ -344,12 +344,15 @@ def test_indexer_decode_config_one_row_per_cta(hi, di, fp8):
     assert torch.equal(out.sort(1).values, prefill.sort(1).values)
 
 
-@pytest.mark.parametrize("rows_per_entry", [1, 2, 3, 8])
-def test_indexer_batched_entries_bound_the_buffer(rows_per_entry):
+@pytest.mark.parametrize("rows_per_entry,block_q", [(1, 1), (2, 1), (3, 1), (8, 1), (1, 4), (2, 4), (3, 4), (5, 4)])
+def test_indexer_batched_entries_bound_the_buffer(rows_per_entry, block_q):
     """With the batched layout declared (entries), each row's score buffer spans its own entry's keys
-    only (no [rows, B * keys] buffer, no host sync); the sets are those of the unbounded call."""
+    only (no [rows, B * keys] buffer, no host sync); the sets are those of the unbounded call. With
+    block_q 4 (the prefill plan) a block of rows spans entries whenever 4 does not divide S."""
     B, tk, k = 12, 5000, 1024
     S = rows_per_entry
+    cfg = K.default_config(64, 128) if block_q == 4 else None
+    assert cfg is None or cfg["block_q"] == 4
     q, kk, w = make_inputs(B * S, B * tk, 64, 128, seed=S)
     g = torch.Generator(device="cuda").manual_seed(S)
     lens = torch.randint(0, tk + 1, (B * S,), device="cuda", generator=g).int()
@@ -359,18 +362,27 @@ def test_indexer_batched_entries_bound_the_buffer(rows_per_entry):
     offs = torch.randint(0, tk + 1, (B * S,), device="cuda", generator=g).int()
     ks = base + torch.minimum(offs, tk - lens)
     ke = ks + lens
-    out = K.indexer_topk(q, kk, w, ks, ke, k, entries=(S, tk))
+    out = K.indexer_topk(q, kk, w, ks, ke, k, entries=(S, tk), config=cfg)
     check_indexer_rows(out, q, kk, w, ks, ke, k)
-    free = K.indexer_topk(q, kk, w, ks, ke, k)
+    free = K.indexer_topk(q, kk, w, ks, ke, k, config=cfg)
     assert torch.equal(out.sort(1).values, free.sort(1).values)
 
 
-def test_indexer_generation_step_is_graph_capturable():
-    """A batched generation step through the public op (B 64, a 64K cache each: a [B, B * cache]
-    buffer would have taken 1 TiB) is captured in a CUDA graph and replays on new inputs."""
+def test_indexer_generation_step_is_graph_capturable(monkeypatch):
+    """A batched generation step through the public op (B 128, a 64K cache each: a [B, B * cache]
+    buffer would take 4 GiB, over the 1 GiB budget, and need a host sync) plans one buffer of one
+    entry's width, is captured in a CUDA graph and replays on new inputs."""
     from dsa_plugins import ops
 
-    B, tk, hi, di, k = 64, 65536, 64, 128, 2048
+    plans = []
+    init = K._Plan.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        plans.append(self)
+
+    monkeypatch.setattr(K._Plan, "__init__", recording_init)
+    B, tk, hi, di, k = 128, 65536, 64, 128, 2048
     g = torch.Generator(device="cuda").manual_seed(5)
     q = torch.randn(B, 1, hi, di, device="cuda", generator=g).bfloat16()
     kk = torch.randn(B, tk, di, device="cuda", generator=g).bfloat16()
@@ -380,6 +392,9 @@ def test_indexer_generation_step_is_graph_capturable():
     step = lambda: ops.indexer_topk(q, kk, w, k, start, end, backend="tilelang")  # noqa: E731
     step()
     torch.cuda.synchronize()
+    plan = plans[-1]
+    assert plan.bq == 1 and len(plan.chunks) == 1, plan.chunks  # one row per CTA, one buffer
+    assert plan.chunks[0][2] * plan.bk <= tk + 2 * plan.bk, plan.chunks  # one cache wide, not B caches
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step()
