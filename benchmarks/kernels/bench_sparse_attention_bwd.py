@@ -24,11 +24,14 @@ import torch
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
-# (name, B, S, Skv, H, Dqk, Dv, K, sink)
+# (name, B, S, Skv, H, Dqk, Dv, K, sink); a "_causal" name: query s selects among keys 0..s
+# (Skv = S), -1 after its min(s + 1, K) valid slots, and TFLOP/s are also given on valid pairs
 SHAPES = [
     ("mla_h64", 1, 4096, 8192, 64, 576, 512, 2048, False),
     ("mla_h128", 1, 4096, 8192, 128, 576, 512, 2048, False),
     ("v4_h128_sink", 1, 4096, 8192, 128, 512, 512, 1024, True),
+    ("mla_h64_causal", 1, 4096, 4096, 64, 576, 512, 2048, False),
+    ("mla_h128_causal", 1, 4096, 4096, 128, 576, 512, 2048, False),
 ]
 
 
@@ -88,15 +91,23 @@ def _bench(fn):
     return median_ms(fn)
 
 
-def make_inputs(B, S, Skv, H, Dqk, Dv, K, sink, seed=0):
+def make_inputs(B, S, Skv, H, Dqk, Dv, K, sink, seed=0, causal=False):
     g = torch.Generator(device="cuda")
     g.manual_seed(seed)
     dt = torch.bfloat16
     q = torch.randn(B, S, H, Dqk, generator=g, device="cuda").to(dt)
     kv = torch.randn(B, Skv, Dqk, generator=g, device="cuda").to(dt)
     dout = (0.1 * torch.randn(B, S, H, Dv, generator=g, device="cuda")).to(dt)
-    idx = torch.stack([torch.rand(S, Skv, generator=g, device="cuda").topk(K, -1).indices for _ in range(B)])
-    idx = idx.to(torch.int32)
+    rows = []
+    for _ in range(B):
+        r = torch.rand(S, Skv, generator=g, device="cuda")
+        if causal:  # future keys rank last and become -1
+            r = r.masked_fill(torch.ones(S, Skv, device="cuda", dtype=torch.bool).triu(1), -1.0)
+        rows.append(r.topk(K, -1).indices)
+    idx = torch.stack(rows).to(torch.int32)
+    if causal:
+        valid = torch.arange(K, device="cuda")[None, :] <= torch.arange(S, device="cuda")[:, None]
+        idx = torch.where(valid[None], idx, -1)
     z = torch.randn(H, generator=g, device="cuda").float() if sink else None
     scale = Dqk ** -0.5
     out = torch.empty(B, S, H, Dv, device="cuda", dtype=dt)
@@ -105,8 +116,10 @@ def make_inputs(B, S, Skv, H, Dqk, Dv, K, sink, seed=0):
     for b in range(B):
         for s0 in range(0, S, c):
             qc = q[b, s0:s0 + c].float()
-            kvg = kv[b][idx[b, s0:s0 + c].long()].float()  # [c, K, D]
+            ic = idx[b, s0:s0 + c].long()
+            kvg = kv[b][ic.clamp(min=0)].float()  # [c, K, D]
             sc = torch.einsum("chd,ckd->chk", qc, kvg) * scale
+            sc = sc.masked_fill((ic < 0)[:, None, :], float("-inf"))
             l = torch.logsumexp(sc, -1)
             norm = l if z is None else torch.logaddexp(l, z.view(1, H))
             p = torch.exp(sc - norm[..., None])
@@ -117,8 +130,9 @@ def make_inputs(B, S, Skv, H, Dqk, Dv, K, sink, seed=0):
 
 def _bench_shape(m, name, shape, variants, det, rows):
     sname, B, S, Skv, H, Dqk, Dv, K, sink = shape
-    q, kv, idx, out, lse, dout, z, scale = make_inputs(B, S, Skv, H, Dqk, Dv, K, sink)
+    q, kv, idx, out, lse, dout, z, scale = make_inputs(B, S, Skv, H, Dqk, Dv, K, sink, causal="causal" in sname)
     flops = m.bwd_flops(B * S, H, K, Dqk, Dv)
+    valid_share = (idx >= 0).float().mean().item()  # FLOPs on valid pairs = flops * valid_share
     base = m.sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=z, dv=Dv)
     torch.cuda.synchronize()
 
@@ -145,9 +159,10 @@ def _bench_shape(m, name, shape, variants, det, rows):
                 continue
             tf = flops / ms / 1e9
             print(f"{name} | {sname} det={d} var={json.dumps(var)} | {ms:.3f} ms | {tf:.1f} TFLOP/s"
+                  f" ({tf * valid_share:.1f} on valid pairs, {valid_share:.0%} of slots valid)"
                   f" | rel diff vs default {err:.1e}", flush=True)
             rows.append({"gpu": name, "shape": sname, "deterministic": d, "variant": json.dumps(var),
-                         "ms": round(ms, 4), "tflops": round(tf, 1)})
+                         "ms": round(ms, 4), "tflops": round(tf, 1), "valid_tflops": round(tf * valid_share, 1)})
 
 
 def bench(shapes, variants, csv_path, det):

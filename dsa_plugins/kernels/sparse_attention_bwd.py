@@ -70,7 +70,7 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
     return 2.0 * num_queries * heads * topk * (2 * dv + 3 * dqk)
 
 
-_TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap")
+_TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail")
 
 
 def _default_tuning(dqk: int, dv: int) -> dict:
@@ -99,6 +99,9 @@ def _normalise_config(config: dict) -> dict:
         cfg[k] = int(cfg.get(k) or v)
     cfg["store_dkv"] = bool(cfg.get("store_dkv", True))  # False: benchmark ablation only
     cfg["stage_atomics"] = bool(cfg.get("stage_atomics", False))
+    # skip_tail: each query row walks its slot blocks only up to its last valid slot (causal rows,
+    # the first tokens of packed sequences); off until measured on a GPU
+    cfg["skip_tail"] = bool(cfg.get("skip_tail", False))
     can_overlap = cfg["block_k"] == 64 and cfg["dqk"] - cfg["dv"] <= cfg["dkv_chunk"] and not cfg["stage_atomics"]
     # off by default: measured 3% slower than issuing the atomics after each chunk (H200)
     cfg["overlap"] = bool(cfg.get("overlap", False)) and can_overlap and cfg["store_dkv"]
@@ -180,7 +183,7 @@ def _probs_batch(dqk: int, dv: int, block_k: int, threads: int, dkv_chunk: int, 
 
 
 def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, deterministic, store_dkv=True,
-               stage_atomics=True, overlap=False, emit_probs=False):
+               stage_atomics=True, overlap=False, emit_probs=False, skip_tail=False):
     import tilelang.language as T
 
     dt = T.bfloat16 if dtype == "bfloat16" else T.float16
@@ -229,7 +232,7 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
                 T.atomic_add(dKV[Idx[t, kb * BK + r], c0 + d], acc[r, d])
 
     @T.macro
-    def _body(Q, KV, dO, Idx, Lse2, Delta, dQ, dKV, scale, scale_log2, Probs):
+    def _body(Q, KV, dO, Idx, Lse2, Delta, dQ, dKV, scale, scale_log2, Probs, RowBlocks):
         with T.Kernel(Tq, NHB, threads=threads) as (t, hb):
             q_s = T.alloc_shared([BH, dv], dt)
             do_s = T.alloc_shared([BH, dv], dt)
@@ -279,7 +282,9 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
             if DT > 0:
                 T.clear(acc_dqt)
 
-            for kb in T.Pipelined(T.ceildiv(Kp, BK), num_stages=num_stages):
+            # skip_tail: blocks past the row's last valid slot hold only -1 and add nothing
+            n_blocks = RowBlocks[t] if skip_tail else T.ceildiv(Kp, BK)
+            for kb in T.Pipelined(n_blocks, num_stages=num_stages):
                 # gather the selected rows; invalid slots (-1) are zero-filled, never read
                 for r, d in T.Parallel(BK, dv):
                     v_s[r, d] = KV[Idx[t, kb * BK + r], d]
@@ -377,8 +382,10 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
                 if DT > 0:
                     T.copy(acc_dqt, dQ[t, h0 : h0 + BH, dv:dqk])
 
-    # Probs [NHB, Tq, Kp] with emit_probs; otherwise a one-element placeholder the body never touches
+    # Probs [NHB, Tq, Kp] with emit_probs, RowBlocks [Tq] with skip_tail; otherwise one-element
+    # placeholders the body never touches
     probs_shape = [NHB, Tq, Kp] if emit_probs else [1]
+    row_blocks_shape = [Tq] if skip_tail else [1]
 
     @T.prim_func
     def dsa_bwd_main(
@@ -393,8 +400,9 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
         scale: f32,
         scale_log2: f32,
         Probs: T.Tensor(probs_shape, f32),
+        RowBlocks: T.Tensor(row_blocks_shape, i32),
     ):
-        _body(Q, KV, dO, Idx, Lse2, Delta, dQ, dKV, scale, scale_log2, Probs)
+        _body(Q, KV, dO, Idx, Lse2, Delta, dQ, dKV, scale, scale_log2, Probs, RowBlocks)
 
     return dsa_bwd_main
 
@@ -499,7 +507,7 @@ def _main_args(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tupl
     # every argument of _main_body, positionally (one cache key per program)
     return (cfg["heads"], cfg["dqk"], cfg["dv"], cfg["dtype"], cfg["block_k"], cfg["num_stages"],
             cfg["threads"], cfg["dkv_chunk"], bool(deterministic), cfg["store_dkv"], cfg["stage_atomics"],
-            bool(cfg["overlap"] and not deterministic), bool(emit_probs))
+            bool(cfg["overlap"] and not deterministic), bool(emit_probs), cfg["skip_tail"])
 
 
 #: The programs of one configuration, by name (each compiled separately: warmup runs them in parallel).
@@ -656,14 +664,31 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
 _PLACEHOLDERS: dict = {}
 
 
-def _probs_arg(probs, device):
-    """The Probs argument of the main program: the buffer, or a cached one-element placeholder."""
-    if probs is not None:
-        return probs
-    ph = _PLACEHOLDERS.get(device)
+def _placeholder(device, dtype):
+    """A cached one-element tensor for a program argument the compiled variant never reads."""
+    ph = _PLACEHOLDERS.get((device, dtype))
     if ph is None:
-        ph = _PLACEHOLDERS.setdefault(device, torch.zeros(1, device=device, dtype=torch.float32))
+        ph = _PLACEHOLDERS.setdefault((device, dtype), torch.zeros(1, device=device, dtype=dtype))
     return ph
+
+
+def _probs_arg(probs, device):
+    """The Probs argument of the main program: the buffer, or a placeholder."""
+    return probs if probs is not None else _placeholder(device, torch.float32)
+
+
+def row_blocks(idx: Tensor, block: int) -> Tensor:
+    """[T] int32: the blocks of ``block`` slots each row of ``idx`` [T, Kp] (int32, -1 = invalid)
+    needs to reach its last valid slot; 0 for a row without one. Computed a few rows at a time
+    (at most 64 MiB of temporaries)."""
+    t, kp = idx.shape
+    pos = torch.arange(1, kp + 1, device=idx.device, dtype=torch.int32)
+    out = torch.empty(t, dtype=torch.int32, device=idx.device)
+    step = max(1, (64 << 20) // (4 * max(1, kp)))
+    for r0 in range(0, t, step):
+        last = torch.where(idx[r0 : r0 + step] >= 0, pos, 0).amax(1)  # 1-based position of the last valid slot
+        out[r0 : r0 + step] = torch.div(last + (block - 1), block, rounding_mode="floor")
+    return out
 
 
 def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, deterministic, B, S, Skv,
@@ -684,9 +709,12 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
     kind, args = _main_kernel(cfg, deterministic, return_probs)
     main = _get(kind, target, *args)
     nhb = (H + _BLOCK_H - 1) // _BLOCK_H
-    probs = torch.empty(nhb, T_, Kp, device=dev, dtype=torch.float32) if return_probs else None
+    skip = cfg["skip_tail"]
+    # skipped blocks write no probabilities: they start at zero
+    probs = (torch.zeros if skip else torch.empty)(nhb, T_, Kp, device=dev, dtype=torch.float32) if return_probs else None
+    blocks = row_blocks(idx, cfg["block_k"]) if skip else _placeholder(dev, torch.int32)
     if not deterministic:
-        main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev))
+        main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), blocks)
     else:
         red = _get("reduce", target, Dqk, nhb)
         per_row = nhb * Kp * Dqk * 4
@@ -697,7 +725,8 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
             tc = t1 - t0
             cb = contrib[: tc * nhb * Kp]
             main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1],
-                 cb.view(tc, nhb, Kp, Dqk), s, s * _LOG2E, _probs_arg(None if probs is None else probs[:, t0:t1], dev))
+                 cb.view(tc, nhb, Kp, Dqk), s, s * _LOG2E, _probs_arg(None if probs is None else probs[:, t0:t1], dev),
+                 blocks[t0:t1] if skip else blocks)
             keys = idx[t0:t1].reshape(-1)
             keys = torch.where(keys >= 0, keys, torch.full_like(keys, N))
             sorted_keys, order = torch.sort(keys, stable=True)

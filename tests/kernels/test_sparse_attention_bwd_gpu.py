@@ -282,3 +282,42 @@ def test_bwd_emits_head_summed_probs(cfg, case, deterministic):
         assert torch.equal(dkv, plain[1])
     if has_sink:
         assert torch.equal(dsink, plain[2])
+
+
+def _causal_rows(g, B, S, K, Skv):
+    """Row s names its first min(s + 1, K) keys (causal top-k: -1 after them), plus an empty row
+    and a row with -1 inside its valid run (the last valid slot decides how far a row walks)."""
+    dev = "cuda"
+    idx = torch.randint(0, Skv, (B, S, K), generator=g, device=dev).int()
+    width = torch.arange(S, device=dev).clamp(max=K - 1) + 1
+    idx = torch.where(torch.arange(K, device=dev)[None, None, :] < width[None, :, None], idx, -1)
+    idx[:, 1] = -1  # an empty row
+    idx[:, -1, ::3] = -1  # holes, and the row still ends on a valid slot
+    idx[:, -1, -1] = 0
+    return idx
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3], CONFIGS[4]], ids=lambda c: f"H{c[0]}-D{c[1]}")
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+def test_skip_tail_walks_only_to_the_last_valid_slot(cfg, deterministic):
+    """skip_tail (each row stops after its last valid slot) changes nothing: dq and the head-summed
+    probabilities bitwise, dkv bitwise in deterministic mode; and both match float64."""
+    from dsa_plugins.kernels.sparse_attention_bwd import row_blocks, sparse_attention_bwd
+
+    H, Dqk, Dv, has_sink, dtype = cfg
+    B, S, Skv, K = 2, 150, 400, 130  # K not a multiple of the block; rows of 1 .. K valid slots
+    q, kv, _, dout, sink, scale = _inputs(cfg, (B, S, Skv, K, "valid", "normal"), seed=11)
+    g = torch.Generator(device="cuda").manual_seed(12)
+    idx = _causal_rows(g, B, S, K, Skv)
+    out64, lse64, dq_ref, dkv_ref, _ = _reference(q, kv, idx, dout, sink, scale, Dv)
+    out, lse = out64.to(dtype), lse64.float()
+    blocks = row_blocks(torch.nn.functional.pad(idx[0], (0, 192 - K), value=-1), 64)
+    assert blocks[0].item() == 1 and blocks[1].item() == 0 and blocks[-1].item() == 3
+    kw = dict(sink=sink, dv=Dv, deterministic=deterministic, return_probs=True)
+    plain = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, **kw)
+    skip = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, config={"skip_tail": True}, **kw)
+    assert torch.equal(skip[0], plain[0]) and torch.equal(skip[3], plain[3])
+    assert (skip[0][:, 1] == 0).all()  # the empty row
+    if deterministic:
+        assert torch.equal(skip[1], plain[1])
+    assert _rel(skip[0], dq_ref) < TOL and _rel(skip[1], dkv_ref) < TOL
