@@ -32,6 +32,9 @@ SHAPES = [
     ("v4_sink_skv128k", 1, 4096, 131072, 128, 512, 512, 1024, True),
     ("mla_h32_tp", 1, 4096, 8192, 32, 576, 512, 2048, False),
     ("mla_h16_tp", 1, 4096, 8192, 16, 576, 512, 2048, False),
+    # "_causal": query s names min(s + 1, K) keys among 0..s, then -1 (Skv = S); TFLOP/s also on valid pairs
+    ("mla_glm5_h64_causal", 1, 4096, 4096, 64, 576, 512, 2048, False),
+    ("mla_v32_causal", 1, 4096, 4096, 128, 576, 512, 2048, False),
 ]
 
 
@@ -79,6 +82,7 @@ def main(argv=None):
     ap.add_argument("--csv", default=None)
     ap.add_argument("--only", default=None, help="comma-separated shape names")
     ap.add_argument("--schedules", default="default", help="comma-separated schedules, or 'default'")
+    ap.add_argument("--skip-tail", action="store_true", help="also time each schedule with skip_tail")
     args = ap.parse_args(argv)
     if args.precompile:
         precompile()
@@ -94,25 +98,34 @@ def main(argv=None):
         q = torch.randn(b, s, h, dqk, device="cuda", dtype=torch.bfloat16)
         kv = torch.randn(b, skv, dqk, device="cuda", dtype=torch.bfloat16)
         idx = torch.randint(0, skv, (b, s, k), device="cuda", dtype=torch.int32)
+        if name.endswith("_causal"):
+            pos = torch.arange(s, device="cuda").view(1, s, 1)
+            idx = torch.where(torch.arange(k, device="cuda") <= pos, idx % (pos + 1), -1).int()
+        valid_share = (idx >= 0).float().mean().item()
         sink = torch.randn(h, device="cuda", dtype=torch.float32) if has_sink else None
         scale = dqk**-0.5
-        for sched in args.schedules.split(","):
-            if sched == "default":
+        runs = [(sch, False) for sch in args.schedules.split(",")]
+        runs += [(sch, True) for sch in args.schedules.split(",")] if args.skip_tail else []
+        for sched, skip in runs:
+            if sched == "default" and not skip:
                 fn = functools.partial(sparse_attention_fwd, q, kv, idx, scale, sink=sink, dv=dv)
             else:
                 out = torch.empty(b, s, h, dv, device="cuda", dtype=torch.bfloat16)
                 lse = torch.empty(b, s, h, device="cuda", dtype=torch.float32)
-                fn = functools.partial(_launch, q, kv, idx, scale, sink, dv, out, lse, {"schedule": sched})
+                over = {"skip_tail": skip, **({} if sched == "default" else {"schedule": sched})}
+                fn = functools.partial(_launch, q, kv, idx, scale, sink, dv, out, lse, over)
+            label = sched + ("+skip" if skip else "")
             fn()
             torch.cuda.synchronize()
             ms = bench_ms(fn)
             flops = 2.0 * b * s * h * k * (dqk + dv)
             tflops = flops / (ms * 1e-3) / 1e12
-            row = dict(shape=name, schedule=sched, gpu=gpu, B=b, S=s, Skv=skv, H=h, Dqk=dqk, Dv=dv, K=k,
-                       sink=has_sink, ms=round(ms, 4), tflops=round(tflops, 1))
+            row = dict(shape=name, schedule=label, gpu=gpu, B=b, S=s, Skv=skv, H=h, Dqk=dqk, Dv=dv, K=k,
+                       sink=has_sink, ms=round(ms, 4), tflops=round(tflops, 1),
+                       valid_tflops=round(tflops * valid_share, 1))
             rows.append(row)
-            print(f"{name:18s} {sched:7s} B{b} S{s} Skv{skv} H{h} {dqk}/{dv} K{k} sink={has_sink}: {ms:.3f} ms  "
-                  f"{tflops:.1f} TFLOP/s  [{gpu}]", flush=True)
+            print(f"{name:18s} {label:12s} B{b} S{s} Skv{skv} H{h} {dqk}/{dv} K{k} sink={has_sink}: {ms:.3f} ms  "
+                  f"{tflops:.1f} TFLOP/s ({tflops * valid_share:.1f} on valid pairs)  [{gpu}]", flush=True)
         torch.cuda.empty_cache()
     if args.csv:
         with open(args.csv, "w", newline="") as f:

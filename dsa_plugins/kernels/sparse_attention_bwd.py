@@ -39,7 +39,7 @@ import threading
 import torch
 from torch import Tensor
 
-from ..common.indices import global_rows
+from ..common.indices import global_rows, row_blocks
 from ..common.validation import output_buffer
 from . import announce_compile
 
@@ -675,20 +675,6 @@ def _placeholder(device, dtype):
 def _probs_arg(probs, device):
     """The Probs argument of the main program: the buffer, or a placeholder."""
     return probs if probs is not None else _placeholder(device, torch.float32)
-
-
-def row_blocks(idx: Tensor, block: int) -> Tensor:
-    """[T] int32: the blocks of ``block`` slots each row of ``idx`` [T, Kp] (int32, -1 = invalid)
-    needs to reach its last valid slot; 0 for a row without one. Computed a few rows at a time
-    (at most 64 MiB of temporaries)."""
-    t, kp = idx.shape
-    pos = torch.arange(1, kp + 1, device=idx.device, dtype=torch.int32)
-    out = torch.empty(t, dtype=torch.int32, device=idx.device)
-    step = max(1, (64 << 20) // (4 * max(1, kp)))
-    for r0 in range(0, t, step):
-        last = torch.where(idx[r0 : r0 + step] >= 0, pos, 0).amax(1)  # 1-based position of the last valid slot
-        out[r0 : r0 + step] = torch.div(last + (block - 1), block, rounding_mode="floor")
-    return out
 
 
 def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, deterministic, B, S, Skv,

@@ -40,7 +40,7 @@ import threading
 import torch
 
 from ..common.settings import logger
-from ..common.indices import as_int32
+from ..common.indices import as_int32, row_blocks
 from ..common.validation import check_scale, check_tensor, output_buffer
 from . import announce_compile
 
@@ -77,6 +77,9 @@ DEFAULT_CONFIG: dict = {
     # 412 -> 429 (V4 H128) on an H200 with bitwise-equal outputs (tune_sparse_attention_fwd_regs.py).
     "producer_regs": 48,
     "consumer_regs": (256, 200),
+    # each query row walks its slot blocks only to its last valid slot (causal rows, the first
+    # tokens of packed sequences: -1 after a few keys); off until measured on a GPU
+    "skip_tail": False,
 }
 
 # Every configuration the package ships. Heads, batch, lengths and K are runtime values, so one
@@ -91,7 +94,7 @@ SHIPPED_CONFIGS: list[dict] = [
 
 _SCHEDULES = ("qk_one", "qk_one_async", "split")
 _COMPILE_KEYS = ("dim_qk", "dim_v", "has_sink", "dtype", "block_h", "block_k", "schedule", "producer_regs",
-                 "consumer_regs")
+                 "consumer_regs", "skip_tail")
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
@@ -129,10 +132,12 @@ def _normalise_config(config: dict) -> dict:
     if cfg["schedule"] not in _SCHEDULES:
         raise ValueError(f"schedule must be one of {_SCHEDULES}, got {cfg['schedule']!r}")
     cfg["has_sink"] = bool(cfg["has_sink"])
+    cfg["skip_tail"] = bool(cfg["skip_tail"])
     return cfg
 
 
-def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, producer_regs, consumer_regs):
+def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, producer_regs, consumer_regs,
+             skip_tail=False):
     """The TileLang prim_func of one configuration (imported lazily)."""
     import tilelang.language as T
 
@@ -335,6 +340,7 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
         scale: T.float32,
         Output: T.Tensor([B, S, H, dim_v], dtype),
         Lse: T.Tensor([B, S, H], accum),
+        RowTrips: T.Tensor([B, S] if skip_tail else [1], "int32"),  # trips of 2 * BK slots per row
     ):
         with T.Kernel(T.ceildiv(H, HB), S, B, threads=384) as (bx, by, bz):
             Q_l = T.alloc_shared([HB, D_half], dtype)
@@ -372,7 +378,9 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
 
             tx = T.get_thread_binding()
             h0 = bx * HB
-            n_trips = KP // (2 * BK)
+            # skip_tail: trips past the row's last valid slot hold only -1; every warpgroup reads
+            # the same count, so the barriers stay paired
+            n_trips = RowTrips[bz, by] if skip_tail else KP // (2 * BK)
             c = scale * _LOG2E
 
             if tx >= 256:
@@ -488,7 +496,8 @@ def build_fwd_kernel(config: dict, target="auto"):
 
     ``target`` is "auto" (the local GPU), "cuda", or a dict such as {"kind": "cuda", "arch": "sm_90a"}
     (compiles without a GPU). Returns TileLang's JITKernel, called as
-    kernel(q, kv, indices_padded, sinks, scale, out, lse) (it writes out and lse).
+    kernel(q, kv, indices_padded, sinks, scale, out, lse, row_trips) (it writes out and lse;
+    row_trips [B, S] int32 with ``skip_tail``, else a one-element placeholder).
     """
     cfg = _normalise_config(config)
     tkey = _target_key(target)
@@ -532,15 +541,23 @@ def unsupported_reason(num_heads: int, dqk: int, dv: int, has_sink: bool, dtype:
     return None
 
 
-_dummy_sinks: dict = {}
+_placeholders: dict = {}
+
+
+def _placeholder_int(device: torch.device) -> torch.Tensor:
+    key = ("int32", str(device))
+    t = _placeholders.get(key)
+    if t is None:
+        t = _placeholders.setdefault(key, torch.zeros(1, dtype=torch.int32, device=device))
+    return t
 
 
 def _placeholder_sink(h: int, device: torch.device) -> torch.Tensor:
     key = (h, str(device))
-    t = _dummy_sinks.get(key)
+    t = _placeholders.get(key)
     if t is None:
         t = torch.zeros(h, dtype=torch.float32, device=device)
-        _dummy_sinks[key] = t
+        _placeholders[key] = t
     return t
 
 
@@ -604,8 +621,12 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
         idx = torch.nn.functional.pad(idx, (0, kp - k), value=-1)
     idx = idx.contiguous()
     sinks = sink.contiguous() if sink is not None else _placeholder_sink(h, q.device)
+    if cfg["skip_tail"]:
+        trips = row_blocks(idx.view(b * s, kp), step, kv.shape[1]).view(b, s)
+    else:
+        trips = _placeholder_int(q.device)
     with torch.cuda.device(q.device):
-        kernel(q, kv, idx, sinks, scale, out, lse)
+        kernel(q, kv, idx, sinks, scale, out, lse, trips)
 
 
 def sparse_attention_fwd(q, kv, indices, scale: float, sink=None, dv: int | None = None, *, out=None, lse=None):

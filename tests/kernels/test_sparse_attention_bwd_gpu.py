@@ -302,7 +302,8 @@ def _causal_rows(g, B, S, K, Skv):
 def test_skip_tail_walks_only_to_the_last_valid_slot(cfg, deterministic):
     """skip_tail (each row stops after its last valid slot) changes nothing: dq and the head-summed
     probabilities bitwise, dkv bitwise in deterministic mode; and both match float64."""
-    from dsa_plugins.kernels.sparse_attention_bwd import row_blocks, sparse_attention_bwd
+    from dsa_plugins.common.indices import row_blocks
+    from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
 
     H, Dqk, Dv, has_sink, dtype = cfg
     B, S, Skv, K = 2, 150, 400, 130  # K not a multiple of the block; rows of 1 .. K valid slots

@@ -89,3 +89,12 @@ def test_wrapper_rejects_bad_inputs(over, match):
 def test_wrapper_requires_cuda():
     with pytest.raises(ValueError, match="CUDA"):
         mod.sparse_attention_fwd(**_inputs())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TILELANG, reason="TileLang is not installed")
+def test_skip_tail_variant_compiles_and_reads_row_trips():
+    """The tuning variant that stops each row after its last valid slot (not shipped yet): every
+    warpgroup's loop runs the row's own trip count."""
+    src = mod.build_fwd_kernel({**mod.DEFAULT_CONFIG, "skip_tail": True}, target=SM90A).get_kernel_source()
+    assert "RowTrips[" in src and src.count("< n_trips") >= 3
