@@ -32,3 +32,28 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     denom = b64.norm().item()
     diff = (a64 - b64).norm().item()
     return diff / denom if denom > 0 else diff
+
+
+def mla_checkpoint_keys(layers=3, experts=3, mtp=1, scale_inv=False):
+    """HF keys of a DeepSeek-V3.2 / GLM-5 checkpoint: layer 0 dense, others MoE, then MTP layers."""
+    keys = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    attn = ["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight",
+            "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight", "indexer.wq_b.weight",
+            "indexer.wk.weight", "indexer.k_norm.weight", "indexer.k_norm.bias", "indexer.weights_proj.weight"]
+    for i in range(layers + mtp):
+        p = f"model.layers.{i}."
+        keys += [p + "self_attn." + a for a in attn]
+        keys += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        if i == 0:
+            keys += [p + f"mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
+        else:
+            keys += [p + "mlp.gate.weight", p + "mlp.gate.e_score_correction_bias"]
+            keys += [p + f"mlp.shared_experts.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
+            for e in range(experts):
+                keys += [p + f"mlp.experts.{e}.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
+        if i >= layers:
+            keys += [p + n for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+                                     "shared_head.head.weight", "embed_tokens.weight")]
+    if scale_inv:
+        keys += [k.replace(".weight", ".weight_scale_inv") for k in keys if k.endswith("proj.weight")]
+    return keys

@@ -7,35 +7,12 @@ import json
 import pytest
 import torch
 
-from dsa_plugins.adapters.megatron.keymap import KeyMap, detect_family, moe_layers_of
+from dsa_plugins.adapters.megatron.keymap import KeyMap, Source, detect_family, moe_layers_of
 from dsa_plugins.convert import convert, main, parse_size
 
+from .helpers import mla_checkpoint_keys
+
 safetensors = pytest.importorskip("safetensors")
-
-
-def _mla_keys(layers=3, experts=3, mtp=1, scale_inv=False):
-    """HF keys of a DeepSeek-V3.2 / GLM-5 checkpoint: layer 0 dense, others MoE, then MTP layers."""
-    keys = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
-    attn = ["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight",
-            "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight", "indexer.wq_b.weight",
-            "indexer.wk.weight", "indexer.k_norm.weight", "indexer.k_norm.bias", "indexer.weights_proj.weight"]
-    for i in range(layers + mtp):
-        p = f"model.layers.{i}."
-        keys += [p + "self_attn." + a for a in attn]
-        keys += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        if i == 0:
-            keys += [p + f"mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
-        else:
-            keys += [p + "mlp.gate.weight", p + "mlp.gate.e_score_correction_bias"]
-            keys += [p + f"mlp.shared_experts.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
-            for e in range(experts):
-                keys += [p + f"mlp.experts.{e}.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")]
-        if i >= layers:
-            keys += [p + n for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
-                                     "shared_head.head.weight", "embed_tokens.weight")]
-    if scale_inv:
-        keys += [k.replace(".weight", ".weight_scale_inv") for k in keys if k.endswith("proj.weight")]
-    return keys
 
 
 def _v4_keys(layers=2, experts=2):
@@ -71,7 +48,7 @@ def _roundtrip(kmap, keys, num_layers=None):
 
 @pytest.mark.parametrize("layout,experts", [("local", "sequential"), ("te", "grouped"), ("te", "sequential")])
 def test_mla_keymap_roundtrip(layout, experts):
-    keys = _mla_keys(scale_inv=True)
+    keys = mla_checkpoint_keys(scale_inv=True)
     kmap = KeyMap("mla", num_layers=3, layout=layout, experts=experts, moe_layers=moe_layers_of(keys))
     to_mg = _roundtrip(kmap, keys, 3)
     a = "decoder.layers.1.self_attention."
@@ -83,7 +60,7 @@ def test_mla_keymap_roundtrip(layout, experts):
         "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight")
     assert to_mg["decoder.layers.2.mlp.router.expert_bias"].keys == ("model.layers.2.mlp.gate.e_score_correction_bias",)
     assert to_mg["mtp.layers.0.eh_proj.weight"].keys == ("model.layers.3.eh_proj.weight",)
-    assert "mtp.layers.0.transformer_layer.self_attention.linear_proj.weight" in to_mg
+    assert "mtp.layers.0.mtp_model_layer.self_attention.linear_proj.weight" in to_mg  # megatron-core 0.19
     assert "embedding.word_embeddings.weight" in to_mg and "output_layer.weight" in to_mg
     fc1 = ("mlp.experts.linear_fc1.weight2" if experts == "grouped"
            else "mlp.experts.local_experts.2.linear_fc1.weight")
@@ -94,6 +71,43 @@ def test_mla_keymap_roundtrip(layout, experts):
         assert "decoder.layers.1.pre_mlp_layernorm.weight" in to_mg  # MoE: separate
     else:
         assert a + "q_layernorm.weight" in to_mg and "decoder.layers.0.pre_mlp_layernorm.weight" in to_mg
+
+
+def test_mtp_names_of_both_megatron_versions():
+    """megatron-core 0.19 names an MTP layer's decoder layer ``mtp_model_layer`` in its state dict,
+    0.16 ``transformer_layer``: written as asked, both read back."""
+    keys = mla_checkpoint_keys()
+    for inner in ("mtp_model_layer", "transformer_layer"):
+        kmap = KeyMap("mla", num_layers=3, moe_layers=moe_layers_of(keys), mtp_layer=inner)
+        to_mg = kmap.plan_to_megatron(keys)
+        assert f"mtp.layers.0.{inner}.self_attention.core_attention.indexer.linear_wk.weight" in to_mg
+        assert not any(".transformer_layer." in k and inner != "transformer_layer" for k in to_mg)
+        assert kmap.mg_to_hf(f"mtp.layers.0.{inner}.mlp.experts.local_experts.1.linear_fc2.weight") == (
+            "model.layers.3.mlp.experts.1.down_proj.weight",)
+    with pytest.raises(ValueError, match="mtp_layer"):
+        KeyMap("mla", num_layers=3, mtp_layer="mtp_layer")
+
+
+def test_mtp_shared_copies_are_named_and_written_back():
+    """An HF MTP layer's embed_tokens / shared_head.head copy the model's embedding / lm_head:
+    named so the converter can leave them out of megatron (which shares them), and rebuilt from the
+    shared tensors on the way back."""
+    keys = mla_checkpoint_keys(mtp=2)
+    kmap = KeyMap("mla", num_layers=3, moe_layers=moe_layers_of(keys))
+    copies = kmap.mtp_shared_copies(keys)
+    assert copies == {
+        "model.layers.3.embed_tokens.weight": "model.embed_tokens.weight",
+        "model.layers.3.shared_head.head.weight": "lm_head.weight",
+        "model.layers.4.embed_tokens.weight": "model.embed_tokens.weight",
+        "model.layers.4.shared_head.head.weight": "lm_head.weight",
+    }
+    to_mg = kmap.plan_to_megatron([k for k in keys if k not in copies])
+    assert not any("embed_tokens" in k or "shared_head.head" in k for k in to_mg)
+    back = kmap.plan_to_hf(to_mg, 3)
+    assert sorted(back) == sorted(keys)
+    assert back["model.layers.4.embed_tokens.weight"] == Source(("embedding.word_embeddings.weight",), "clone")
+    assert back["model.layers.3.shared_head.head.weight"].keys == ("output_layer.weight",)
+    assert KeyMap("mla", num_layers=None).mtp_shared_copies(keys) == {}
 
 
 def test_megatron_spellings_all_map_back():
@@ -110,7 +124,7 @@ def test_megatron_spellings_all_map_back():
 
 def test_v4_keymap_roundtrip():
     keys = _v4_keys()
-    assert detect_family(keys) == "v4" and detect_family(_mla_keys()) == "mla"
+    assert detect_family(keys) == "v4" and detect_family(mla_checkpoint_keys()) == "mla"
     kmap = KeyMap("v4", num_layers=2, moe_layers=moe_layers_of(keys))
     to_mg = _roundtrip(kmap, keys, 2)
     a = "decoder.layers.1.self_attention."
@@ -163,7 +177,7 @@ def _read_all(path):
 
 
 def test_convert_files_bit_exact(tmp_path):
-    keys = _mla_keys(scale_inv=True)
+    keys = mla_checkpoint_keys(scale_inv=True)
     original = _write_fake(tmp_path / "hf", keys)
     assert main(["--to", "megatron", str(tmp_path / "hf"), str(tmp_path / "mg"), "--max-shard-size", "2KB",
                  "--no-progress"]) == 0
@@ -180,6 +194,91 @@ def test_convert_files_bit_exact(tmp_path):
     for k, t in original.items():
         assert back[k].dtype == t.dtype and torch.equal(back[k].view(torch.uint8), t.view(torch.uint8)), k
     assert not (tmp_path / "hf2" / "dsa_plugins_convert.json").exists()
+
+
+def test_convert_leaves_out_identical_mtp_copies_and_writes_them_back(tmp_path, capsys):
+    """GLM-5 / V3.2 checkpoints store the MTP layer's embed_tokens / shared_head.head as copies of
+    the model's: megatron (0.19 names) gets neither, the way back rebuilds them bit-exactly; a copy
+    that differs is carried with a warning. 0.16 names on request."""
+    from safetensors.torch import save_file
+
+    keys = mla_checkpoint_keys()
+    original = _write_fake(tmp_path / "hf", keys)
+    # make embed_tokens of the MTP layer a true copy (shared_head.head stays different)
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = index["model.layers.3.embed_tokens.weight"]
+    from safetensors.torch import load_file
+
+    part = load_file(str(tmp_path / "hf" / shard))
+    part["model.layers.3.embed_tokens.weight"] = original["model.embed_tokens.weight"].clone()
+    original["model.layers.3.embed_tokens.weight"] = part["model.layers.3.embed_tokens.weight"]
+    save_file(part, str(tmp_path / "hf" / shard))
+    convert(str(tmp_path / "hf"), str(tmp_path / "mg"), "megatron", progress=False)
+    assert "shared_head.head.weight differs from lm_head.weight" in capsys.readouterr().out
+    mg = _read_all(tmp_path / "mg")
+    assert "mtp.layers.0.embed_tokens.weight" not in mg and "mtp.layers.0.shared_head.head.weight" in mg
+    assert "mtp.layers.0.mtp_model_layer.self_attention.linear_q_down_proj.weight" in mg
+    meta = json.loads((tmp_path / "mg" / "dsa_plugins_convert.json").read_text())
+    assert meta["mtp_copies_left_out"] == ["model.layers.3.embed_tokens.weight"] and meta["megatron"] == "0.19"
+    convert(str(tmp_path / "mg"), str(tmp_path / "back"), "hf", progress=False)
+    back = _read_all(tmp_path / "back")
+    assert back.keys() == original.keys()
+    for k, t in original.items():
+        assert back[k].dtype == t.dtype and torch.equal(back[k].view(torch.uint8), t.view(torch.uint8)), k
+    assert main(["--to", "megatron", str(tmp_path / "hf"), str(tmp_path / "mg16"), "--megatron", "0.16",
+                 "--no-progress"]) == 0
+    assert "mtp.layers.0.transformer_layer.self_attention.linear_q_down_proj.weight" in _read_all(tmp_path / "mg16")
+
+
+def test_convert_dequantizes_block_scaled_fp8_on_request(tmp_path, capsys):
+    """DeepSeek-V3.2's release stores e4m3 weights with 128 x 128 block scales: kept as they are by
+    default (with a note), written as bf16 with --dequantize-fp8 (gate/up halves each with its own
+    scales), the scales left out."""
+    from safetensors.torch import save_file
+
+    from dsa_plugins.convert import dequantize_fp8
+
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(200, 300, generator=g) * 4).to(torch.float8_e4m3fn)
+    s = torch.rand(2, 3, generator=g) + 0.5
+    want = w.float().clone()
+    for i in range(2):
+        for j in range(3):
+            want[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] *= s[i, j]
+    assert torch.equal(dequantize_fp8(w, s), want.bfloat16())
+    with pytest.raises(ValueError, match="does not tile"):
+        dequantize_fp8(w, s[:1])
+
+    keys = mla_checkpoint_keys(layers=2, experts=1, mtp=0)
+    tensors = {}
+    for k in keys:
+        tensors[k] = torch.randn(256, 256, generator=g).bfloat16() if k.endswith("weight") else torch.randn(3)
+        if k.endswith(("proj.weight",)) and "indexer" not in k:
+            tensors[k] = tensors[k].float().to(torch.float8_e4m3fn)
+            tensors[k[: -len("weight")] + "weight_scale_inv"] = torch.rand(2, 2, generator=g) + 0.5
+    (tmp_path / "hf").mkdir()
+    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(
+        {"model_type": "deepseek_v32", "num_hidden_layers": 2,
+         "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}))
+    convert(str(tmp_path / "hf"), str(tmp_path / "kept"), "megatron", progress=False)
+    assert "--dequantize-fp8" in capsys.readouterr().out
+    kept = _read_all(tmp_path / "kept")
+    assert kept["decoder.layers.1.self_attention.linear_q_down_proj.weight"].dtype == torch.float8_e4m3fn
+    assert "decoder.layers.1.self_attention.linear_q_down_proj.weight_scale_inv" in kept
+    assert main(["--to", "megatron", str(tmp_path / "hf"), str(tmp_path / "bf16"), "--dequantize-fp8",
+                 "--no-progress"]) == 0
+    mg = _read_all(tmp_path / "bf16")
+    assert not any(k.endswith("scale_inv") for k in mg)
+    assert all(t.dtype != torch.float8_e4m3fn for t in mg.values())
+    q = "model.layers.1.self_attn.q_a_proj."
+    assert torch.equal(mg["decoder.layers.1.self_attention.linear_q_down_proj.weight"],
+                       dequantize_fp8(tensors[q + "weight"], tensors[q + "weight_scale_inv"]))
+    e = "model.layers.1.mlp.experts.0."
+    assert torch.equal(mg["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"], torch.cat([
+        dequantize_fp8(tensors[e + "gate_proj.weight"], tensors[e + "gate_proj.weight_scale_inv"]),
+        dequantize_fp8(tensors[e + "up_proj.weight"], tensors[e + "up_proj.weight_scale_inv"])]))
+    assert torch.equal(mg["decoder.layers.0.input_layernorm.weight"], tensors["model.layers.0.input_layernorm.weight"])
 
 
 def test_convert_single_file_v4_and_cli(tmp_path):

@@ -18,7 +18,13 @@ halves), so a round trip is bit-exact. Parameters are matched by module path, so
 siblings (``weight_scale_inv``, ``scale``) follow their weight. Keys no rule knows are carried
 under the other side's layer prefix unchanged (DeepSeek-V4 hyper-connection ``hc_*`` tensors, for
 example), which keeps round trips exact. Layers at index >= ``num_layers`` (DeepSeek MTP) map to
-``mtp.layers.i``.
+``mtp.layers.i``: ``enorm``, ``hnorm``, ``eh_proj``, ``final_layernorm`` and the inner decoder layer
+under ``mtp_layer`` (``"mtp_model_layer"`` in megatron-core 0.19's state dict, ``"transformer_layer"``
+in 0.16's; both are read back). An HF MTP layer's ``embed_tokens`` / ``shared_head.head`` are copies
+of the model's embedding and output layer, which megatron's MTP shares:
+:meth:`KeyMap.mtp_shared_copies` names them so the converter can leave identical copies out, and
+:meth:`KeyMap.plan_to_hf` writes them back from the shared tensors (HF-format MTP loaders read them).
+Megatron-Bridge 0.6.2's GLM-5 mappings agree with these names.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from typing import Iterable, Optional
 FAMILIES = ("mla", "v4")
 LAYOUTS = ("local", "te")
 EXPERT_LAYOUTS = ("sequential", "grouped")
+#: Name of an MTP layer's inner decoder layer: megatron-core 0.19 (``mtp_model_layer``), 0.16.
+MTP_LAYER_NAMES = ("mtp_model_layer", "transformer_layer")
 
 _P = r"(?P<P>[A-Za-z_]+)"  # parameter name (weight, bias, weight_scale_inv, scale); no digits: see weightE
 _E = r"(?P<E>\d+)"
@@ -135,6 +143,9 @@ _TOP = {
 }
 _LAYER_PREFIX = {"mla": "model.layers.", "v4": "layers."}
 _MTP_PLAIN = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head.norm": "final_layernorm"}
+# HF MTP layer tensors that copy a shared one: layer-relative name -> the model's own (HF, Megatron)
+_MTP_SHARED = {"embed_tokens.weight": ("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
+               "shared_head.head.weight": ("lm_head.weight", "output_layer.weight")}
 
 
 def _compile(pattern: str) -> re.Pattern:
@@ -152,8 +163,9 @@ def _fill(template: str, groups: dict) -> str:
 
 @dataclass(frozen=True)
 class Source:
-    """One output tensor: the input keys it is made of and how (``"copy"``, ``"cat0"`` of two,
-    ``"half0"`` / ``"half1"``: first / second half of one tensor on dim 0)."""
+    """One output tensor: the input keys it is made of and how (``"copy"``, ``"clone"``: a copy in
+    its own memory, for a second output of one input, ``"cat0"`` of two, ``"half0"`` / ``"half1"``:
+    first / second half of one tensor on dim 0)."""
 
     keys: tuple[str, ...]
     op: str
@@ -169,6 +181,7 @@ class KeyMap:
         layout: str = "local",
         experts: str = "sequential",
         moe_layers: Optional[Iterable[int]] = None,
+        mtp_layer: str = "mtp_model_layer",
     ) -> None:
         if family not in FAMILIES:
             raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
@@ -176,6 +189,9 @@ class KeyMap:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if experts not in EXPERT_LAYOUTS:
             raise ValueError(f"experts must be one of {EXPERT_LAYOUTS}, got {experts!r}")
+        if mtp_layer not in MTP_LAYER_NAMES:
+            raise ValueError(f"mtp_layer must be one of {MTP_LAYER_NAMES}, got {mtp_layer!r}")
+        self.mtp_layer = mtp_layer
         self.family, self.num_layers, self.layout, self.experts = family, num_layers, layout, experts
         self.moe_layers = None if moe_layers is None else set(moe_layers)
         make = _mla_rules if family == "mla" else _v4_rules
@@ -229,7 +245,7 @@ class KeyMap:
             if rest.startswith(("embed_tokens.", "shared_head.")):
                 return f"mtp.layers.{i}.{rest}", -1
             name, slot = self.layer_hf_to_mg(rest, layer)
-            return f"mtp.layers.{i}.transformer_layer.{name}", slot
+            return f"mtp.layers.{i}.{self.mtp_layer}.{name}", slot
         name, slot = self.layer_hf_to_mg(rest, layer)
         return f"decoder.layers.{layer}.{name}", slot
 
@@ -250,9 +266,10 @@ class KeyMap:
             for hf_mod, mg_mod in _MTP_PLAIN.items():
                 if rest.startswith(mg_mod + "."):
                     return (f"{prefix}{layer}.{hf_mod}{rest[len(mg_mod):]}",)
-            if rest.startswith("transformer_layer."):
-                names = self.layer_mg_to_hf(rest[len("transformer_layer.") :], layer)
-                return tuple(f"{prefix}{layer}.{n}" for n in names)
+            for inner in MTP_LAYER_NAMES:
+                if rest.startswith(inner + "."):
+                    names = self.layer_mg_to_hf(rest[len(inner) + 1 :], layer)
+                    return tuple(f"{prefix}{layer}.{n}" for n in names)
             return (f"{prefix}{layer}.{rest}",)
         return (key,)
 
@@ -277,7 +294,10 @@ class KeyMap:
         return plan
 
     def plan_to_hf(self, mg_keys: Iterable[str], num_layers: Optional[int] = None) -> dict[str, Source]:
-        """HF key -> how to take it from the Megatron keys."""
+        """HF key -> how to take it from the Megatron keys. Each MTP layer also gets its HF copies of
+        the shared embedding and output layer (``embed_tokens``, ``shared_head.head``) unless the
+        Megatron keys carry their own."""
+        mg_keys = list(mg_keys)
         plan: dict[str, Source] = {}
         for key in mg_keys:
             names = self.mg_to_hf(key, num_layers)
@@ -285,7 +305,32 @@ class KeyMap:
                 if name in plan:
                     raise ValueError(f"two Megatron keys map to {name!r}: {plan[name].keys[0]!r} and {key!r}")
                 plan[name] = Source((key,), "copy" if len(names) == 1 else f"half{i}")
+        if self.family == "mla":
+            present = set(mg_keys)
+            n_layers = self.num_layers if num_layers is None else num_layers
+            mtp_ids = {int(m.group("L")) for k in mg_keys if (m := self._mg_mtp.match(k))}
+            for i in sorted(mtp_ids):
+                for rel, (_, shared_mg) in _MTP_SHARED.items():
+                    name = f"{_LAYER_PREFIX['mla']}{n_layers + i}.{rel}"
+                    if name not in plan and shared_mg in present:
+                        plan[name] = Source((shared_mg,), "clone")
         return plan
+
+    def mtp_shared_copies(self, hf_keys: Iterable[str]) -> dict[str, str]:
+        """HF MTP-layer keys that copy a shared tensor -> that tensor's HF key (``embed_tokens`` of
+        the embedding, ``shared_head.head`` of ``lm_head``): megatron's MTP has no parameter of its
+        own for them. Only for keys whose shared tensor is among ``hf_keys``."""
+        hf_keys = set(hf_keys)
+        out = {}
+        if self.family != "mla" or self.num_layers is None:
+            return out
+        for key in hf_keys:
+            m = self._hf_layer.match(key)
+            if m and int(m.group("L")) >= self.num_layers and m.group("rest") in _MTP_SHARED:
+                shared = _MTP_SHARED[m.group("rest")][0]
+                if shared in hf_keys:
+                    out[key] = shared
+        return out
 
 
 def detect_family(keys: Iterable[str], model_type: Optional[str] = None) -> str:
