@@ -1,6 +1,7 @@
 """How fast can a GPU scatter-add gathered fp32 rows? The floor under every d_index_k / dkv scatter.
 
-    python benchmarks/kernels/bench_scatter_floor.py [--out DIR] [--t 8192] [--k 2048]
+    python benchmarks/kernels/bench_scatter_floor.py [--out DIR] [--t 8192] [--k 2048] [--dims 576,128]
+                                                      [--modes red,red4,red4_keep,bulk]
 
 Each CTA owns one query row of a causal top-k pattern ([T, k] int32, -1 past the prefix) and adds a
 [64, D] fp32 tile, produced by a small wgmma as in the loss and attention backward programs, into
@@ -9,7 +10,15 @@ the rows of a [T, D] fp32 buffer named by the row's slots, 64 slots at a time. T
 - ``red``: red.global.add.v2.f32 straight from the accumulator registers (what the shipped
   programs do);
 - ``bulk``: the tile staged in shared memory (double-buffered) and sent as one TMA bulk reduction
-  (cp.reduce.async.bulk .add.f32) per row, issued by 32, 4 or 1 lanes.
+  (cp.reduce.async.bulk .add.f32) per row, issued by 32, 4 or 1 lanes;
+- ``red4``: the tile staged in shared memory and sent as red.global.add.v4.f32 by every thread,
+  consecutive lanes on consecutive 16 bytes of a row (a warp covers whole 128-byte lines: the
+  shape cuDNN's Hopper DSA backward gives its dkv reductions);
+- ``red4_keep``: the same with an L2 evict_last policy on each reduction (the accumulator lines stay
+  in L2 while the gathered rows stream through).
+
+Rows wider than 128 (the attention's 576-wide dkv) are sent in 64-column chunks, each its own
+wgmma tile, as the attention backward does.
 
 The adds per second this reaches is the rate at which L2 takes fp32 reductions; no program that
 scatters T*k*D fp32 values can beat T*k*D / that rate. Writes DIR/scatter_floor.md and .csv.
@@ -25,6 +34,21 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from dsa_plugins.bench.runner import median_ms  # noqa: E402
+
+RED4_PRELUDE = r"""
+__device__ __forceinline__ void bench_red_v4(const float* s, float* g) {
+  float4 v = *reinterpret_cast<const float4*>(s);
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};"
+               :: "l"(g), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+}
+__device__ __forceinline__ void bench_red_v4_keep(const float* s, float* g) {
+  float4 v = *reinterpret_cast<const float4*>(s);
+  unsigned long long policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  asm volatile("red.global.add.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;"
+               :: "l"(g), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "l"(policy) : "memory");
+}
+"""
 
 BULK_PRELUDE = r"""
 __device__ __forceinline__ void bench_bulk_add_f32(const float* smem, float* gmem, int bytes) {
@@ -45,12 +69,19 @@ def scatter_program(dim: int, mode: str, issuers: int = 32, block: int = 64, thr
     import tilelang.language as T
 
     NT, TK, KP = T.dynamic("n_rows, n_keys, kp")
-    BK, D = block, dim
+    BK, D = block, min(dim, 128)  # the wgmma tile; wider rows go out in 64-column chunks
+    if dim > 128:
+        D = 64
+        assert dim % 64 == 0
+    chunks = tuple(range(dim // D))
     rows_per_lane = BK // issuers
+    prelude = {"bulk": BULK_PRELUDE, "red4": RED4_PRELUDE, "red4_keep": RED4_PRELUDE}.get(mode)
+    red4 = "bench_red_v4_keep" if mode == "red4_keep" else "bench_red_v4"
+    per_thread4 = BK * D // 4 // threads
 
     @T.prim_func
-    def main(Idx: T.Tensor([NT, KP], "int32"), Seed: T.Tensor([NT], "float32"), Out: T.Tensor([TK, D], "float32")):
-        with TC.Kernel(NT, threads=threads, prelude=BULK_PRELUDE if mode == "bulk" else None) as bx:
+    def main(Idx: T.Tensor([NT, KP], "int32"), Seed: T.Tensor([NT], "float32"), Out: T.Tensor([TK, dim], "float32")):
+        with TC.Kernel(NT, threads=threads, prelude=prelude) as bx:
             acc = T.alloc_fragment([BK, D], "float32")
             a_s = T.alloc_shared([BK, 64], "bfloat16")
             b_s = T.alloc_shared([64, D], "bfloat16")
@@ -59,22 +90,36 @@ def scatter_program(dim: int, mode: str, issuers: int = 32, block: int = 64, thr
                 a_s[j, h] = T.cast(Seed[bx] + j * 0.01 - h * 0.02, "bfloat16")
             for h, d in T.Parallel(64, D):
                 b_s[h, d] = T.cast(Seed[bx] * 0.5 + d * 0.01 - h * 0.03, "bfloat16")
-            if mode == "bulk":
+            if mode != "red":
                 stages = (T.alloc_shared([BK * D], "float32"), T.alloc_shared([BK * D], "float32"))
             for t in T.serial(KP // BK // 2):
-                for s in (0, 1):
+                for s, c in [(s_, c_) for s_ in (0, 1) for c_ in chunks]:
                     b = 2 * t + s
+                    c0 = c * D
                     T.gemm(a_s, b_s, acc, clear_accum=True)  # the accumulator layout of the real programs
                     if mode == "red":
                         for j, d in T.Parallel(BK, D):
                             if Idx[bx, b * BK + j] >= 0:
-                                T.atomic_add(Out[Idx[bx, b * BK + j], d], acc[j, d])
+                                T.atomic_add(Out[Idx[bx, b * BK + j], c0 + d], acc[j, d])
+                    elif mode in ("red4", "red4_keep"):
+                        stage = stages[(s * len(chunks) + c) % 2]
+                        for j, d in T.Parallel(BK, D):
+                            stage[j * D + d] = acc[j, d]
+                        T.sync_threads()
+                        for i in T.unroll(per_thread4):
+                            flat = i * threads + tx
+                            row = flat // (D // 4)
+                            col = (flat % (D // 4)) * 4
+                            if Idx[bx, b * BK + row] >= 0:
+                                T.call_extern("handle", red4, T.access_ptr(stage[row * D + col], "r", 4),
+                                              T.access_ptr(Out[Idx[bx, b * BK + row], c0 + col], "w", 4))
                     else:
                         if tx < issuers:
-                            T.call_extern("handle", "bench_bulk_wait_read<1>")  # stage s of two blocks ago was read
+                            T.call_extern("handle", "bench_bulk_wait_read<1>")  # the stage of two sends ago was read
                         T.sync_threads()
+                        stage = stages[(s * len(chunks) + c) % 2]  # consecutive sends alternate
                         for j, d in T.Parallel(BK, D):
-                            stages[s][j * D + d] = acc[j, d]
+                            stage[j * D + d] = acc[j, d]
                         T.fence_proxy_async()
                         T.sync_threads()
                         if tx < issuers:
@@ -82,8 +127,8 @@ def scatter_program(dim: int, mode: str, issuers: int = 32, block: int = 64, thr
                                 row = tx * rows_per_lane + r
                                 if Idx[bx, b * BK + row] >= 0:
                                     T.call_extern("handle", "bench_bulk_add_f32",
-                                                  T.access_ptr(stages[s][row * D], "r", D),
-                                                  T.access_ptr(Out[Idx[bx, b * BK + row], 0], "w", D), D * 4)
+                                                  T.access_ptr(stage[row * D], "r", D),
+                                                  T.access_ptr(Out[Idx[bx, b * BK + row], c0], "w", D), D * 4)
                             T.call_extern("handle", "bench_bulk_commit")
             if mode == "bulk" and tx < issuers:
                 T.call_extern("handle", "bench_bulk_wait_read<0>")
@@ -91,15 +136,15 @@ def scatter_program(dim: int, mode: str, issuers: int = 32, block: int = 64, thr
     return main
 
 
-VARIANTS = (("red", 32), ("bulk", 32), ("bulk", 4), ("bulk", 1))
-DIMS = (128, 64)
+VARIANTS = (("red", 32), ("red4", 32), ("red4_keep", 32), ("bulk", 32), ("bulk", 4), ("bulk", 1))
+DIMS = (128, 64, 576)  # indexer loss d_index_k (Di 128, 64); attention dkv (576, in 64-column chunks)
 
 
-def build(target):
+def build(target, dims=DIMS, variants=VARIANTS):
     import tilelang
 
     return {(d, m, i): tilelang.compile(scatter_program(d, m, i), target=target, out_idx=None)
-            for d in DIMS for m, i in VARIANTS}
+            for d in dims for m, i in variants}
 
 
 def causal_topk(t, k, dev):
@@ -114,17 +159,21 @@ def main(argv=None):
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--t", type=int, default=8192)
     ap.add_argument("--k", type=int, default=2048)
+    ap.add_argument("--dims", default=",".join(map(str, DIMS)), help="comma list of row widths")
+    ap.add_argument("--modes", default=",".join(sorted({m for m, _ in VARIANTS})), help="comma list of modes")
     args = ap.parse_args(argv)
     dev = "cuda"
-    kernels = build({"kind": "cuda", "arch": "sm_90a"})
+    dims = tuple(int(d) for d in args.dims.split(","))
+    variants = tuple(v for v in VARIANTS if v[0] in args.modes.split(","))
+    kernels = build({"kind": "cuda", "arch": "sm_90a"}, dims, variants)
     torch.manual_seed(0)
     idx = causal_topk(args.t, args.k, dev)
     seed = torch.rand(args.t, device=dev)
     n_valid = int((idx >= 0).sum())
     rows = []
-    for d in DIMS:
+    for d in dims:
         ref = None
-        for m, i in VARIANTS:
+        for m, i in variants:
             kern = kernels[(d, m, i)]
             out = torch.zeros(args.t, d, device=dev)
             kern(idx, seed, out)
