@@ -70,7 +70,7 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
     return 2.0 * num_queries * heads * topk * (2 * dv + 3 * dqk)
 
 
-_TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail")
+_TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep")
 
 
 def _default_tuning(dqk: int, dv: int) -> dict:
@@ -102,6 +102,10 @@ def _normalise_config(config: dict) -> dict:
     # skip_tail: each query row walks its slot blocks only up to its last valid slot (causal rows,
     # the first tokens of packed sequences); off until measured on a GPU
     cfg["skip_tail"] = bool(cfg.get("skip_tail", False))
+    # l2_keep (with stage_atomics): the staged v4 reductions carry an L2 evict_last policy, so the
+    # fp32 dkv lines stay in L2 while gathered rows stream through (as cuDNN's backward does);
+    # an experiment, off until measured
+    cfg["l2_keep"] = bool(cfg.get("l2_keep", False)) and cfg["stage_atomics"]
     can_overlap = cfg["block_k"] == 64 and cfg["dqk"] - cfg["dv"] <= cfg["dkv_chunk"] and not cfg["stage_atomics"]
     # off by default: measured 3% slower than issuing the atomics after each chunk (H200)
     cfg["overlap"] = bool(cfg.get("overlap", False)) and can_overlap and cfg["store_dkv"]
@@ -182,8 +186,21 @@ def _probs_batch(dqk: int, dv: int, block_k: int, threads: int, dkv_chunk: int, 
     return batch
 
 
+# red.global.add.v4.f32 with an L2 evict_last policy (l2_keep): 4 fp32 from shared memory
+_L2_KEEP_PRELUDE = r"""
+__device__ __forceinline__ void dsa_red_v4_keep(float* g, const float* s) {
+  float4 v = *reinterpret_cast<const float4*>(s);
+  unsigned long long policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  asm volatile("red.global.add.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;"
+               :: "l"(g), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "l"(policy) : "memory");
+}
+"""
+
+
 def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, deterministic, store_dkv=True,
-               stage_atomics=True, overlap=False, emit_probs=False, skip_tail=False):
+               stage_atomics=True, overlap=False, emit_probs=False, skip_tail=False, l2_keep=False):
+    import tilelang.cuda.language as TC
     import tilelang.language as T
 
     dt = T.bfloat16 if dtype == "bfloat16" else T.float16
@@ -207,6 +224,7 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
     else:
         dkv_shape = [N, dqk]
     probs_batch = _probs_batch(dqk, dv, BK, threads, DC, stage_atomics and not deterministic)
+    l2_keep_on = l2_keep and stage_atomics and not deterministic
     if overlap:
         assert not deterministic and store_dkv and not stage_atomics and BK == 64 and DT <= DC
     # (first column, width, has a V part) of each dkv column chunk; static, unrolled
@@ -226,6 +244,14 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
             T.wgmma_gemm(ds_s, qt_s, acc_kvt, transpose_A=True, policy=T.GemmWarpPolicy.FullCol, clear_accum=True)
 
     @T.macro
+    def _red4(dst, src):
+        # four fp32 from shared memory added to global memory (one v4 reduction)
+        if l2_keep_on:
+            T.call_extern("handle", "dsa_red_v4_keep", T.address_of(dst), T.address_of(src))
+        else:
+            T.atomic_addx4(dst, src)
+
+    @T.macro
     def _atomic_rows(Idx, dKV, t, kb, c0, acc, w):
         for r, d in T.Parallel(BK, w):
             if Idx[t, kb * BK + r] >= 0:
@@ -233,7 +259,7 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
 
     @T.macro
     def _body(Q, KV, dO, Idx, Lse2, Delta, dQ, dKV, scale, scale_log2, Probs, RowBlocks):
-        with T.Kernel(Tq, NHB, threads=threads) as (t, hb):
+        with TC.Kernel(Tq, NHB, threads=threads, prelude=_L2_KEEP_PRELUDE if l2_keep_on else None) as (t, hb):
             q_s = T.alloc_shared([BH, dv], dt)
             do_s = T.alloc_shared([BH, dv], dt)
             v_s = T.alloc_shared([BK, dv], dt)
@@ -347,7 +373,7 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
                             T.copy(acc_kv, stage_s)
                             for r, d4 in T.Parallel(BK, DC // 4):
                                 if Idx[t, kb * BK + r] >= 0:
-                                    T.atomic_addx4(dKV[Idx[t, kb * BK + r], c * DC + d4 * 4], stage_s[r, d4 * 4])
+                                    _red4(dKV[Idx[t, kb * BK + r], c * DC + d4 * 4], stage_s[r, d4 * 4])
                         else:
                             for r, d in T.Parallel(BK, DC):
                                 if Idx[t, kb * BK + r] >= 0:
@@ -363,7 +389,7 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
                         T.copy(acc_kvt, staget_s)
                         for r, d4 in T.Parallel(BK, DT // 4):
                             if Idx[t, kb * BK + r] >= 0:
-                                T.atomic_addx4(dKV[Idx[t, kb * BK + r], dv + d4 * 4], staget_s[r, d4 * 4])
+                                _red4(dKV[Idx[t, kb * BK + r], dv + d4 * 4], staget_s[r, d4 * 4])
                     else:
                         for r, d in T.Parallel(BK, DT):
                             if Idx[t, kb * BK + r] >= 0:
@@ -507,7 +533,7 @@ def _main_args(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tupl
     # every argument of _main_body, positionally (one cache key per program)
     return (cfg["heads"], cfg["dqk"], cfg["dv"], cfg["dtype"], cfg["block_k"], cfg["num_stages"],
             cfg["threads"], cfg["dkv_chunk"], bool(deterministic), cfg["store_dkv"], cfg["stage_atomics"],
-            bool(cfg["overlap"] and not deterministic), bool(emit_probs), cfg["skip_tail"])
+            bool(cfg["overlap"] and not deterministic), bool(emit_probs), cfg["skip_tail"], cfg["l2_keep"])
 
 
 #: The programs of one configuration, by name (each compiled separately: warmup runs them in parallel).

@@ -80,3 +80,15 @@ def test_skip_tail_variant_compiles_and_reads_row_blocks():
     cfg = {"heads": 64, "dqk": 576, "dv": 512, "has_sink": False, "dtype": "bfloat16", "skip_tail": True}
     src = bwd.build_bwd_program(cfg, "main", target=SM90A).get_kernel_source()
     assert "RowBlocks[" in src and "wgmma" in src
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
+def test_l2_keep_variant_sends_staged_reductions_with_a_cache_policy():
+    """The staged v4 reductions with an L2 evict_last policy (an experiment, not shipped): the
+    PTX assembles for sm_90a and replaces every atomic."""
+    cfg = {"heads": 64, "dqk": 576, "dv": 512, "has_sink": False, "dtype": "bfloat16", "stage_atomics": True,
+           "l2_keep": True}
+    src = bwd.build_bwd_program(cfg, "main", target=SM90A).get_kernel_source()
+    assert "L2::cache_hint" in src and "dsa_red_v4_keep(" in src and "AtomicAdd" not in src
+    assert not bwd._normalise_config({**cfg, "stage_atomics": False})["l2_keep"]  # only with staging

@@ -322,3 +322,20 @@ def test_skip_tail_walks_only_to_the_last_valid_slot(cfg, deterministic):
     if deterministic:
         assert torch.equal(skip[1], plain[1])
     assert _rel(skip[0], dq_ref) < TOL and _rel(skip[1], dkv_ref) < TOL
+
+
+@pytest.mark.parametrize("tuning", [{"stage_atomics": True}, {"stage_atomics": True, "l2_keep": True}],
+                         ids=["staged", "staged-l2keep"])
+def test_staged_reductions_match_the_default(tuning):
+    """The staged v4 dkv reductions (with or without an L2 policy) give the default's gradients."""
+    from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
+
+    cfg, case = CONFIGS[2], CASES[3]  # MLA 576/512, K > Skv with -1 and out-of-range slots
+    H, Dqk, Dv, has_sink, dtype = cfg
+    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=21)
+    out64, lse64, dq_ref, dkv_ref, _ = _reference(q, kv, idx, dout, sink, scale, Dv)
+    out, lse = out64.to(dtype), lse64.float()
+    plain = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv)
+    staged = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv, config=tuning)
+    assert torch.equal(staged[0], plain[0])
+    assert _rel(staged[1], plain[1]) < 1e-5 and _rel(staged[1], dkv_ref) < TOL
