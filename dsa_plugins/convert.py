@@ -117,7 +117,7 @@ def build(src: SafetensorsDir, source: Source):
 
     if source.op.startswith("dequant:"):  # (fp8 weight, its scale_inv), "dequant:ROWSxCOLS" blocks
         weight, scale_inv = (src.get(k) for k in source.keys)
-        return dequantize_fp8(weight, scale_inv, tuple(int(b) for b in source.op[len("dequant:"):].split("x")))
+        return fp8_block_dequant(weight, scale_inv, tuple(int(b) for b in source.op[len("dequant:"):].split("x")))
     if source.op == "copy":
         return src.get(source.keys[0])
     if source.op == "clone":  # a second output of one input: its own storage (safetensors refuses shared ones)
@@ -137,7 +137,7 @@ def build(src: SafetensorsDir, source: Source):
     raise ValueError(f"unknown op {source.op!r}")
 
 
-def dequantize_fp8(weight, scale_inv, block: tuple[int, int] = (128, 128)):
+def fp8_block_dequant(weight, scale_inv, block: tuple[int, int] = (128, 128)):
     """bf16 of an e4m3 ``weight`` [N, K] with block scales ``scale_inv`` [ceil(N/bn), ceil(K/bk)]:
     weight * scale of its block, rounded once to bf16."""
     import torch
@@ -288,7 +288,8 @@ def convert(
             layer_ids = {int(m.group(1)) for k in keys if (m := re.match(r"decoder\.layers\.(\d+)\.", k))}
             num_layers = max(layer_ids) + 1 if layer_ids else 0
         kmap = KeyMap(family, num_layers, layout, experts)
-        plan = kmap.plan_to_hf(keys, num_layers)
+        # a dir we wrote names the MTP copies it left out; for any other, rebuild them all
+        plan = kmap.plan_to_hf(keys, num_layers, mtp_copies=meta.get("mtp_copies_left_out"))
     os.makedirs(dst, exist_ok=True)
     # read in source order (one shard file at a time), write as we go
     def first_input(source: Source) -> str:
@@ -303,11 +304,18 @@ def convert(
     finally:
         reader.close()
     _copy_side_files(src, dst, skip=(META_NAME,))
+    quantization = None
+    if to == "megatron" and dequantize_fp8 and "quantization_config" in config:
+        # the weights are bf16 now: a config that still announced fp8 would make loaders build fp8 layers
+        quantization = config.pop("quantization_config")
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
     if to == "megatron":
         with open(os.path.join(dst, META_NAME), "w") as f:
             json.dump(
                 {"family": family, "layout": layout, "experts": experts, "num_layers": num_layers, "source": "hf",
-                 "megatron": megatron, "mtp_copies_left_out": dropped, "fp8_dequantized": bool(dequantize_fp8)},
+                 "megatron": megatron, "mtp_copies_left_out": dropped, "fp8_dequantized": bool(dequantize_fp8),
+                 "quantization_config_removed": quantization},
                 f, indent=2,
             )
     return weight_map

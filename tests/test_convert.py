@@ -230,13 +230,30 @@ def test_convert_leaves_out_identical_mtp_copies_and_writes_them_back(tmp_path, 
     assert "mtp.layers.0.transformer_layer.self_attention.linear_q_down_proj.weight" in _read_all(tmp_path / "mg16")
 
 
+def test_round_trip_adds_no_mtp_copy_the_checkpoint_did_not_have(tmp_path):
+    """MTP layers without embed_tokens / shared_head.head copies come back without them (the
+    conversion's record says which copies it left out); a megatron dir from elsewhere (no record)
+    gets both rebuilt for each MTP layer."""
+    keys = [k for k in mla_checkpoint_keys() if not k.endswith(("layers.3.embed_tokens.weight",
+                                                                "layers.3.shared_head.head.weight"))]
+    original = _write_fake(tmp_path / "hf", keys)
+    convert(str(tmp_path / "hf"), str(tmp_path / "mg"), "megatron", progress=False)
+    convert(str(tmp_path / "mg"), str(tmp_path / "back"), "hf", progress=False)
+    assert _read_all(tmp_path / "back").keys() == original.keys()
+    (tmp_path / "mg" / "dsa_plugins_convert.json").unlink()
+    convert(str(tmp_path / "mg"), str(tmp_path / "rebuilt"), "hf", num_layers=3, progress=False)
+    rebuilt = _read_all(tmp_path / "rebuilt")
+    assert set(rebuilt) - set(original) == {"model.layers.3.embed_tokens.weight", "model.layers.3.shared_head.head.weight"}
+    assert torch.equal(rebuilt["model.layers.3.shared_head.head.weight"], original["lm_head.weight"])
+
+
 def test_convert_dequantizes_block_scaled_fp8_on_request(tmp_path, capsys):
     """DeepSeek-V3.2's release stores e4m3 weights with 128 x 128 block scales: kept as they are by
     default (with a note), written as bf16 with --dequantize-fp8 (gate/up halves each with its own
     scales), the scales left out."""
     from safetensors.torch import save_file
 
-    from dsa_plugins.convert import dequantize_fp8
+    from dsa_plugins.convert import fp8_block_dequant
 
     g = torch.Generator().manual_seed(3)
     w = (torch.randn(200, 300, generator=g) * 4).to(torch.float8_e4m3fn)
@@ -245,9 +262,9 @@ def test_convert_dequantizes_block_scaled_fp8_on_request(tmp_path, capsys):
     for i in range(2):
         for j in range(3):
             want[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] *= s[i, j]
-    assert torch.equal(dequantize_fp8(w, s), want.bfloat16())
+    assert torch.equal(fp8_block_dequant(w, s), want.bfloat16())
     with pytest.raises(ValueError, match="does not tile"):
-        dequantize_fp8(w, s[:1])
+        fp8_block_dequant(w, s[:1])
 
     keys = mla_checkpoint_keys(layers=2, experts=1, mtp=0)
     tensors = {}
@@ -273,12 +290,17 @@ def test_convert_dequantizes_block_scaled_fp8_on_request(tmp_path, capsys):
     assert all(t.dtype != torch.float8_e4m3fn for t in mg.values())
     q = "model.layers.1.self_attn.q_a_proj."
     assert torch.equal(mg["decoder.layers.1.self_attention.linear_q_down_proj.weight"],
-                       dequantize_fp8(tensors[q + "weight"], tensors[q + "weight_scale_inv"]))
+                       fp8_block_dequant(tensors[q + "weight"], tensors[q + "weight_scale_inv"]))
     e = "model.layers.1.mlp.experts.0."
     assert torch.equal(mg["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"], torch.cat([
-        dequantize_fp8(tensors[e + "gate_proj.weight"], tensors[e + "gate_proj.weight_scale_inv"]),
-        dequantize_fp8(tensors[e + "up_proj.weight"], tensors[e + "up_proj.weight_scale_inv"])]))
+        fp8_block_dequant(tensors[e + "gate_proj.weight"], tensors[e + "gate_proj.weight_scale_inv"]),
+        fp8_block_dequant(tensors[e + "up_proj.weight"], tensors[e + "up_proj.weight_scale_inv"])]))
     assert torch.equal(mg["decoder.layers.0.input_layernorm.weight"], tensors["model.layers.0.input_layernorm.weight"])
+    cfg = json.loads((tmp_path / "bf16" / "config.json").read_text())  # no longer announces fp8
+    assert "quantization_config" not in cfg and cfg["model_type"] == "deepseek_v32"
+    meta = json.loads((tmp_path / "bf16" / "dsa_plugins_convert.json").read_text())
+    assert meta["quantization_config_removed"]["weight_block_size"] == [128, 128]
+    assert "quantization_config" in json.loads((tmp_path / "kept" / "config.json").read_text())
 
 
 def test_convert_single_file_v4_and_cli(tmp_path):

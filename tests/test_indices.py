@@ -20,7 +20,8 @@ def test_row_blocks_counts_to_the_last_valid_slot():
 
 
 def test_row_blocks_bounds_its_temporaries(monkeypatch):
-    """Many rows are counted a slice at a time (here 7 rows of 40 slots), with the same result."""
+    """Many rows are counted a slice at a time (here 7 rows of 40 slots, by the budget), with the
+    same result."""
     from dsa_plugins.common import indices
 
     g = torch.Generator().manual_seed(0)
@@ -28,8 +29,17 @@ def test_row_blocks_bounds_its_temporaries(monkeypatch):
     idx[:, 30:] = -1
     idx[::11] = -1
     last = torch.where(idx >= 0, torch.arange(1, 41, dtype=torch.int32), 0).amax(1)
-    monkeypatch.setattr(indices, "_ROW_BLOCKS_TEMP_BYTES", 7 * 40 * 4)
+    monkeypatch.setattr(indices, "_ROW_BLOCKS_TEMP_BYTES", 7 * 40 * 8)
+    rows_seen = []
+    where = torch.where
+
+    def recording_where(cond, *args):
+        rows_seen.append(cond.shape[0])
+        return where(cond, *args)
+
+    monkeypatch.setattr(torch, "where", recording_where)
     assert torch.equal(row_blocks(idx, 8), (last + 7) // 8)
+    assert max(rows_seen) == 7 and len(rows_seen) == -(-3000 // 7)  # 7 rows at a time
 
 
 def test_global_rows_offsets_each_batch_and_drops_invalid():

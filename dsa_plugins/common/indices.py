@@ -39,7 +39,7 @@ def row_blocks(indices: Tensor, block: int, n_keys: int | None = None) -> Tensor
     r, k = indices.shape
     pos = torch.arange(1, k + 1, device=indices.device, dtype=torch.int32)
     out = torch.empty(r, dtype=torch.int32, device=indices.device)
-    step = max(1, _ROW_BLOCKS_TEMP_BYTES // (4 * max(1, k)))
+    step = max(1, _ROW_BLOCKS_TEMP_BYTES // (8 * max(1, k)))  # a bool mask or two and an int32 per slot
     for r0 in range(0, r, step):
         part = indices[r0 : r0 + step]
         valid = part >= 0 if n_keys is None else (part >= 0) & (part < n_keys)

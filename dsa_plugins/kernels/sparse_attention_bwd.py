@@ -736,9 +736,16 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
             t1 = min(T_, t0 + chunk)
             tc = t1 - t0
             cb = contrib[: tc * nhb * Kp]
+            # probs[:, t0:t1] is not contiguous with two head blocks or more: a chunk buffer of its own
+            part = None
+            if probs is not None:
+                part = probs[:, t0:t1] if probs[:, t0:t1].is_contiguous() else (
+                    torch.zeros if skip else torch.empty)(nhb, tc, Kp, device=dev, dtype=torch.float32)
             main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1],
-                 cb.view(tc, nhb, Kp, Dqk), s, s * _LOG2E, _probs_arg(None if probs is None else probs[:, t0:t1], dev),
+                 cb.view(tc, nhb, Kp, Dqk), s, s * _LOG2E, _probs_arg(part, dev),
                  blocks[t0:t1] if skip else blocks)
+            if part is not None and part.data_ptr() != probs[:, t0:t1].data_ptr():
+                probs[:, t0:t1].copy_(part)
             keys = idx[t0:t1].reshape(-1)
             keys = torch.where(keys >= 0, keys, torch.full_like(keys, N))
             sorted_keys, order = torch.sort(keys, stable=True)

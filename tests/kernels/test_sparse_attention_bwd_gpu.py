@@ -339,3 +339,21 @@ def test_staged_reductions_match_the_default(tuning):
     staged = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv, config=tuning)
     assert torch.equal(staged[0], plain[0])
     assert _rel(staged[1], plain[1]) < 1e-5 and _rel(staged[1], dkv_ref) < TOL
+
+
+def test_deterministic_chunks_with_probs_and_two_head_blocks(monkeypatch):
+    """H 128 (two head blocks): the deterministic query chunks write the head-summed probabilities
+    through a buffer of their own (a [2, T, K] slice is not contiguous); same bits as one chunk."""
+    from dsa_plugins.kernels import sparse_attention_bwd as mod
+
+    cfg, case = CONFIGS[3], (1, 9, 300, 130, "mixed", "normal")
+    _, Dqk, Dv, _, dtype = cfg
+    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=5)
+    out64, lse64, *_ = _reference(q, kv, idx, dout, sink, scale, Dv)
+    out, lse = out64.to(dtype), lse64.float()
+    kw = dict(sink=sink, dv=Dv, deterministic=True, return_probs=True)
+    whole = mod.sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, **kw)
+    monkeypatch.setattr(mod, "_DET_BUDGET_BYTES", 2 * 2 * 192 * Dqk * 4)  # two query rows per chunk
+    chunked = mod.sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, **kw)
+    assert torch.equal(chunked[0], whole[0]) and torch.equal(chunked[3], whole[3])
+    assert _rel(chunked[1], whole[1]) < 1e-6

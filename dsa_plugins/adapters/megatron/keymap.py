@@ -293,10 +293,12 @@ class KeyMap:
                 raise ValueError(f"{name!r} needs both gate and up tensors, found only {list(slots.values())}")
         return plan
 
-    def plan_to_hf(self, mg_keys: Iterable[str], num_layers: Optional[int] = None) -> dict[str, Source]:
-        """HF key -> how to take it from the Megatron keys. Each MTP layer also gets its HF copies of
-        the shared embedding and output layer (``embed_tokens``, ``shared_head.head``) unless the
-        Megatron keys carry their own."""
+    def plan_to_hf(self, mg_keys: Iterable[str], num_layers: Optional[int] = None,
+                   mtp_copies: Optional[Iterable[str]] = None) -> dict[str, Source]:
+        """HF key -> how to take it from the Megatron keys. MTP layers get HF copies of the shared
+        embedding and output layer (``embed_tokens``, ``shared_head.head``): the HF keys named in
+        ``mtp_copies`` (those a conversion left out), or, with None (a checkpoint from elsewhere),
+        both for every MTP layer whose Megatron keys carry none of their own."""
         mg_keys = list(mg_keys)
         plan: dict[str, Source] = {}
         for key in mg_keys:
@@ -307,12 +309,14 @@ class KeyMap:
                 plan[name] = Source((key,), "copy" if len(names) == 1 else f"half{i}")
         if self.family == "mla":
             present = set(mg_keys)
+            mtp_copies = None if mtp_copies is None else set(mtp_copies)
             n_layers = self.num_layers if num_layers is None else num_layers
             mtp_ids = {int(m.group("L")) for k in mg_keys if (m := self._mg_mtp.match(k))}
             for i in sorted(mtp_ids):
                 for rel, (_, shared_mg) in _MTP_SHARED.items():
                     name = f"{_LAYER_PREFIX['mla']}{n_layers + i}.{rel}"
-                    if name not in plan and shared_mg in present:
+                    wanted = mtp_copies is None or name in mtp_copies
+                    if wanted and name not in plan and shared_mg in present:
                         plan[name] = Source((shared_mg,), "clone")
         return plan
 
