@@ -6,9 +6,9 @@ order. Runs where megatron-bridge imports (it needs Transformer Engine); skipped
 Megatron-Bridge 0.6.2 maps GLM-5 (``GLM5Bridge``); it has no DeepSeek-V3.2 bridge, and its
 DeepSeek-V3 one has no indexer, so the V3.2 keys are checked against the GLM-5 mappings.
 
-Names only (the bridge's lookup works without a model): that a built GPTModel has exactly these
-parameters is what our megatron tests and the CPU conversion run recorded in the closing note of
-this change check (the bridge loaded 71 of 71 tensors bit-identical to our plan).
+Names only (the bridge's lookup works without a model), so a parameter the bridge maps and our
+plan never writes is not seen here. On 2026-11-24 the bridge's own conversion of tiny GLM-5 and
+V3.2 checkpoints into a CPU-built GPTModel loaded 71 of 71 tensors bit-identical to our plan.
 """
 
 from __future__ import annotations
