@@ -86,22 +86,21 @@ class SafetensorsDir:
     def keys(self) -> list[str]:
         return list(self.weight_map)
 
-    def dtype(self, key: str) -> str:
-        """The stored dtype ("BF16", "F8_E4M3", ...), read from the header only."""
+    def _handle(self, key: str):
+        """The open file that holds ``key`` (each file opened once)."""
         name = self.weight_map[key]
         if name not in self._handles:
             from safetensors import safe_open
 
             self._handles[name] = safe_open(os.path.join(self.path, name), framework="pt")
-        return self._handles[name].get_slice(key).get_dtype()
+        return self._handles[name]
+
+    def dtype(self, key: str) -> str:
+        """The stored dtype ("BF16", "F8_E4M3", ...), read from the header only."""
+        return self._handle(key).get_slice(key).get_dtype()
 
     def get(self, key: str):
-        from safetensors import safe_open
-
-        name = self.weight_map[key]
-        if name not in self._handles:
-            self._handles[name] = safe_open(os.path.join(self.path, name), framework="pt")
-        return self._handles[name].get_tensor(key)
+        return self._handle(key).get_tensor(key)
 
     def close(self) -> None:
         for h in self._handles.values():

@@ -54,6 +54,19 @@ KERNEL_GROUPS: dict[str, tuple[str, ...]] = {
 }
 
 
+_ZEROS: dict = {}
+
+
+def cached_zeros(n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A cached [n] zero tensor for a program argument the compiled variant does not read (or
+    reads as zeros): no allocation per call."""
+    key = (n, dtype, str(device))
+    t = _ZEROS.get(key)
+    if t is None:
+        t = _ZEROS.setdefault(key, torch.zeros(n, dtype=dtype, device=device))
+    return t
+
+
 def announce_compile(what: str) -> None:
     """Say once per process that kernels are being built (the first calls would otherwise be
     silent for up to a minute per configuration), and how to do it ahead."""

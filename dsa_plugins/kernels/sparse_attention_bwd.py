@@ -41,7 +41,7 @@ from torch import Tensor
 
 from ..common.indices import global_rows, row_blocks
 from ..common.validation import output_buffer
-from . import announce_compile
+from . import announce_compile, cached_zeros
 
 __all__ = ["BWD_PROGRAMS", "SHIPPED_CONFIGS", "build_bwd_kernels", "build_bwd_program", "bwd_flops", "sparse_attention_bwd"]
 
@@ -687,20 +687,9 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
     return res
 
 
-_PLACEHOLDERS: dict = {}
-
-
-def _placeholder(device, dtype):
-    """A cached one-element tensor for a program argument the compiled variant never reads."""
-    ph = _PLACEHOLDERS.get((device, dtype))
-    if ph is None:
-        ph = _PLACEHOLDERS.setdefault((device, dtype), torch.zeros(1, device=device, dtype=dtype))
-    return ph
-
-
 def _probs_arg(probs, device):
     """The Probs argument of the main program: the buffer, or a placeholder."""
-    return probs if probs is not None else _placeholder(device, torch.float32)
+    return probs if probs is not None else cached_zeros(1, torch.float32, device)
 
 
 def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, deterministic, B, S, Skv,
@@ -724,7 +713,7 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
     skip = cfg["skip_tail"]
     # skipped blocks write no probabilities: they start at zero
     probs = (torch.zeros if skip else torch.empty)(nhb, T_, Kp, device=dev, dtype=torch.float32) if return_probs else None
-    blocks = row_blocks(idx, cfg["block_k"]) if skip else _placeholder(dev, torch.int32)
+    blocks = row_blocks(idx, cfg["block_k"]) if skip else cached_zeros(1, torch.int32, dev)
     if not deterministic:
         main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), blocks)
     else:
@@ -737,15 +726,14 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
             tc = t1 - t0
             cb = contrib[: tc * nhb * Kp]
             # probs[:, t0:t1] is not contiguous with two head blocks or more: a chunk buffer of its own
-            part = None
-            if probs is not None:
-                part = probs[:, t0:t1] if probs[:, t0:t1].is_contiguous() else (
-                    torch.zeros if skip else torch.empty)(nhb, tc, Kp, device=dev, dtype=torch.float32)
+            view = part = None if probs is None else probs[:, t0:t1]
+            if view is not None and not view.is_contiguous():
+                part = (torch.zeros if skip else torch.empty)(nhb, tc, Kp, device=dev, dtype=torch.float32)
             main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1],
                  cb.view(tc, nhb, Kp, Dqk), s, s * _LOG2E, _probs_arg(part, dev),
                  blocks[t0:t1] if skip else blocks)
-            if part is not None and part.data_ptr() != probs[:, t0:t1].data_ptr():
-                probs[:, t0:t1].copy_(part)
+            if part is not view:
+                view.copy_(part)
             keys = idx[t0:t1].reshape(-1)
             keys = torch.where(keys >= 0, keys, torch.full_like(keys, N))
             sorted_keys, order = torch.sort(keys, stable=True)

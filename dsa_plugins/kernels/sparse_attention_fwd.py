@@ -42,7 +42,7 @@ import torch
 from ..common.settings import logger
 from ..common.indices import as_int32, row_blocks
 from ..common.validation import check_scale, check_tensor, output_buffer
-from . import announce_compile
+from . import announce_compile, cached_zeros
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -541,26 +541,6 @@ def unsupported_reason(num_heads: int, dqk: int, dv: int, has_sink: bool, dtype:
     return None
 
 
-_placeholders: dict = {}
-
-
-def _placeholder_int(device: torch.device) -> torch.Tensor:
-    key = ("int32", str(device))
-    t = _placeholders.get(key)
-    if t is None:
-        t = _placeholders.setdefault(key, torch.zeros(1, dtype=torch.int32, device=device))
-    return t
-
-
-def _placeholder_sink(h: int, device: torch.device) -> torch.Tensor:
-    key = (h, str(device))
-    t = _placeholders.get(key)
-    if t is None:
-        t = torch.zeros(h, dtype=torch.float32, device=device)
-        _placeholders[key] = t
-    return t
-
-
 @functools.lru_cache(maxsize=None)
 def device_target(index: int) -> dict:
     """The explicit TileLang target of CUDA device ``index`` (same key as a CPU build for sm_90a)."""
@@ -620,11 +600,11 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
     if kp != k:
         idx = torch.nn.functional.pad(idx, (0, kp - k), value=-1)
     idx = idx.contiguous()
-    sinks = sink.contiguous() if sink is not None else _placeholder_sink(h, q.device)
+    sinks = sink.contiguous() if sink is not None else cached_zeros(h, torch.float32, q.device)
     if cfg["skip_tail"]:
         trips = row_blocks(idx.view(b * s, kp), step, kv.shape[1]).view(b, s)
     else:
-        trips = _placeholder_int(q.device)
+        trips = cached_zeros(1, torch.int32, q.device)
     with torch.cuda.device(q.device):
         kernel(q, kv, idx, sinks, scale, out, lse, trips)
 

@@ -181,50 +181,43 @@ def _fake_kernels(sa, calls):
     return fake_fwd, fake_bwd
 
 
-def test_query_chunking_for_int32_kernels_is_exact(monkeypatch):
-    """Inputs over the kernels' int32 range run in query chunks; the split must not change results."""
+def _run_in_chunks(monkeypatch, inputs, max_elements):
+    """Forward and backward of ``inputs`` (q, kv, idx, sink) through the fake kernels with the
+    int32 bound at ``max_elements``: outputs and gradients must equal the dense reference. Returns
+    the forward launches (direction, batch, queries)."""
     import importlib
 
     sa = importlib.import_module("dsa_plugins.ops.attention_custom_ops")
-
-    q, kv, idx, sink = _batched(b=2, s=9, h=4, d=16, k=6, seed=8)
+    q, kv, idx, sink = inputs
     calls = []
     fake_fwd, fake_bwd = _fake_kernels(sa, calls)
     monkeypatch.setattr(sa, "choose_kernel", lambda *a, **k: True)
     monkeypatch.setattr(sa, "load_kernel", lambda name: fake_fwd if name.endswith("fwd") else fake_bwd)
-    # four query-entries per chunk: the whole batch does not fit two queries' worth, so the
-    # queries split one batch entry at a time (contiguous slices, written in place)
-    monkeypatch.setattr(sa, "_MAX_KERNEL_ELEMENTS", 4 * (6 + 128))
+    monkeypatch.setattr(sa, "_MAX_KERNEL_ELEMENTS", max_elements)
     leaves = [t.clone().requires_grad_() for t in (q, kv, sink.double())]
     out = ops.sparse_attention(leaves[0], leaves[1], idx, 0.3, sink=leaves[2])
-    assert calls == [("fwd", 1, 4), ("fwd", 1, 4), ("fwd", 1, 1)] * 2
+    fwd_calls = list(calls)
     ref_leaves = [t.clone().requires_grad_() for t in (q, kv, sink.double())]
     ref, _ = sparse_attention_dense(ref_leaves[0], ref_leaves[1], idx, 0.3, ref_leaves[2])
     torch.testing.assert_close(out, ref)
     dout = torch.randn_like(out)
     for a, b in zip(torch.autograd.grad(out, leaves, dout), torch.autograd.grad(ref, ref_leaves, dout)):
         torch.testing.assert_close(a, b)
+    return fwd_calls
+
+
+def test_query_chunking_for_int32_kernels_is_exact(monkeypatch):
+    """Inputs over the kernels' int32 range run in query chunks; the split must not change results."""
+    # four query-entries per chunk: the whole batch does not fit two queries' worth, so the
+    # queries split one batch entry at a time (contiguous slices, written in place)
+    fwd_calls = _run_in_chunks(monkeypatch, _batched(b=2, s=9, h=4, d=16, k=6, seed=8), 4 * (6 + 128))
+    assert fwd_calls == [("fwd", 1, 4), ("fwd", 1, 4), ("fwd", 1, 1)] * 2
 
 
 def test_batch_chunking_for_int32_kernels_is_exact(monkeypatch):
     """Caches over the kernels' int32 range (B 32 x 128K tokens x 576) run in batch chunks, each with
-    its own cache slice; the split must not change outputs or gradients (dkv parts concatenated)."""
-    import importlib
-
-    sa = importlib.import_module("dsa_plugins.ops.attention_custom_ops")
-
-    q, kv, idx, sink = _batched(b=3, s=4, skv=40, h=4, d=16, k=6, seed=9)
-    calls = []
-    fake_fwd, fake_bwd = _fake_kernels(sa, calls)
-    monkeypatch.setattr(sa, "choose_kernel", lambda *a, **k: True)
-    monkeypatch.setattr(sa, "load_kernel", lambda name: fake_fwd if name.endswith("fwd") else fake_bwd)
-    monkeypatch.setattr(sa, "_MAX_KERNEL_ELEMENTS", 2 * 40 * 16 + 20)  # two caches of 40 x 16 per chunk
-    leaves = [t.clone().requires_grad_() for t in (q, kv, sink.double())]
-    out = ops.sparse_attention(leaves[0], leaves[1], idx, 0.3, sink=leaves[2])
-    assert [c[1:] for c in calls if c[0] == "fwd"] == [(2, 4), (1, 4)]
-    ref_leaves = [t.clone().requires_grad_() for t in (q, kv, sink.double())]
-    ref, _ = sparse_attention_dense(ref_leaves[0], ref_leaves[1], idx, 0.3, ref_leaves[2])
-    torch.testing.assert_close(out, ref)
-    dout = torch.randn_like(out)
-    for a, b in zip(torch.autograd.grad(out, leaves, dout), torch.autograd.grad(ref, ref_leaves, dout)):
-        torch.testing.assert_close(a, b)
+    its own cache slice; the split must not change outputs or gradients (dkv parts accumulated
+    into views of one buffer)."""
+    inputs = _batched(b=3, s=4, skv=40, h=4, d=16, k=6, seed=9)
+    fwd_calls = _run_in_chunks(monkeypatch, inputs, 2 * 40 * 16 + 20)  # two caches of 40 x 16 per chunk
+    assert [c[1:] for c in fwd_calls] == [(2, 4), (1, 4)]
