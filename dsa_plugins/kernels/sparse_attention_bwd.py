@@ -70,7 +70,9 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
     return 2.0 * num_queries * heads * topk * (2 * dv + 3 * dqk)
 
 
-_TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep")
+_TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep",
+                "schedule")
+_SCHEDULES = ("ws", "plain")
 
 
 def _default_tuning(dqk: int, dv: int) -> dict:
@@ -112,6 +114,14 @@ def _normalise_config(config: dict) -> dict:
     if cfg["dv"] > cfg["dqk"] or cfg["dv"] % cfg["dkv_chunk"] or cfg["dqk"] % 16 or cfg["dv"] % 16:
         raise ValueError(f"unsupported dims dqk={cfg['dqk']} dv={cfg['dv']} (need dv <= dqk, multiples of 16, "
                          f"dv a multiple of dkv_chunk={cfg['dkv_chunk']})")
+    # schedule: "ws" (warp-specialised program, the atomic mode without head-summed probabilities)
+    # where its shapes allow, else "plain" (the program that serves every mode)
+    cfg["schedule"] = str(cfg.get("schedule") or ("ws" if ws_supported(cfg["dqk"], cfg["dv"]) else "plain"))
+    if cfg["schedule"] not in _SCHEDULES:
+        raise ValueError(f"schedule must be one of {_SCHEDULES}, got {cfg['schedule']!r}")
+    if cfg["schedule"] == "ws" and not ws_supported(cfg["dqk"], cfg["dv"]):
+        raise ValueError(f"schedule 'ws' needs dv a multiple of 128 and dqk - dv in (0, 64), got dqk={cfg['dqk']} "
+                         f"dv={cfg['dv']}")
     return cfg
 
 
@@ -433,6 +443,249 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
     return dsa_bwd_main
 
 
+# ----------------------------------------------------------------------------------------------
+# Warp-specialised main program ("ws" schedule)
+# ----------------------------------------------------------------------------------------------
+
+# dkv += one warpgroup's m64n64 fp32 wgmma accumulator tile (64 slots x 64 columns), sent as full
+# 128-byte lines of red.global.add.v4.f32. In the accumulator a thread holds, for rows
+# r0 = 16 * warp + lane / 4 and r0 + 8, the column pairs 8 j + 2 (lane % 4) + {0, 1}, j = 0..7
+# (register 4 j + 2 * half + parity). Two shuffles regroup them without leaving registers: lanes
+# q and q ^ 1 trade pairs so each holds 4 consecutive columns, then lanes g and g ^ 1 (rows r and
+# r + 1) trade float4s so that 8 lanes cover one row's 128-byte line: a warp's reduction touches
+# 4 whole lines (the v2 reductions straight from the layout touch 8 rows x 32 bytes).
+_WS_PRELUDE = r"""
+__device__ __forceinline__ void dsa_red_tile64(const float* acc, float* dkv, const int* rows, int ld, int col0) {
+  const int tid = threadIdx.x & 127;
+  const int lane = tid & 31, q = lane & 3, g = lane >> 2;
+  const int odd = q & 1, gb = g & 1;
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float4 v[4];
+    #pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const float a0 = acc[8 * m + 2 * half], a1 = acc[8 * m + 2 * half + 1];
+      const float b0 = acc[8 * m + 4 + 2 * half], b1 = acc[8 * m + 4 + 2 * half + 1];
+      const float r0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
+      const float r1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
+      v[m] = odd ? make_float4(r0, r1, b0, b1) : make_float4(a0, a1, r0, r1);
+    }
+    const int slot = 16 * (tid >> 5) + 8 * half + (g & ~1);
+    const int row_a = rows[slot], row_b = rows[slot + 1];
+    #pragma unroll
+    for (int mp = 0; mp < 2; ++mp) {
+      const float4 x = v[2 * mp], y = v[2 * mp + 1];
+      const float4 s = gb ? x : y;
+      float4 r;
+      r.x = __shfl_xor_sync(0xffffffffu, s.x, 4);
+      r.y = __shfl_xor_sync(0xffffffffu, s.y, 4);
+      r.z = __shfl_xor_sync(0xffffffffu, s.z, 4);
+      r.w = __shfl_xor_sync(0xffffffffu, s.w, 4);
+      const float4 va = gb ? r : x, vb = gb ? y : r;
+      const int col = col0 + 16 * (2 * mp + gb) + 8 * odd + 4 * (q >> 1);
+      if (row_a >= 0) {
+        float* p = dkv + (long long)row_a * ld + col;
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(va.x), "f"(va.y), "f"(va.z), "f"(va.w) : "memory");
+      }
+      if (row_b >= 0) {
+        float* p = dkv + (long long)row_b * ld + col;
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(vb.x), "f"(vb.y), "f"(vb.z), "f"(vb.w) : "memory");
+      }
+    }
+  }
+}
+"""
+
+# named barriers of the ws program (bar ids; TileLang numbers its own from 1 upwards per thread range)
+_BAR_PDS_READY, _BAR_PDS_FREE, _BAR_KV_FREE, _BAR_WG0 = 15, 14, 13, 12
+
+
+def ws_supported(dqk: int, dv: int) -> bool:
+    """The ws program's shapes: 64-column dkv chunks over dv, and a K-only tail of 0 or 64 columns."""
+    return dv % 128 == 0 and dqk - dv in (0, 64)
+
+
+def _ws_body(heads, dqk, dv, dtype):
+    """Main backward program, warp-specialised (256 threads, one CTA per query row and 64 heads).
+
+    Warpgroup 0 gathers the selected kv rows (predicated cp.async, invalid slots zero-filled),
+    computes S = q k^T and dP = dout v^T, P and dS, hands P and dS to warpgroup 1 through shared
+    memory, and accumulates dq's first dv/2 columns. Warpgroup 1 accumulates the other dq columns,
+    releases the kv buffer, then forms dkv = dS^T q + P^T dout in 64-column chunks (two
+    accumulators: the MMAs of chunk c + 1 run while chunk c's reductions issue) and adds each
+    chunk to dkv with full-line v4 reductions. The dkv products read no kv, so warpgroup 0 gathers
+    and scores the next block while warpgroup 1 reduces this one."""
+    import tilelang.cuda.language as TC
+    import tilelang.language as T
+
+    dt = T.bfloat16 if dtype == "bfloat16" else T.float16
+    f32 = T.float32
+    i32 = T.int32
+    BH = _BLOCK_H
+    BK = 64
+    DT = dqk - dv
+    DQ0 = dv // 2  # dq columns of warpgroup 0; warpgroup 1 has [DQ0, dqk)
+    NHB = (heads + BH - 1) // BH
+    pad_h = heads % BH != 0
+    VEC = 8  # bf16 per 16-byte cp.async
+    ROWS_PER_PASS = 16  # 8 threads per row, 128 threads
+    passes = tuple(range(BK // ROWS_PER_PASS))
+    v_chunks = tuple(range(dv // 64))
+    t_chunks = tuple(range(DT // 64))
+    # dkv column chunks: (first column, from the V part too); the K-only tail last
+    chunks = tuple([(c * 64, True) for c in range(dv // 64)] + ([(dv, False)] if DT > 0 else []))
+    NCH = len(chunks)
+    chunk_ids = tuple(range(NCH))  # a tuple: the loop over it is unrolled while the program is built
+
+    Tq = T.dynamic("Tq")
+    N = T.dynamic("N")
+    Kp = T.dynamic("Kp")
+
+    @T.macro
+    def issue_chunk(ci, q_s, qt_s, do_s, p_s, ds_s, acc):
+        c0, has_v = chunks[ci]
+        if has_v:
+            T.wgmma_gemm(ds_s, q_s[:, c0 : c0 + 64], acc, transpose_A=True, clear_accum=True)
+            T.wgmma_gemm(p_s, do_s[:, c0 : c0 + 64], acc, transpose_A=True)
+        else:
+            T.wgmma_gemm(ds_s, qt_s, acc, transpose_A=True, clear_accum=True)
+
+    @T.prim_func
+    def dsa_bwd_ws(
+        Q: T.Tensor([Tq, heads, dqk], dt),
+        KV: T.Tensor([N, dqk], dt),
+        dO: T.Tensor([Tq, heads, dv], dt),
+        Idx: T.Tensor([Tq, Kp], i32),
+        Lse2: T.Tensor([Tq, heads], f32),
+        Delta: T.Tensor([Tq, heads], f32),
+        dQ: T.Tensor([Tq, heads, dqk], dt),
+        dKV: T.Tensor([N, dqk], f32),
+        scale: f32,
+        scale_log2: f32,
+    ):
+        with TC.Kernel(Tq, NHB, threads=256, prelude=_WS_PRELUDE) as (t, hb):
+            q_s = T.alloc_shared([BH, dv], dt)
+            do_s = T.alloc_shared([BH, dv], dt)
+            kv_s = T.alloc_shared([BK, dv], dt)
+            p_s = T.alloc_shared([BH, BK], dt)
+            ds_s = T.alloc_shared([BH, BK], dt)
+            lse_s = T.alloc_shared([BH], f32)
+            delta_s = T.alloc_shared([BH], f32)
+            qt_s = T.alloc_shared([BH, DT], dt) if DT > 0 else None
+            kt_s = T.alloc_shared([BK, DT], dt) if DT > 0 else None
+
+            acc_s = T.alloc_fragment([BH, BK], f32)
+            acc_dp = T.alloc_fragment([BH, BK], f32)
+            acc_dq0 = T.alloc_fragment([BH, DQ0], f32)
+            acc_dq1 = T.alloc_fragment([BH, dv - DQ0], f32)
+            acc_dqt = T.alloc_fragment([BH, DT], f32) if DT > 0 else None
+            acc_kv = [T.alloc_fragment([BK, 64], f32), T.alloc_fragment([BK, 64], f32)]
+            idx_reg = T.alloc_local([len(passes)], i32)
+
+            tx = T.get_thread_binding()
+            h0 = hb * BH
+            n_blocks = T.ceildiv(Kp, BK)
+
+            # both warpgroups: q, dout, lse', Delta of the 64 heads (padded heads: zeros, lse' +inf)
+            for i, d in T.Parallel(BH, dv):
+                q_s[i, d] = T.if_then_else(h0 + i < heads, Q[t, T.min(h0 + i, heads - 1), d], 0)
+                do_s[i, d] = T.if_then_else(h0 + i < heads, dO[t, T.min(h0 + i, heads - 1), d], 0)
+            if DT > 0:
+                for i, d in T.Parallel(BH, DT):
+                    qt_s[i, d] = T.if_then_else(h0 + i < heads, Q[t, T.min(h0 + i, heads - 1), dv + d], 0)
+            for i in T.Parallel(BH):
+                lse_s[i] = T.if_then_else(h0 + i < heads, Lse2[t, T.min(h0 + i, heads - 1)], T.infinity(f32))
+                delta_s[i] = T.if_then_else(h0 + i < heads, Delta[t, T.min(h0 + i, heads - 1)], 0)
+            T.fence_proxy_async()
+            T.sync_threads()
+
+            if tx < 128:
+                T.clear(acc_dq0)
+                for kb in T.serial(n_blocks):
+                    if kb > 0:
+                        T.sync_threads(_BAR_KV_FREE, 256)  # warpgroup 1 has read the previous kv block
+                    # gather: 8 threads per row, 16 bytes each; an invalid slot's copy is predicated
+                    # off (zero-filled, its address clamped to row 0)
+                    lane8 = tx % 8
+                    for r in passes:
+                        idx_reg[r] = Idx[t, kb * BK + r * ROWS_PER_PASS + tx // 8]
+                    for r in passes:
+                        row = r * ROWS_PER_PASS + tx // 8
+                        ok = (idx_reg[r] >= 0) and (idx_reg[r] < N)
+                        src = T.if_then_else(ok, idx_reg[r], 0)
+                        for u in v_chunks:
+                            col = u * 64 + lane8 * VEC
+                            T.ptx_cp_async(T.access_ptr(kv_s[row, col], "w", VEC),
+                                           T.access_ptr(KV[src, col], "r", VEC), VEC, ok)
+                        for u in t_chunks:
+                            col = u * 64 + lane8 * VEC
+                            T.ptx_cp_async(T.access_ptr(kt_s[row, col], "w", VEC),
+                                           T.access_ptr(KV[src, dv + col], "r", VEC), VEC, ok)
+                    T.ptx_commit_group()
+                    T.ptx_wait_group(0)
+                    T.fence_proxy_async()
+                    T.sync_threads(_BAR_WG0, 128)
+                    T.wgmma_gemm(q_s, kv_s, acc_s, transpose_B=True, clear_accum=True)
+                    if DT > 0:
+                        T.wgmma_gemm(qt_s, kt_s, acc_s, transpose_B=True)
+                    T.wgmma_gemm(do_s, kv_s, acc_dp, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(1)
+                    # P = exp(s * scale - lse'): invalid slots and padded heads give exactly 0 (the
+                    # slot test is explicit: -inf + a NaN or inf score would not stay -inf)
+                    for i, r in T.Parallel(BH, BK):
+                        acc_s[i, r] = T.if_then_else(
+                            Idx[t, kb * BK + r] >= 0, T.exp2(acc_s[i, r] * scale_log2 - lse_s[i]), 0.0)
+                    T.wait_wgmma(0)
+                    for i, r in T.Parallel(BH, BK):
+                        acc_dp[i, r] = T.if_then_else(
+                            Idx[t, kb * BK + r] >= 0, acc_s[i, r] * (acc_dp[i, r] - delta_s[i]) * scale, 0.0)
+                    if kb > 0:
+                        T.sync_threads(_BAR_PDS_FREE, 256)  # warpgroup 1 is done with the previous P, dS
+                    T.copy(acc_s, p_s)
+                    T.copy(acc_dp, ds_s)
+                    T.fence_proxy_async()
+                    T.named_barrier_arrive(_BAR_PDS_READY, 256)
+                    T.sync_threads(_BAR_WG0, 128)
+                    # dq[:, :DQ0] += dS k   (scale folded into dS)
+                    T.wgmma_gemm(ds_s, kv_s[:, 0:DQ0], acc_dq0)
+                    T.wait_wgmma(0)
+                for i, d in T.Parallel(BH, DQ0):
+                    if h0 + i < heads:
+                        dQ[t, h0 + i, d] = acc_dq0[i, d]
+            else:
+                T.clear(acc_dq1)
+                if DT > 0:
+                    T.clear(acc_dqt)
+                for kb in T.serial(n_blocks):
+                    T.sync_threads(_BAR_PDS_READY, 256)
+                    T.wgmma_gemm(ds_s, kv_s[:, DQ0:dv], acc_dq1)
+                    if DT > 0:
+                        T.wgmma_gemm(ds_s, kt_s, acc_dqt)
+                    issue_chunk(0, q_s, qt_s, do_s, p_s, ds_s, acc_kv[0])
+                    T.wait_wgmma(2 if chunks[0][1] else 1)  # dq done: the kv block is free
+                    if kb + 1 < n_blocks:
+                        T.named_barrier_arrive(_BAR_KV_FREE, 256)
+                    for ci in chunk_ids:
+                        if ci + 1 < NCH:
+                            issue_chunk(ci + 1, q_s, qt_s, do_s, p_s, ds_s, acc_kv[(ci + 1) % 2])
+                            T.wait_wgmma(2 if chunks[ci + 1][1] else 1)
+                        else:
+                            T.wait_wgmma(0)
+                            if kb + 1 < n_blocks:
+                                T.named_barrier_arrive(_BAR_PDS_FREE, 256)
+                        T.call_extern("handle", "dsa_red_tile64", acc_kv[ci % 2].data,
+                                      T.address_of(dKV[0, 0]), T.address_of(Idx[t, kb * BK]), dqk, chunks[ci][0])
+                for i, d in T.Parallel(BH, dv - DQ0):
+                    if h0 + i < heads:
+                        dQ[t, h0 + i, DQ0 + d] = acc_dq1[i, d]
+                if DT > 0:
+                    for i, d in T.Parallel(BH, DT):
+                        if h0 + i < heads:
+                            dQ[t, h0 + i, dv + d] = acc_dqt[i, d]
+
+    return dsa_bwd_ws
+
+
 def _reduce_body(dqk, nhb, threads=64):
     """dKV[n] += sum of the contribution rows of kv row n, in sorted (fixed) order."""
     import tilelang.language as T
@@ -487,9 +740,10 @@ def _jit_factories(target_key):
 
     target = _target_from_key(target_key)
     main = tilelang.jit(target=target, pass_configs=_PASS_CONFIGS_MAIN)(_main_body)
+    ws = tilelang.jit(target=target, pass_configs=_PASS_CONFIGS_MAIN)(_ws_body)
     pre = tilelang.jit(target=target)(_preprocess_body)
     red = tilelang.jit(target=target)(_reduce_body)
-    return {"preprocess": pre, "main": main, "reduce": red}
+    return {"preprocess": pre, "main": main, "ws": ws, "reduce": red}
 
 
 def _target_key(target):
@@ -524,8 +778,14 @@ def _get(kind: str, target, *args):
     return prog
 
 
+def _uses_ws(cfg: dict, deterministic: bool, emit_probs: bool) -> bool:
+    return cfg["schedule"] == "ws" and not deterministic and not emit_probs and cfg["store_dkv"]
+
+
 def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tuple:
     """(program kind, compile args) of the main kernel the wrapper launches."""
+    if _uses_ws(cfg, deterministic, emit_probs):
+        return "ws", (cfg["heads"], cfg["dqk"], cfg["dv"], cfg["dtype"])
     return "main", _main_args(cfg, deterministic, emit_probs)
 
 
@@ -710,11 +970,13 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
     kind, args = _main_kernel(cfg, deterministic, return_probs)
     main = _get(kind, target, *args)
     nhb = (H + _BLOCK_H - 1) // _BLOCK_H
-    skip = cfg["skip_tail"]
+    skip = cfg["skip_tail"] and kind == "main"
     # skipped blocks write no probabilities: they start at zero
     probs = (torch.zeros if skip else torch.empty)(nhb, T_, Kp, device=dev, dtype=torch.float32) if return_probs else None
     blocks = row_blocks(idx, cfg["block_k"]) if skip else cached_zeros(1, torch.int32, dev)
-    if not deterministic:
+    if kind == "ws":
+        main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E)
+    elif not deterministic:
         main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), blocks)
     else:
         red = _get("reduce", target, Dqk, nhb)

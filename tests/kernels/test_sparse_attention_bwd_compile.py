@@ -64,7 +64,9 @@ def test_shipped_config_compiles_for_sm90a(config, caplog):
     assert "AtomicAdd" in progs["main_probs"].get_kernel_source()
     src = progs["main"].get_kernel_source()
     assert "wgmma" in src  # Hopper tensor-core path
-    assert "AtomicAdd" in src  # atomic dkv path
+    # the warp-specialised program: two warpgroups handing P / dS over named barriers, dkv sent as
+    # full-line v4 reductions from the accumulators
+    assert "dsa_red_tile64(" in src and "__named_barrier_arrive" in src and "AtomicAdd" not in src
     assert "AtomicAdd" not in progs["main_det"].get_kernel_source()  # deterministic: plain stores
     # a second build is served from the in-process cache: no new compile log line
     n = len([r for r in caplog.records if "compiled" in r.getMessage()])
@@ -77,7 +79,8 @@ def test_shipped_config_compiles_for_sm90a(config, caplog):
 @pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
 def test_skip_tail_variant_compiles_and_reads_row_blocks():
     """The tuning variant that stops each row after its last valid slot (not shipped yet)."""
-    cfg = {"heads": 64, "dqk": 576, "dv": 512, "has_sink": False, "dtype": "bfloat16", "skip_tail": True}
+    cfg = {"heads": 64, "dqk": 576, "dv": 512, "has_sink": False, "dtype": "bfloat16", "skip_tail": True,
+           "schedule": "plain"}
     src = bwd.build_bwd_program(cfg, "main", target=SM90A).get_kernel_source()
     assert "RowBlocks[" in src and "wgmma" in src
 
@@ -88,7 +91,64 @@ def test_l2_keep_variant_sends_staged_reductions_with_a_cache_policy():
     """The staged v4 reductions with an L2 evict_last policy (an experiment, not shipped): the
     PTX assembles for sm_90a and replaces every atomic."""
     cfg = {"heads": 64, "dqk": 576, "dv": 512, "has_sink": False, "dtype": "bfloat16", "stage_atomics": True,
-           "l2_keep": True}
+           "l2_keep": True, "schedule": "plain"}
     src = bwd.build_bwd_program(cfg, "main", target=SM90A).get_kernel_source()
     assert "L2::cache_hint" in src and "dsa_red_v4_keep(" in src and "AtomicAdd" not in src
     assert not bwd._normalise_config({**cfg, "stage_atomics": False})["l2_keep"]  # only with staging
+
+
+def test_schedule_defaults_to_ws_where_its_shapes_allow():
+    assert bwd._normalise_config({"heads": 64, "dqk": 576, "dv": 512})["schedule"] == "ws"
+    assert bwd._normalise_config({"heads": 128, "dqk": 512, "dv": 512})["schedule"] == "ws"
+    assert bwd._normalise_config({"heads": 16, "dqk": 96, "dv": 64})["schedule"] == "plain"
+    with pytest.raises(ValueError, match="schedule 'ws' needs"):
+        bwd._normalise_config({"heads": 16, "dqk": 96, "dv": 64, "schedule": "ws"})
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        bwd._normalise_config({"heads": 16, "dqk": 576, "dv": 512, "schedule": "fast"})
+    cfg = bwd._normalise_config({"heads": 64, "dqk": 576, "dv": 512})
+    # the ws program serves the atomic mode; probabilities and the deterministic mode run the plain one
+    assert bwd._main_kernel(cfg, False)[0] == "ws"
+    assert bwd._main_kernel(cfg, True)[0] == "main"
+    assert bwd._main_kernel(cfg, False, emit_probs=True)[0] == "main"
+
+
+def _red_tile_model(tile):
+    """What dsa_red_tile64 adds, modelled lane by lane: the m64n64 accumulator layout of one
+    warpgroup, the two shuffles (each lane reads what its partner sends), then each lane's
+    (row, column, float4) reductions. Returns (sum, hit count) per tile element."""
+    import numpy as np
+
+    acc = np.zeros((128, 32))
+    for t in range(128):
+        w, lane = t >> 5, t & 31
+        for i in range(32):
+            acc[t, i] = tile[16 * w + (lane >> 2) + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * (lane & 3) + (i & 1)]
+    out, hits = np.zeros((64, 64)), np.zeros((64, 64), dtype=int)
+    for half in range(2):
+        a = {(t, m): acc[t, 8 * m + 2 * half: 8 * m + 2 * half + 2] for t in range(128) for m in range(4)}
+        b = {(t, m): acc[t, 8 * m + 4 + 2 * half: 8 * m + 6 + 2 * half] for t in range(128) for m in range(4)}
+        send = {(t, m): a[t, m] if t & 1 else b[t, m] for t in range(128) for m in range(4)}
+        v = {(t, m): np.concatenate([send[t ^ 1, m], b[t, m]]) if t & 1 else np.concatenate([a[t, m], send[t ^ 1, m]])
+             for t in range(128) for m in range(4)}
+        gb = {t: ((t & 31) >> 2) & 1 for t in range(128)}
+        send2 = {(t, mp): v[t, 2 * mp] if gb[t] else v[t, 2 * mp + 1] for t in range(128) for mp in range(2)}
+        for t in range(128):
+            q, g = t & 3, (t & 31) >> 2
+            slot = 16 * (t >> 5) + 8 * half + (g & ~1)
+            for mp in range(2):
+                r = send2[t ^ 4, mp]
+                va, vb = (r, v[t, 2 * mp + 1]) if gb[t] else (v[t, 2 * mp], r)
+                col = 16 * (2 * mp + gb[t]) + 8 * (q & 1) + 4 * (q >> 1)
+                for row, val in ((slot, va), (slot + 1, vb)):
+                    out[row, col:col + 4] += val
+                    hits[row, col:col + 4] += 1
+    return out, hits
+
+
+def test_red_tile_lane_mapping_covers_the_tile_once():
+    import numpy as np
+
+    tile = np.random.default_rng(0).standard_normal((64, 64))
+    out, hits = _red_tile_model(tile)
+    assert (hits == 1).all()
+    assert np.array_equal(out, tile)

@@ -327,7 +327,7 @@ def test_skip_tail_walks_only_to_the_last_valid_slot(cfg, deterministic):
 @pytest.mark.parametrize("tuning", [{"stage_atomics": True}, {"stage_atomics": True, "l2_keep": True}],
                          ids=["staged", "staged-l2keep"])
 def test_staged_reductions_match_the_default(tuning):
-    """The staged v4 dkv reductions (with or without an L2 policy) give the default's gradients."""
+    """The staged v4 dkv reductions (with or without an L2 policy) give the plain program's gradients."""
     from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
 
     cfg, case = CONFIGS[2], CASES[3]  # MLA 576/512, K > Skv with -1 and out-of-range slots
@@ -335,10 +335,30 @@ def test_staged_reductions_match_the_default(tuning):
     q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=21)
     out64, lse64, dq_ref, dkv_ref, _ = _reference(q, kv, idx, dout, sink, scale, Dv)
     out, lse = out64.to(dtype), lse64.float()
-    plain = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv)
-    staged = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv, config=tuning)
+    plain = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv, config={"schedule": "plain"})
+    staged = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv,
+                                  config={**tuning, "schedule": "plain"})
     assert torch.equal(staged[0], plain[0])
     assert _rel(staged[1], plain[1]) < 1e-5 and _rel(staged[1], dkv_ref) < TOL
+
+
+@pytest.mark.parametrize("cfg", [c for c in CONFIGS if c[2] % 128 == 0], ids=lambda c: f"H{c[0]}-D{c[1]}-{str(c[4])[6:]}")
+@pytest.mark.parametrize("case", CASES + BIG_CASES, ids=lambda c: f"S{c[1]}K{c[3]}-{c[4]}")
+def test_ws_schedule_agrees_with_the_plain_program(cfg, case):
+    """The warp-specialised program (the default of the atomic mode) and the plain one compute the
+    same gradients: dq to rounding of the split accumulators, dkv to fp32 reduction order; both
+    match float64, and no element is NaN."""
+    from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
+
+    H, Dqk, Dv, has_sink, dtype = cfg
+    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=31)
+    out64, lse64, dq_ref, dkv_ref, _ = _reference(q, kv, idx, dout, sink, scale, Dv)
+    out, lse = out64.to(dtype), lse64.float()
+    ws = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv, config={"schedule": "ws"})
+    plain = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv, config={"schedule": "plain"})
+    assert not ws[0].isnan().any() and not ws[1].isnan().any()
+    assert _rel(ws[0], plain[0]) < 5e-3 and _rel(ws[1], plain[1]) < 1e-5
+    assert _rel(ws[0], dq_ref) < TOL and _rel(ws[1], dkv_ref) < TOL
 
 
 def test_deterministic_chunks_with_probs_and_two_head_blocks(monkeypatch):
