@@ -71,7 +71,7 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
 
 
 _TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep",
-                "schedule")
+                "schedule", "ws_prefetch", "ws_dq_rs")
 _SCHEDULES = ("ws", "plain")
 
 
@@ -119,6 +119,8 @@ def _normalise_config(config: dict) -> dict:
     cfg["schedule"] = str(cfg.get("schedule") or ("ws" if ws_supported(cfg["dqk"], cfg["dv"]) else "plain"))
     if cfg["schedule"] not in _SCHEDULES:
         raise ValueError(f"schedule must be one of {_SCHEDULES}, got {cfg['schedule']!r}")
+    cfg["ws_prefetch"] = bool(cfg.get("ws_prefetch", False))
+    cfg["ws_dq_rs"] = bool(cfg.get("ws_dq_rs", False))
     if cfg["schedule"] == "ws" and not ws_supported(cfg["dqk"], cfg["dv"]):
         raise ValueError(f"schedule 'ws' needs dv a multiple of 128 and dqk - dv in (0, 64), got dqk={cfg['dqk']} "
                          f"dv={cfg['dv']}")
@@ -485,11 +487,11 @@ __device__ __forceinline__ void dsa_red_tile64(const float* acc, float* dkv, con
       const int col = col0 + 16 * (2 * mp + gb) + 8 * odd + 4 * (q >> 1);
       if (row_a >= 0) {
         float* p = dkv + (long long)row_a * ld + col;
-        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(va.x), "f"(va.y), "f"(va.z), "f"(va.w) : "memory");
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(va.x), "f"(va.y), "f"(va.z), "f"(va.w));
       }
       if (row_b >= 0) {
         float* p = dkv + (long long)row_b * ld + col;
-        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(vb.x), "f"(vb.y), "f"(vb.z), "f"(vb.w) : "memory");
+        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(vb.x), "f"(vb.y), "f"(vb.z), "f"(vb.w));
       }
     }
   }
@@ -505,7 +507,7 @@ def ws_supported(dqk: int, dv: int) -> bool:
     return dv % 128 == 0 and dqk - dv in (0, 64)
 
 
-def _ws_body(heads, dqk, dv, dtype):
+def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=False, dq_rs=False, emit_probs=False):
     """Main backward program, warp-specialised (256 threads, one CTA per query row and 64 heads).
 
     Warpgroup 0 gathers the selected kv rows (predicated cp.async, invalid slots zero-filled),
@@ -514,7 +516,13 @@ def _ws_body(heads, dqk, dv, dtype):
     releases the kv buffer, then forms dkv = dS^T q + P^T dout in 64-column chunks (two
     accumulators: the MMAs of chunk c + 1 run while chunk c's reductions issue) and adds each
     chunk to dkv with full-line v4 reductions. The dkv products read no kv, so warpgroup 0 gathers
-    and scores the next block while warpgroup 1 reduces this one."""
+    and scores the next block while warpgroup 1 reduces this one.
+
+    ``prefetch``: warpgroup 0 loads the next block's indices while the gather lands and keeps the
+    slot flags in shared memory (no global index loads in the softmax). ``dq_rs``: warpgroup 0's
+    dq MMA takes dS from registers, issued before dS goes to shared memory. ``store_dkv=False``
+    sends no reductions (a benchmark ablation). ``emit_probs``: warpgroup 0 also writes the
+    head-summed P of each slot (Probs [NHB, Tq, Kp], the indexer loss's target)."""
     import tilelang.cuda.language as TC
     import tilelang.language as T
 
@@ -562,6 +570,7 @@ def _ws_body(heads, dqk, dv, dtype):
         dKV: T.Tensor([N, dqk], f32),
         scale: f32,
         scale_log2: f32,
+        Probs: T.Tensor([NHB, Tq, Kp] if emit_probs else [1], f32),
     ):
         with TC.Kernel(Tq, NHB, threads=256, prelude=_WS_PRELUDE) as (t, hb):
             q_s = T.alloc_shared([BH, dv], dt)
@@ -581,6 +590,9 @@ def _ws_body(heads, dqk, dv, dtype):
             acc_dqt = T.alloc_fragment([BH, DT], f32) if DT > 0 else None
             acc_kv = [T.alloc_fragment([BK, 64], f32), T.alloc_fragment([BK, 64], f32)]
             idx_reg = T.alloc_local([len(passes)], i32)
+            valid_s = T.alloc_shared([BK], i32)
+            ds_cast = T.alloc_fragment([BH, BK], dt) if dq_rs else None
+            psum_f = T.alloc_fragment([BK], f32) if emit_probs else None
 
             tx = T.get_thread_binding()
             h0 = hb * BH
@@ -601,18 +613,24 @@ def _ws_body(heads, dqk, dv, dtype):
 
             if tx < 128:
                 T.clear(acc_dq0)
+                lane8 = tx % 8
+                if prefetch:
+                    for r in passes:
+                        idx_reg[r] = Idx[t, r * ROWS_PER_PASS + tx // 8]
                 for kb in T.serial(n_blocks):
                     if kb > 0:
                         T.sync_threads(_BAR_KV_FREE, 256)  # warpgroup 1 has read the previous kv block
                     # gather: 8 threads per row, 16 bytes each; an invalid slot's copy is predicated
                     # off (zero-filled, its address clamped to row 0)
-                    lane8 = tx % 8
-                    for r in passes:
-                        idx_reg[r] = Idx[t, kb * BK + r * ROWS_PER_PASS + tx // 8]
+                    if not prefetch:
+                        for r in passes:
+                            idx_reg[r] = Idx[t, kb * BK + r * ROWS_PER_PASS + tx // 8]
                     for r in passes:
                         row = r * ROWS_PER_PASS + tx // 8
                         ok = (idx_reg[r] >= 0) and (idx_reg[r] < N)
                         src = T.if_then_else(ok, idx_reg[r], 0)
+                        if prefetch and lane8 == 0:
+                            valid_s[row] = T.if_then_else(ok, 1, 0)
                         for u in v_chunks:
                             col = u * 64 + lane8 * VEC
                             T.ptx_cp_async(T.access_ptr(kv_s[row, col], "w", VEC),
@@ -622,6 +640,11 @@ def _ws_body(heads, dqk, dv, dtype):
                             T.ptx_cp_async(T.access_ptr(kt_s[row, col], "w", VEC),
                                            T.access_ptr(KV[src, dv + col], "r", VEC), VEC, ok)
                     T.ptx_commit_group()
+                    if prefetch:
+                        # the next block's indices load while this block's rows land
+                        if kb + 1 < n_blocks:
+                            for r in passes:
+                                idx_reg[r] = Idx[t, (kb + 1) * BK + r * ROWS_PER_PASS + tx // 8]
                     T.ptx_wait_group(0)
                     T.fence_proxy_async()
                     T.sync_threads(_BAR_WG0, 128)
@@ -634,20 +657,32 @@ def _ws_body(heads, dqk, dv, dtype):
                     # slot test is explicit: -inf + a NaN or inf score would not stay -inf)
                     for i, r in T.Parallel(BH, BK):
                         acc_s[i, r] = T.if_then_else(
-                            Idx[t, kb * BK + r] >= 0, T.exp2(acc_s[i, r] * scale_log2 - lse_s[i]), 0.0)
+                            (valid_s[r] != 0) if prefetch else (Idx[t, kb * BK + r] >= 0),
+                            T.exp2(acc_s[i, r] * scale_log2 - lse_s[i]), 0.0)
+                    if emit_probs:
+                        # sum of P over this CTA's heads, per slot (fp32, before P is rounded)
+                        T.reduce_sum(acc_s, psum_f, dim=0, clear=True)
+                        for r in T.Parallel(BK):
+                            Probs[hb, t, kb * BK + r] = psum_f[r]
                     T.wait_wgmma(0)
                     for i, r in T.Parallel(BH, BK):
                         acc_dp[i, r] = T.if_then_else(
-                            Idx[t, kb * BK + r] >= 0, acc_s[i, r] * (acc_dp[i, r] - delta_s[i]) * scale, 0.0)
+                            (valid_s[r] != 0) if prefetch else (Idx[t, kb * BK + r] >= 0),
+                            acc_s[i, r] * (acc_dp[i, r] - delta_s[i]) * scale, 0.0)
+                    if dq_rs:
+                        # dq[:, :DQ0] += dS k from registers, in flight while P and dS are stored
+                        T.copy(acc_dp, ds_cast)
+                        T.wgmma_gemm(ds_cast, kv_s[:, 0:DQ0], acc_dq0)
                     if kb > 0:
                         T.sync_threads(_BAR_PDS_FREE, 256)  # warpgroup 1 is done with the previous P, dS
                     T.copy(acc_s, p_s)
                     T.copy(acc_dp, ds_s)
                     T.fence_proxy_async()
                     T.named_barrier_arrive(_BAR_PDS_READY, 256)
-                    T.sync_threads(_BAR_WG0, 128)
-                    # dq[:, :DQ0] += dS k   (scale folded into dS)
-                    T.wgmma_gemm(ds_s, kv_s[:, 0:DQ0], acc_dq0)
+                    if not dq_rs:
+                        T.sync_threads(_BAR_WG0, 128)
+                        # dq[:, :DQ0] += dS k   (scale folded into dS)
+                        T.wgmma_gemm(ds_s, kv_s[:, 0:DQ0], acc_dq0)
                     T.wait_wgmma(0)
                 for i, d in T.Parallel(BH, DQ0):
                     if h0 + i < heads:
@@ -673,8 +708,9 @@ def _ws_body(heads, dqk, dv, dtype):
                             T.wait_wgmma(0)
                             if kb + 1 < n_blocks:
                                 T.named_barrier_arrive(_BAR_PDS_FREE, 256)
-                        T.call_extern("handle", "dsa_red_tile64", acc_kv[ci % 2].data,
-                                      T.address_of(dKV[0, 0]), T.address_of(Idx[t, kb * BK]), dqk, chunks[ci][0])
+                        if store_dkv:
+                            T.call_extern("handle", "dsa_red_tile64", acc_kv[ci % 2].data,
+                                          T.address_of(dKV[0, 0]), T.address_of(Idx[t, kb * BK]), dqk, chunks[ci][0])
                 for i, d in T.Parallel(BH, dv - DQ0):
                     if h0 + i < heads:
                         dQ[t, h0 + i, DQ0 + d] = acc_dq1[i, d]
@@ -779,13 +815,14 @@ def _get(kind: str, target, *args):
 
 
 def _uses_ws(cfg: dict, deterministic: bool, emit_probs: bool) -> bool:
-    return cfg["schedule"] == "ws" and not deterministic and not emit_probs and cfg["store_dkv"]
+    return cfg["schedule"] == "ws" and not deterministic
 
 
 def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tuple:
     """(program kind, compile args) of the main kernel the wrapper launches."""
     if _uses_ws(cfg, deterministic, emit_probs):
-        return "ws", (cfg["heads"], cfg["dqk"], cfg["dv"], cfg["dtype"])
+        return "ws", (cfg["heads"], cfg["dqk"], cfg["dv"], cfg["dtype"], cfg["store_dkv"], cfg["ws_prefetch"],
+                      cfg["ws_dq_rs"], bool(emit_probs))
     return "main", _main_args(cfg, deterministic, emit_probs)
 
 
@@ -975,7 +1012,7 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
     probs = (torch.zeros if skip else torch.empty)(nhb, T_, Kp, device=dev, dtype=torch.float32) if return_probs else None
     blocks = row_blocks(idx, cfg["block_k"]) if skip else cached_zeros(1, torch.int32, dev)
     if kind == "ws":
-        main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E)
+        main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev))
     elif not deterministic:
         main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), blocks)
     else:

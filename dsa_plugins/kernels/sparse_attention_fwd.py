@@ -78,8 +78,9 @@ DEFAULT_CONFIG: dict = {
     "producer_regs": 48,
     "consumer_regs": (256, 200),
     # each query row walks its slot blocks only to its last valid slot (causal rows, the first
-    # tokens of packed sequences: -1 after a few keys); off until measured on a GPU
-    "skip_tail": False,
+    # tokens of packed sequences: -1 after a few keys). H100, causal S 4096 k 2048: 1.26x (H64)
+    # and 1.28x (H128) the full walk, bitwise the same outputs
+    "skip_tail": True,
 }
 
 # Every configuration the package ships. Heads, batch, lengths and K are runtime values, so one

@@ -61,7 +61,8 @@ def test_shipped_config_compiles_for_sm90a(config, caplog):
     with caplog.at_level(logging.INFO, logger="dsa_plugins"):
         progs = bwd.build_bwd_kernels(config, target=SM90A)
     assert set(progs) == {"preprocess", "main", "main_det", "main_probs", "main_det_probs", "reduce"}
-    assert "AtomicAdd" in progs["main_probs"].get_kernel_source()
+    probs_src = progs["main_probs"].get_kernel_source()
+    assert "dsa_red_tile64(" in probs_src and "Probs[" in probs_src  # the ws program with the head-summed P
     src = progs["main"].get_kernel_source()
     assert "wgmma" in src  # Hopper tensor-core path
     # the warp-specialised program: two warpgroups handing P / dS over named barriers, dkv sent as

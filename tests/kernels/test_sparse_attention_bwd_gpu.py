@@ -330,7 +330,9 @@ def test_staged_reductions_match_the_default(tuning):
     """The staged v4 dkv reductions (with or without an L2 policy) give the plain program's gradients."""
     from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
 
-    cfg, case = CONFIGS[2], CASES[3]  # MLA 576/512, K > Skv with -1 and out-of-range slots
+    # V4 512/512 (the staging buffer does not fit beside MLA's 576-wide tiles), K > Skv with -1 and
+    # out-of-range slots
+    cfg, case = CONFIGS[0], CASES[3]
     H, Dqk, Dv, has_sink, dtype = cfg
     q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=21)
     out64, lse64, dq_ref, dkv_ref, _ = _reference(q, kv, idx, dout, sink, scale, Dv)
