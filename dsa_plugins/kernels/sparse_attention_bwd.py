@@ -107,7 +107,7 @@ def _normalise_config(config: dict) -> dict:
     # l2_keep (with stage_atomics): the staged v4 reductions carry an L2 evict_last policy, so the
     # fp32 dkv lines stay in L2 while gathered rows stream through (as cuDNN's backward does);
     # an experiment, off until measured
-    cfg["l2_keep"] = bool(cfg.get("l2_keep", False)) and cfg["stage_atomics"]
+    cfg["l2_keep"] = bool(cfg.get("l2_keep", False)) and (cfg["stage_atomics"] or cfg.get("schedule") in (None, "ws"))
     can_overlap = cfg["block_k"] == 64 and cfg["dqk"] - cfg["dv"] <= cfg["dkv_chunk"] and not cfg["stage_atomics"]
     # off by default: measured 3% slower than issuing the atomics after each chunk (H200)
     cfg["overlap"] = bool(cfg.get("overlap", False)) and can_overlap and cfg["store_dkv"]
@@ -119,7 +119,9 @@ def _normalise_config(config: dict) -> dict:
     cfg["schedule"] = str(cfg.get("schedule") or ("ws" if ws_supported(cfg["dqk"], cfg["dv"]) else "plain"))
     if cfg["schedule"] not in _SCHEDULES:
         raise ValueError(f"schedule must be one of {_SCHEDULES}, got {cfg['schedule']!r}")
-    cfg["ws_prefetch"] = bool(cfg.get("ws_prefetch", False))
+    # measured on an H100 (B1 S4096 Skv8192): prefetch 1.01x (MLA H64) and 1.03x (V4 H128), dq from
+    # registers 1.00-1.02x (off: within noise)
+    cfg["ws_prefetch"] = bool(cfg.get("ws_prefetch", True))
     cfg["ws_dq_rs"] = bool(cfg.get("ws_dq_rs", False))
     if cfg["schedule"] == "ws" and not ws_supported(cfg["dqk"], cfg["dv"]):
         raise ValueError(f"schedule 'ws' needs dv a multiple of 128 and dqk - dv in (0, 64), got dqk={cfg['dqk']} "
@@ -457,7 +459,20 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
 # r + 1) trade float4s so that 8 lanes cover one row's 128-byte line: a warp's reduction touches
 # 4 whole lines (the v2 reductions straight from the layout touch 8 rows x 32 bytes).
 _WS_PRELUDE = r"""
+template <bool kKeepInL2>
+__device__ __forceinline__ void dsa_red4(float* p, float4 v, unsigned long long policy) {
+  if (kKeepInL2) {
+    asm volatile("red.global.add.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;"
+                 :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "l"(policy));
+  } else {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w));
+  }
+}
+
+template <bool kKeepInL2>
 __device__ __forceinline__ void dsa_red_tile64(const float* acc, float* dkv, const int* rows, int ld, int col0) {
+  unsigned long long policy = 0;
+  if (kKeepInL2) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
   const int tid = threadIdx.x & 127;
   const int lane = tid & 31, q = lane & 3, g = lane >> 2;
   const int odd = q & 1, gb = g & 1;
@@ -485,14 +500,8 @@ __device__ __forceinline__ void dsa_red_tile64(const float* acc, float* dkv, con
       r.w = __shfl_xor_sync(0xffffffffu, s.w, 4);
       const float4 va = gb ? r : x, vb = gb ? y : r;
       const int col = col0 + 16 * (2 * mp + gb) + 8 * odd + 4 * (q >> 1);
-      if (row_a >= 0) {
-        float* p = dkv + (long long)row_a * ld + col;
-        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(va.x), "f"(va.y), "f"(va.z), "f"(va.w));
-      }
-      if (row_b >= 0) {
-        float* p = dkv + (long long)row_b * ld + col;
-        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(vb.x), "f"(vb.y), "f"(vb.z), "f"(vb.w));
-      }
+      if (row_a >= 0) dsa_red4<kKeepInL2>(dkv + (long long)row_a * ld + col, va, policy);
+      if (row_b >= 0) dsa_red4<kKeepInL2>(dkv + (long long)row_b * ld + col, vb, policy);
     }
   }
 }
@@ -507,7 +516,7 @@ def ws_supported(dqk: int, dv: int) -> bool:
     return dv % 128 == 0 and dqk - dv in (0, 64)
 
 
-def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=False, dq_rs=False, emit_probs=False):
+def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, emit_probs=False, l2_keep=False):
     """Main backward program, warp-specialised (256 threads, one CTA per query row and 64 heads).
 
     Warpgroup 0 gathers the selected kv rows (predicated cp.async, invalid slots zero-filled),
@@ -522,7 +531,9 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=False, dq_rs=False,
     slot flags in shared memory (no global index loads in the softmax). ``dq_rs``: warpgroup 0's
     dq MMA takes dS from registers, issued before dS goes to shared memory. ``store_dkv=False``
     sends no reductions (a benchmark ablation). ``emit_probs``: warpgroup 0 also writes the
-    head-summed P of each slot (Probs [NHB, Tq, Kp], the indexer loss's target)."""
+    head-summed P of each slot (Probs [NHB, Tq, Kp], the indexer loss's target). ``l2_keep``: the
+    reductions carry an L2 evict_last policy (the fp32 dkv lines stay in L2 while gathered rows
+    stream through: long caches, where dkv outgrows L2)."""
     import tilelang.cuda.language as TC
     import tilelang.language as T
 
@@ -544,6 +555,7 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=False, dq_rs=False,
     chunks = tuple([(c * 64, True) for c in range(dv // 64)] + ([(dv, False)] if DT > 0 else []))
     NCH = len(chunks)
     chunk_ids = tuple(range(NCH))  # a tuple: the loop over it is unrolled while the program is built
+    red_fn = f"dsa_red_tile64<{'true' if l2_keep else 'false'}>"
 
     Tq = T.dynamic("Tq")
     N = T.dynamic("N")
@@ -709,7 +721,7 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=False, dq_rs=False,
                             if kb + 1 < n_blocks:
                                 T.named_barrier_arrive(_BAR_PDS_FREE, 256)
                         if store_dkv:
-                            T.call_extern("handle", "dsa_red_tile64", acc_kv[ci % 2].data,
+                            T.call_extern("handle", red_fn, acc_kv[ci % 2].data,
                                           T.address_of(dKV[0, 0]), T.address_of(Idx[t, kb * BK]), dqk, chunks[ci][0])
                 for i, d in T.Parallel(BH, dv - DQ0):
                     if h0 + i < heads:
@@ -822,7 +834,7 @@ def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tu
     """(program kind, compile args) of the main kernel the wrapper launches."""
     if _uses_ws(cfg, deterministic, emit_probs):
         return "ws", (cfg["heads"], cfg["dqk"], cfg["dv"], cfg["dtype"], cfg["store_dkv"], cfg["ws_prefetch"],
-                      cfg["ws_dq_rs"], bool(emit_probs))
+                      cfg["ws_dq_rs"], bool(emit_probs), cfg["l2_keep"] and cfg["schedule"] == "ws")
     return "main", _main_args(cfg, deterministic, emit_probs)
 
 
