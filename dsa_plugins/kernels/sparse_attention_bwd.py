@@ -8,8 +8,12 @@ Programs (all compiled per configuration by :func:`build_bwd_kernels`):
 
 * ``preprocess``: Delta[t, h] = <out[t, h], dout[t, h]> in fp32 and the effective log-sum-exp in
   base 2 (with a sink: logaddexp(lse, z_h); +inf stays +inf, so rows without a key give P = 0).
-* ``main``: one CTA of 256 threads per (query row, block of 64
-  heads); heads beyond H are padded inside the CTA (zero q / dout, lse = +inf: they contribute
+* ``ws`` (the atomic mode's program where dv is a multiple of 128 and dqk - dv is 0 or 64: every
+  model shape): warp-specialised, see :func:`_ws_body`. H100, B1 S4096 Skv8192: MLA 576/512 k2048
+  H64 352 TFLOP/s (8.39 ms), H128 358; V4 D512 sink H128 k1024 330-338; 1.31-1.38x the plain program,
+  0.80-0.84x cuDNN frontend 1.32's sm90 backward in the same run (``benchmarks/results/bwd_ws_h100.md``).
+* ``main`` (the plain program: deterministic mode, other head dims, tuning experiments): one CTA of
+  256 threads per (query row, block of 64 heads); heads beyond H are padded inside the CTA (zero q / dout, lse = +inf: they contribute
   nothing). The CTA walks the top-k slots in blocks of 64: gathers the selected kv rows with
   cp.async (invalid slots zero-filled, never read; the next block's gather overlaps the dkv part),
   recomputes P from the lse, forms dS = P * (dP - Delta) in registers, accumulates dq in
@@ -21,13 +25,14 @@ Programs (all compiled per configuration by :func:`build_bwd_kernels`):
 Everything is flattened over the batch: query rows t = b * S + s, kv rows n = b * Skv + j; the
 wrapper rewrites the indices once to global rows (invalid -> -1) while padding k with -1.
 
-Measured on an H200 (bf16, B1 S4096 Skv8192, whole wrapper incl. preprocess and dkv zeroing):
-absorbed MLA 576/512 k2048 H64 266 TFLOP/s (11.1 ms), H128 274 (21.6 ms); V4 D512 sink H128
-k1024 268 (10.2 ms); TileLang's example: 190. Without the dkv atomics (ablation) the same kernel
-runs at 460-470 TFLOP/s: the fp32 scatter-add into L2 is the bottleneck.
+The plain program measured on an H200 (bf16, B1 S4096 Skv8192, whole wrapper incl. preprocess and
+dkv zeroing): absorbed MLA 576/512 k2048 H64 266 TFLOP/s (11.1 ms), H128 274 (21.6 ms); V4 D512
+sink H128 k1024 268 (10.2 ms); TileLang's example: 190. The fp32 scatter-add into L2 bounds both
+programs: full-line red.v4 (ws) takes 0.77 G adds/ms on an H100, the plain program's red.v2 0.51.
 
-Size: one file for the backward family (preprocess, the main wgmma program with its atomic and
-deterministic dkv paths, the config table and the wrapper); they share layouts and must stay in step.
+Size: one file for the backward family (preprocess, the ws and plain main programs with their atomic
+and deterministic dkv paths, the config table and the wrapper); they share layouts and must stay in
+step.
 """
 
 import functools
