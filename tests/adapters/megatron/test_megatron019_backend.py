@@ -169,7 +169,15 @@ def test_fifty_training_steps_follow_megatrons_curve(monkeypatch):
         curves[backend] = torch.tensor(curve)
     assert curves["dsa_plugins"][-1] < curves["dsa_plugins"][0]  # it trains
     rel = ((curves["dsa_plugins"] - curves["none"]).abs() / curves["none"]).max()
-    assert rel < 0.01, f"loss curves differ by {float(rel):.2%}"
+    dev = (curves["dsa_plugins"] - curves["none"]).abs() / curves["none"]
+    # the same function: the first steps agree to rounding. Later, fp32 rounding differences (a
+    # different summation order) grow chaotically under Adam as the model memorises its five
+    # batches: on one 2-core CPU the curves stayed within 1%, on another they agreed to 1e-6 for 18
+    # steps and then drifted to 1.5% at step 46 (0.4% at the last step, 0.2% on average)
+    assert dev[:15].max() < 1e-4, f"the first steps differ by {float(dev[:15].max()):.2e}"
+    assert dev.mean() < 0.01 and dev[-1] < 0.01, f"loss curves differ by {float(dev.mean()):.2%} on average, " \
+        f"{float(dev[-1]):.2%} at the last step"
+    assert rel < 0.03, f"loss curves differ by {float(rel):.2%}"
 
 
 @pytest.mark.parametrize("per_token", [False, True], ids=["mean", "per-token"])
