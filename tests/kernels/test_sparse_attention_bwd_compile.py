@@ -107,10 +107,12 @@ def test_schedule_defaults_to_ws_where_its_shapes_allow():
     with pytest.raises(ValueError, match="schedule must be one of"):
         bwd._normalise_config({"heads": 16, "dqk": 576, "dv": 512, "schedule": "fast"})
     cfg = bwd._normalise_config({"heads": 64, "dqk": 576, "dv": 512})
-    # the ws program serves the atomic mode; probabilities and the deterministic mode run the plain one
+    # the ws program serves the atomic mode (with or without the head-summed probabilities); the
+    # deterministic mode runs the plain one
     assert bwd._main_kernel(cfg, False)[0] == "ws"
+    assert bwd._main_kernel(cfg, False, emit_probs=True)[0] == "ws"
     assert bwd._main_kernel(cfg, True)[0] == "main"
-    assert bwd._main_kernel(cfg, False, emit_probs=True)[0] == "main"
+    assert bwd._main_kernel({**cfg, "schedule": "plain"}, False)[0] == "main"
 
 
 def _red_tile_model(tile):
