@@ -109,21 +109,21 @@ def _normalise_config(config: dict) -> dict:
     # skip_tail: each query row walks its slot blocks only up to its last valid slot (causal rows,
     # the first tokens of packed sequences); off until measured on a GPU
     cfg["skip_tail"] = bool(cfg.get("skip_tail", False))
-    # l2_keep (with stage_atomics): the staged v4 reductions carry an L2 evict_last policy, so the
-    # fp32 dkv lines stay in L2 while gathered rows stream through (as cuDNN's backward does);
-    # an experiment, off until measured
-    cfg["l2_keep"] = bool(cfg.get("l2_keep", False)) and (cfg["stage_atomics"] or cfg.get("schedule") in (None, "ws"))
     can_overlap = cfg["block_k"] == 64 and cfg["dqk"] - cfg["dv"] <= cfg["dkv_chunk"] and not cfg["stage_atomics"]
     # off by default: measured 3% slower than issuing the atomics after each chunk (H200)
     cfg["overlap"] = bool(cfg.get("overlap", False)) and can_overlap and cfg["store_dkv"]
     if cfg["dv"] > cfg["dqk"] or cfg["dv"] % cfg["dkv_chunk"] or cfg["dqk"] % 16 or cfg["dv"] % 16:
         raise ValueError(f"unsupported dims dqk={cfg['dqk']} dv={cfg['dv']} (need dv <= dqk, multiples of 16, "
                          f"dv a multiple of dkv_chunk={cfg['dkv_chunk']})")
-    # schedule: "ws" (warp-specialised program, the atomic mode without head-summed probabilities)
-    # where its shapes allow, else "plain" (the program that serves every mode)
+    # schedule: "ws" (warp-specialised program, the atomic mode with or without head-summed
+    # probabilities) where its shapes allow, else "plain" (the program that serves every mode)
     cfg["schedule"] = str(cfg.get("schedule") or ("ws" if ws_supported(cfg["dqk"], cfg["dv"]) else "plain"))
     if cfg["schedule"] not in _SCHEDULES:
         raise ValueError(f"schedule must be one of {_SCHEDULES}, got {cfg['schedule']!r}")
+    # l2_keep (the ws program, or the plain one with stage_atomics): the v4 reductions carry an L2
+    # evict_last policy, so the fp32 dkv lines stay in L2 while gathered rows stream through;
+    # measured no faster on an H100 (Skv 8K-128K), off
+    cfg["l2_keep"] = bool(cfg.get("l2_keep", False)) and (cfg["stage_atomics"] or cfg["schedule"] == "ws")
     # measured on an H100 (B1 S4096 Skv8192): prefetch 1.01x (MLA H64) and 1.03x (V4 H128), dq from
     # registers 1.00-1.02x (off: within noise)
     cfg["ws_prefetch"] = bool(cfg.get("ws_prefetch", True))
