@@ -122,6 +122,7 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
     (those layers run the torch reference): a line in ``notes`` says so."""
     import torch
 
+    from .common.settings import decode_part_slots
     from .kernels import indexer, indexer_loss, sparse_attention_bwd, sparse_attention_fwd, topk
 
     fwd, bwd, idx, loss, tk = (m.__name__ for m in (sparse_attention_fwd, sparse_attention_bwd, indexer,
@@ -150,6 +151,12 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
         cfg = sparse_attention_fwd.config_for(dqk, dv, sink, torch.bfloat16)
         jobs.append(KernelJob(f"attention forward {dqk}/{dv}{' sink' if sink else ''}", fwd, "build_fwd_kernel",
                               (cfg,)))
+    if decode_part_slots():  # the decode split's programs (DSA_PLUGINS_DECODE_PART_SLOTS)
+        for dqk, dv, sink in attn:
+            cfg = {**sparse_attention_fwd.config_for(dqk, dv, False, torch.bfloat16), "partial": True}
+            jobs.append(KernelJob(f"attention forward {dqk}/{dv} decode parts", fwd, "build_fwd_kernel", (cfg,)))
+            jobs.append(KernelJob(f"attention decode combine {dv}{' sink' if sink else ''}", fwd,
+                                  "build_combine_kernel", (dv, sink, "bfloat16")))
     for cfg in idx_cfgs:
         fp8 = " fp8" if cfg.get("fp8") else ""
         step = ", generation steps" if cfg in indexer.DECODE_CONFIGS else ""

@@ -18,6 +18,7 @@ The peers take the packed layout ([S, H, D], [Skv, D]); ours is called with B = 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -56,8 +57,10 @@ def make_inputs(s, skv, h, dqk, dv, k, sink, seed=0):
     return q, kv, idx[None], z
 
 
-def bench_forward(rows: Rows, shapes, flash_mla) -> None:
-    from dsa_plugins.kernels.sparse_attention_fwd import sparse_attention_fwd
+def bench_forward(rows: Rows, shapes, flash_mla, variants=()) -> None:
+    """``variants``: compile-time overrides of our forward (e.g. {"schedule": "seesaw"}), each timed
+    as a ``tilelang`` row with the override in its variant column, after the default."""
+    from dsa_plugins.kernels.sparse_attention_fwd import _launch, sparse_attention_fwd
 
     for op, s, skv, h, dqk, dv, k, sink in shapes:
         name, scale = shape_name(s, skv, h, dqk, dv, k), dqk ** -0.5
@@ -66,6 +69,13 @@ def bench_forward(rows: Rows, shapes, flash_mla) -> None:
         ours = lambda: sparse_attention_fwd(q, kv, idx, scale, sink=z, dv=dv)  # noqa: E731
         out, lse = ours()
         rows.time(op, "fwd", name, "tilelang", ours, flops)
+        for over in variants:
+            o2, l2 = torch.empty_like(out), torch.empty_like(lse)
+            run = lambda: _launch(q, kv, idx, scale, z, dv, o2, l2, overrides=over)  # noqa: E731
+            run()
+            d_out, d_lse = rel_diff(o2, out), rel_diff(l2, lse)
+            error = None if max(d_out, d_lse) <= AGREE else f"disagrees with the default: out {d_out:.2e} lse {d_lse:.2e}"
+            rows.time(op, "fwd", name, "tilelang", run, flops, error=error, variant=json.dumps(over, sort_keys=True))
         if flash_mla is None:
             continue
         q2, kv2, idx2 = q[0], kv[0].unsqueeze(1), idx[0].unsqueeze(1)  # [S,H,D], [Skv,1,D], [S,1,k]
@@ -127,12 +137,14 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="all", choices=["all", "8k", "long"])
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     ap.add_argument("--tag", default="kernels")
+    ap.add_argument("--fwd-variants", default="[]",
+                    help='JSON list of forward overrides to time beside the default, e.g. [{"schedule": "seesaw"}]')
     args = ap.parse_args(argv)
     shapes = {"all": SHAPES_8K + SHAPES_LONG, "8k": SHAPES_8K, "long": SHAPES_LONG}[args.shapes]
     rows = Rows(args.tag, args.out)
     modes = args.modes.split(",")
     if "fwd" in modes:
-        bench_forward(rows, shapes, import_peer("flash_mla", "flashmla"))
+        bench_forward(rows, shapes, import_peer("flash_mla", "flashmla"), json.loads(args.fwd_variants))
     if "bwd" in modes:
         cudnn = import_peer("cudnn", "cudnn_fe")
         bench_backward(rows, shapes, cudnn.DSA if cudnn is not None else None)

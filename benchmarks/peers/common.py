@@ -91,12 +91,15 @@ class Rows:
         """Print ours / peer for each (op, mode, shape) of this run."""
         by_case: dict[tuple, dict[str, dict]] = {}
         for r in self.rows:
-            by_case.setdefault((r["op"], r["mode"], r["shape"]), {})[r["provider"]] = r
+            name = r["provider"] + (f" {r['variant']}" if r.get("variant") else "")
+            by_case.setdefault((r["op"], r["mode"], r["shape"]), {})[name] = r
         for (op, mode, shape), rs in by_case.items():
-            if ours in rs and "median_ms" in rs[ours]:
+            for mine, m in rs.items():
+                if not mine.startswith(ours) or "median_ms" not in m:
+                    continue
                 for p, r in rs.items():
-                    if p != ours and "median_ms" in r:
-                        print(f"  {op} {mode} {shape}: {ours} / {p} speed = {r['median_ms'] / rs[ours]['median_ms']:.3f}")
+                    if not p.startswith(ours) and "median_ms" in r:
+                        print(f"  {op} {mode} {shape}: {mine} / {p} speed = {r['median_ms'] / m['median_ms']:.3f}")
 
     def write(self) -> None:
         """Append the rows not written yet (call it after each case: a timed-out run keeps what it measured)."""

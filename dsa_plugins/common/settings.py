@@ -49,6 +49,21 @@ def deterministic_enabled() -> bool:
     return _flag("DSA_PLUGINS_DETERMINISTIC")
 
 
+def decode_part_slots() -> int:
+    """DSA_PLUGINS_DECODE_PART_SLOTS: one-query (decode) rows of the sparse attention forward are cut
+    into parts of this many slots, each on a CTA of its own, merged by a combine program (0, the
+    default: one CTA per row). A function of k only, never of the batch, so rows stay batch
+    invariant; it speeds up small batches and slows large ones (benchmarks/results/attention_decode.md)."""
+    raw = os.environ.get("DSA_PLUGINS_DECODE_PART_SLOTS", "0").strip() or "0"
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"DSA_PLUGINS_DECODE_PART_SLOTS must be a whole number of slots, got {raw!r}") from None
+    if value < 0 or value % 128:
+        raise ValueError(f"DSA_PLUGINS_DECODE_PART_SLOTS must be 0 or a positive multiple of 128, got {value}")
+    return value
+
+
 def autoload_enabled() -> bool:
     return os.environ.get("DSA_PLUGINS_AUTOLOAD", "1").strip().lower() not in ("0", "false", "no", "off")
 

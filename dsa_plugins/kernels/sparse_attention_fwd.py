@@ -39,7 +39,7 @@ import threading
 
 import torch
 
-from ..common.settings import logger
+from ..common.settings import decode_part_slots, logger
 from ..common.indices import as_int32, row_blocks
 from ..common.validation import check_scale, check_tensor, output_buffer
 from . import announce_compile, cached_zeros
@@ -69,18 +69,30 @@ DEFAULT_CONFIG: dict = {
     # "split": both consumers compute half of the scores and half of the output (balanced, but the
     #   64x32 score MMAs are shared-memory bound: about 6% slower);
     # "qk_one_async": qk_one with consumer 0's P @ V left in flight over the next score MMAs
-    #   (correct but about 30% slower: the compiler serialises the in-flight accumulators).
+    #   (correct but about 30% slower: the compiler serialises the in-flight accumulators);
+    # "seesaw": consumer 0 scores the even slot blocks and consumer 1 the odd ones; the running row
+    #   maximum passes from one to the other, so one softmax overlaps the other's MMAs, and each
+    #   accumulates its output half from both blocks' P (its own from registers, the peer's from
+    #   shared memory). Balanced: each consumer does one score MMA and two P @ V MMAs per trip.
     "schedule": "qk_one",
     # setmaxnreg budgets (producer, then consumer 0 and consumer 1); at most 504 in all. Consumer 0
     # (scores + softmax + half the output) needs more than consumer 1: (56; 224, 224) spilled
     # 108 bytes for MLA; this split spills 24 and measured 456 -> 490 TFLOP/s (MLA H128) and
     # 412 -> 429 (V4 H128) on an H200 with bitwise-equal outputs (tune_sparse_attention_fwd_regs.py).
-    "producer_regs": 48,
-    "consumer_regs": (256, 200),
+    # None: the schedule's own budgets (_SCHEDULE_REGS)
+    "producer_regs": None,
+    "consumer_regs": None,
     # each query row walks its slot blocks only to its last valid slot (causal rows, the first
     # tokens of packed sequences: -1 after a few keys). H100, causal S 4096 k 2048: 1.26x (H64)
     # and 1.28x (H128) the full walk, bitwise the same outputs
     "skip_tail": True,
+    # kv gather hints: None (plain cp.async), "l2_256" (each copy asks L2 for the whole 256-byte
+    # span it starts, as the rows are read whole), "l2_256_keep" (the same with an evict_last
+    # policy: the gathered rows are read again by the other head blocks and later queries)
+    "load_hint": None,
+    # the partial program (decode): fp32 partial outputs over slot ranges, merged by the combine
+    # program; the wrapper runs it for one-query rows when DSA_PLUGINS_DECODE_PART_SLOTS is set
+    "partial": False,
 }
 
 # Every configuration the package ships. Heads, batch, lengths and K are runtime values, so one
@@ -93,9 +105,35 @@ SHIPPED_CONFIGS: list[dict] = [
      "covers": "absorbed MLA (V3.2 / GLM-5) 576/512, H 16/32/64/128"},
 ]
 
-_SCHEDULES = ("qk_one", "qk_one_async", "split")
+_SCHEDULES = ("qk_one", "qk_one_async", "split", "seesaw")
+# setmaxnreg budgets (producer, (consumer 0, consumer 1)) of each schedule: qk_one's consumer 0
+# does more than consumer 1; seesaw's two consumers do the same work
+_SCHEDULE_REGS = {
+    "qk_one": (48, (256, 200)),
+    "qk_one_async": (48, (256, 200)),
+    "split": (48, (256, 200)),
+    "seesaw": (56, (224, 224)),
+}
 _COMPILE_KEYS = ("dim_qk", "dim_v", "has_sink", "dtype", "block_h", "block_k", "schedule", "producer_regs",
-                 "consumer_regs", "skip_tail")
+                 "consumer_regs", "skip_tail", "load_hint", "partial")
+_LOAD_HINTS = {None: 0, "l2_256": 1, "l2_256_keep": 2}
+
+# predicated 16-byte cp.async with L2 hints (TileLang's own cp.async takes none)
+_FWD_PRELUDE = r"""
+template <int kHint>
+__device__ __forceinline__ void dsa_cp_async16(const void* smem, const void* gmem, bool pred) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int n = pred ? 16 : 0;
+  if constexpr (kHint == 2) {
+    unsigned long long policy;
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;"
+                 :: "r"(dst), "l"(gmem), "r"(n), "l"(policy) : "memory");
+  } else {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" :: "r"(dst), "l"(gmem), "r"(n) : "memory");
+  }
+}
+"""
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
@@ -103,6 +141,8 @@ _DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
 # Named barriers used explicitly by the kernel (bar.sync ids). TileLang numbers the barriers it
 # inserts itself from 3 upwards (one per thread range: 3 to 5 here), so ours sit at the top.
 _BAR_Q, _BAR_A, _BAR_B, _BAR_FIN, _BAR_OUT = 15, 14, 13, 12, 11
+# seesaw: row maximum of consumer 0 / 1 posted (_BAR_A / _BAR_B), P of its block in shared memory
+_BAR_M0, _BAR_M1, _BAR_S0, _BAR_S1 = _BAR_A, _BAR_B, 10, 9
 
 
 def _normalise_config(config: dict) -> dict:
@@ -118,7 +158,12 @@ def _normalise_config(config: dict) -> dict:
         raise ValueError(f"block_h must be 64 (one warpgroup MMA tile), got {bh}")
     if bk != 64:
         raise ValueError(f"block_k must be 64, got {bk}")
-    regs = cfg["consumer_regs"]
+    if cfg["schedule"] not in _SCHEDULES:
+        raise ValueError(f"schedule must be one of {_SCHEDULES}, got {cfg['schedule']!r}")
+    default_producer, default_consumers = _SCHEDULE_REGS[cfg["schedule"]]
+    if cfg["producer_regs"] is None:
+        cfg["producer_regs"] = default_producer
+    regs = default_consumers if cfg["consumer_regs"] is None else cfg["consumer_regs"]
     regs = (int(regs), int(regs)) if isinstance(regs, (int, float)) else tuple(int(r) for r in regs)
     cfg["consumer_regs"] = regs
     cfg["producer_regs"] = int(cfg["producer_regs"])
@@ -130,15 +175,18 @@ def _normalise_config(config: dict) -> dict:
             "producer_regs and consumer_regs (one value or one per consumer) must be multiples of 8 in "
             f"[24, 256] summing to at most 504, got {all_regs}"
         )
-    if cfg["schedule"] not in _SCHEDULES:
-        raise ValueError(f"schedule must be one of {_SCHEDULES}, got {cfg['schedule']!r}")
+    if cfg["load_hint"] not in _LOAD_HINTS:
+        raise ValueError(f"load_hint must be one of {sorted(_LOAD_HINTS, key=str)}, got {cfg['load_hint']!r}")
     cfg["has_sink"] = bool(cfg["has_sink"])
+    cfg["partial"] = bool(cfg["partial"])
+    if cfg["partial"] and cfg["has_sink"]:
+        raise ValueError("the partial program takes no sink (the combine applies it)")
     cfg["skip_tail"] = bool(cfg["skip_tail"])
     return cfg
 
 
 def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, producer_regs, consumer_regs,
-             skip_tail=False):
+             skip_tail=False, load_hint=None, partial=False):
     """The TileLang prim_func of one configuration (imported lazily)."""
     import tilelang.language as T
 
@@ -148,6 +196,7 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
     BK = block_k
     split = schedule == "split"
     async_pv = schedule == "qk_one_async"
+    seesaw = schedule == "seesaw"
     # rows of one shared buffer: "split" keeps each slot half in its own buffer (one per consumer)
     ROWS_BUF = BK // 2 if split else BK
     ROWS_PER_PASS = 16  # producer: 8 threads per row, 128 threads
@@ -165,6 +214,19 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
     neg_big = -1.0e30
 
     B, S, H, SKV, KP = T.dynamic("batch, seqlen, heads, seqlen_kv, topk_padded")
+    # partial: each query row's slots come as `parts` consecutive rows of Indices (SO = S * parts
+    # rows), each scored by a CTA of its own into an fp32 partial output and its lse (no sink:
+    # the combine applies it); the decode shape, where the batch alone leaves most SMs idle
+    SO = T.dynamic("rows_out") if partial else S
+    out_dtype = accum if partial else dtype
+
+    hint = _LOAD_HINTS[load_hint]
+
+    def cp16(dst, src, ok):
+        # a plain function, not a macro: a macro would bind the pointers to (non-const) variables
+        if hint == 0:
+            return T.ptx_cp_async(dst, src, VEC, ok)
+        return T.call_extern("handle", f"dsa_cp_async16<{hint}>", dst, src, ok)
 
     @T.macro
     def fetch_indices(Indices, bz, by, it, idx_reg, ptx):
@@ -191,16 +253,16 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
             for u in half_chunk_ids:
                 col = u * 64 + lane * VEC
                 if (not half_guard) or col < D_half:
-                    T.ptx_cp_async(T.access_ptr(kv_l[blk][brow, col], "w", VEC),
-                                   T.access_ptr(KV[bz, src, col], "r", VEC), VEC, ok)
-                    T.ptx_cp_async(T.access_ptr(kv_r[blk][brow, col], "w", VEC),
-                                   T.access_ptr(KV[bz, src, D_half + col], "r", VEC), VEC, ok)
+                    cp16(T.access_ptr(kv_l[blk][brow, col], "w", VEC),
+                                   T.access_ptr(KV[bz, src, col], "r", VEC), ok)
+                    cp16(T.access_ptr(kv_r[blk][brow, col], "w", VEC),
+                                   T.access_ptr(KV[bz, src, D_half + col], "r", VEC), ok)
             if D_tail > 0:
                 for u in tail_chunk_ids:
                     col = u * 64 + lane * VEC
                     if (not tail_guard) or col < D_tail:
-                        T.ptx_cp_async(T.access_ptr(kt[blk][brow, col], "w", VEC),
-                                       T.access_ptr(KV[bz, src, dim_v + col], "r", VEC), VEC, ok)
+                        cp16(T.access_ptr(kt[blk][brow, col], "w", VEC),
+                                       T.access_ptr(KV[bz, src, dim_v + col], "r", VEC), ok)
 
     @T.macro
     def producer(Indices, KV, bz, by, n_trips, idx_reg, stages, valid, bar_ready, bar_free, ptx):
@@ -304,31 +366,193 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
             T.named_barrier_arrive(_BAR_B, 256)
 
     @T.macro
-    def finish(g, c, l_tot, m_i, inv, acc_o, O_s, Sinks, Output, Lse, bz, by, h0):
-        # l_tot: row sums of the whole row; writes lse (consumer 0) and the output half g. A row is
+    def finish(g, c, l_tot, m_i, inv, acc_o, O_s, Sinks, Output, Lse, bz, by, h0, m_scaled=False):
+        # l_tot: row sums of the whole row; m_i: the row maximum of the scores (times c when
+        # m_scaled); writes lse (consumer 0) and the output half g. A row is
         # empty when l_tot == 0 (every slot masked): tested with != 0, not > 0, so that a row whose
         # inputs carry NaN keeps NaN in its output and lse instead of passing for empty (+inf)
+        mc = 1.0 if m_scaled else c
         for h in T.Parallel(HB):
             if has_sink:
                 inv[h] = T.if_then_else(
                     l_tot[h] != 0,
-                    1.0 / (l_tot[h] + T.exp2(Sinks[T.min(h0 + h, H - 1)] * _LOG2E - m_i[h] * c)),
+                    1.0 / (l_tot[h] + T.exp2(Sinks[T.min(h0 + h, H - 1)] * _LOG2E - m_i[h] * mc)),
                     0.0,
                 )
             else:
                 inv[h] = T.if_then_else(l_tot[h] != 0, 1.0 / l_tot[h], 0.0)
-        for h, d in T.Parallel(HB, D_half):
-            O_s[h, d] = T.cast(acc_o[h, d] * inv[h], dtype)
+        if not partial:
+            for h, d in T.Parallel(HB, D_half):
+                O_s[h, d] = T.cast(acc_o[h, d] * inv[h], dtype)
         if g == 0:
             for h in T.Parallel(HB):
                 if h0 + h < H:
                     Lse[bz, by, h0 + h] = T.if_then_else(
-                        l_tot[h] != 0, (T.log2(l_tot[h]) + m_i[h] * c) * _LN2, T.infinity(accum)
+                        l_tot[h] != 0, (T.log2(l_tot[h]) + m_i[h] * mc) * _LN2, T.infinity(accum)
                     )
-        T.sync_threads(_BAR_OUT, 256)
+        if partial:
+            # fp32 partials straight from the registers (a decode step writes few of them)
+            for h, d in T.Parallel(HB, D_half):
+                if h0 + h < H:
+                    Output[bz, by, h0 + h, g * D_half + d] = acc_o[h, d] * inv[h]
+        else:
+            T.sync_threads(_BAR_OUT, 256)
+            for h, d in T.Parallel(HB, D_half):
+                if h0 + h < H:
+                    Output[bz, by, h0 + h, g * D_half + d] = O_s[h, d]
+
+
+    @T.macro
+    def load_part(KV, bz, idx_reg, stage, part, valid_s, ptx):
+        # seesaw: one half of a stage, "left" (value columns [0, Dv/2)) or "right" (the rest of
+        # the value columns and the score-only tail); the slot flags go with the half loaded first
+        kv_l, kv_r, kt = stage
+        lane = ptx % 8
+        if valid_s is not None:
+            if lane == 0:
+                for r in pass_ids:
+                    valid_s[r * ROWS_PER_PASS + ptx // 8] = T.if_then_else(
+                        (idx_reg[r] >= 0) and (idx_reg[r] < SKV), 1, 0)
+        for r in pass_ids:
+            row = r * ROWS_PER_PASS + ptx // 8
+            idx = idx_reg[r]
+            ok = (idx >= 0) and (idx < SKV)
+            src = T.if_then_else(ok, idx, 0)
+            for u in half_chunk_ids:
+                col = u * 64 + lane * VEC
+                if (not half_guard) or col < D_half:
+                    if part == "left":
+                        cp16(T.access_ptr(kv_l[0][row, col], "w", VEC),
+                                       T.access_ptr(KV[bz, src, col], "r", VEC), ok)
+                    else:
+                        cp16(T.access_ptr(kv_r[0][row, col], "w", VEC),
+                                       T.access_ptr(KV[bz, src, D_half + col], "r", VEC), ok)
+            if D_tail > 0 and part == "right":
+                for u in tail_chunk_ids:
+                    col = u * 64 + lane * VEC
+                    if (not tail_guard) or col < D_tail:
+                        cp16(T.access_ptr(kt[0][row, col], "w", VEC),
+                                       T.access_ptr(KV[bz, src, dim_v + col], "r", VEC), ok)
+
+    @T.macro
+    def seesaw_producer(Indices, KV, bz, by, n_trips, idx0, idx1, stages, valid, ready, free, ptx):
+        # per trip: block 2t left, block 2t+1 right, block 2t right, block 2t+1 left. Each half has
+        # its own barriers: a half is reloaded as soon as its last reader is done with it, and each
+        # consumer starts its score MMAs on the half that lands first
+        fetch_indices(Indices, bz, by, 0, idx0, ptx)
+        fetch_indices(Indices, bz, by, 1, idx1, ptx)
+        for t in T.serial(n_trips):
+            for st, part, hf in ((0, "left", 0), (1, "right", 1), (0, "right", 1), (1, "left", 0)):
+                first = (st == 0 and part == "left") or (st == 1 and part == "right")
+                T.barrier_wait(free[st][hf][0], (t & 1) ^ 1)
+                load_part(KV, bz, idx0 if st == 0 else idx1, stages[st], part, valid[st] if first else None, ptx)
+                T.cp_async_barrier_noinc(ready[st][hf][0])
+                T.barrier_arrive(ready[st][hf][0])
+                if not first:  # this block's indices are done with: the next trip's, in flight
+                    if t + 1 < n_trips:
+                        fetch_indices(Indices, bz, by, 2 * t + 2 + st, idx0 if st == 0 else idx1, ptx)
+
+    @T.macro
+    def seesaw_issue(Q_l, Q_r, Q_t, stage, ready, st, t, acc_s, which):
+        # score MMAs of one half of a slot block (which = 0: the half that lands first), issued
+        # after that half has landed; not waited for
+        kv_l, kv_r, kt = stage
+        hf = (0 if st == 0 else 1) if which == 0 else (1 if st == 0 else 0)
+        T.barrier_wait(ready[st][hf][0], t & 1)
+        T.fence_proxy_async()
+        if hf == 0:
+            T.wgmma_gemm(Q_l, kv_l[0], acc_s, transpose_B=True, clear_accum=which == 0)
+        else:
+            T.wgmma_gemm(Q_r, kv_r[0], acc_s, transpose_B=True, clear_accum=which == 0)
+            if D_tail > 0:
+                T.wgmma_gemm(Q_t, kt[0], acc_s, transpose_B=True)
+
+    @T.macro
+    def seesaw_mask_max(valid_s, acc_s, m_blk):
+        # invalid slots at -inf; row maxima of the block
+        for h, j in T.Parallel(HB, BK):
+            acc_s[h, j] = T.if_then_else(valid_s[j] != 0, acc_s[h, j], -T.infinity(accum))
+        T.reduce_max(acc_s, m_blk, dim=1, clear=True)
+
+    @T.macro
+    def seesaw_scores(Q_l, Q_r, Q_t, stage, ready, st, t, valid_s, acc_s, m_blk):
+        # scores of one whole slot block (64 heads x 64 slots), started on the half that lands first
+        seesaw_issue(Q_l, Q_r, Q_t, stage, ready, st, t, acc_s, 0)
+        seesaw_issue(Q_l, Q_r, Q_t, stage, ready, st, t, acc_s, 1)
+        T.wait_wgmma(0)
+        seesaw_mask_max(valid_s, acc_s, m_blk)
+
+    @T.macro
+    def seesaw_softmax(c, acc_s, acc_o, m_i, m_new, alpha, l_i, rowsum):
+        # m_new: the new running maximum (times c); P = exp2(s c - m_new) in acc_s, acc_o and the
+        # row sums rescaled from m_i to m_new
+        for h in T.Parallel(HB):
+            alpha[h] = T.exp2(m_i[h] - m_new[h])
+            m_i[h] = m_new[h]
+        for h, j in T.Parallel(HB, BK):
+            acc_s[h, j] = T.exp2(acc_s[h, j] * c - m_i[h])
+        T.reduce_sum(acc_s, rowsum, dim=1)
+        for h in T.Parallel(HB):
+            l_i[h] = l_i[h] * alpha[h] + rowsum[h]
         for h, d in T.Parallel(HB, D_half):
-            if h0 + h < H:
-                Output[bz, by, h0 + h, g * D_half + d] = O_s[h, d]
+            acc_o[h, d] *= alpha[h]
+
+    @T.macro
+    def seesaw_even(c, Q_l, Q_r, Q_t, stages, valid, P0_s, P1_s, mx_s, acc_s, p_reg, acc_o, m_i, m_blk, alpha,
+                    l_i, rowsum, ready, free, t):
+        # consumer 0, slot block 2t (stage 0): left output half of both blocks. (Issuing block
+        # 2t+2's score MMAs behind the last P @ V, as FlashMLA does, made ptxas serialise every
+        # wgmma of the program: C7515)
+        seesaw_scores(Q_l, Q_r, Q_t, stages[0], ready, 0, t, valid[0], acc_s, m_blk)
+        for h in T.Parallel(HB):
+            m_blk[h] = T.max(m_i[h], m_blk[h] * c)
+            mx_s[0, h] = m_blk[h]
+        seesaw_softmax(c, acc_s, acc_o, m_i, m_blk, alpha, l_i, rowsum)
+        T.named_barrier_arrive(_BAR_M0, 256)  # consumer 1 continues the maximum from here
+        T.copy(acc_s, p_reg)
+        T.wgmma_gemm(p_reg, stages[0][0][0], acc_o)  # in flight while consumer 1's maximum comes
+        T.sync_threads(_BAR_M1, 256)
+        for h in T.Parallel(HB):
+            alpha[h] = T.exp2(m_i[h] - mx_s[1, h])  # block 2t + 1 raised the maximum by this
+            m_i[h] = mx_s[1, h]
+        for h, j in T.Parallel(HB, BK):
+            acc_s[h, j] *= alpha[h]
+        T.copy(acc_s, P0_s)
+        T.fence_proxy_async()
+        T.named_barrier_arrive(_BAR_S0, 256)
+        T.wait_wgmma(0)
+        T.barrier_arrive(free[0][0][0])  # block 2t's left half: read by this consumer only
+        for h, d in T.Parallel(HB, D_half):
+            acc_o[h, d] *= alpha[h]
+        for h in T.Parallel(HB):
+            l_i[h] *= alpha[h]
+        T.sync_threads(_BAR_S1, 256)
+        T.wgmma_gemm(P1_s, stages[1][0][0], acc_o)
+        T.wait_wgmma(0)
+        T.barrier_arrive(free[1][0][0])  # block 2t+1's left half (consumer 1 scored it before P1)
+
+    @T.macro
+    def seesaw_odd(c, Q_l, Q_r, Q_t, stages, valid, P0_s, P1_s, mx_s, acc_s, p_reg, acc_o, m_i, m_blk, alpha,
+                   l_i, rowsum, ready, free, t):
+        # consumer 1, slot block 2t + 1 (stage 1): right output half of both blocks
+        seesaw_scores(Q_l, Q_r, Q_t, stages[1], ready, 1, t, valid[1], acc_s, m_blk)
+        T.sync_threads(_BAR_M0, 256)  # consumer 0's maximum, blocks up to 2t
+        for h in T.Parallel(HB):
+            m_blk[h] = T.max(mx_s[0, h], m_blk[h] * c)
+            mx_s[1, h] = m_blk[h]
+        seesaw_softmax(c, acc_s, acc_o, m_i, m_blk, alpha, l_i, rowsum)
+        T.named_barrier_arrive(_BAR_M1, 256)
+        T.copy(acc_s, p_reg)
+        T.wgmma_gemm(p_reg, stages[1][1][0], acc_o)
+        T.copy(acc_s, P1_s)
+        T.fence_proxy_async()
+        T.named_barrier_arrive(_BAR_S1, 256)
+        T.sync_threads(_BAR_S0, 256)  # block 2t's P, at the same maximum
+        T.wgmma_gemm(P0_s, stages[0][1][0], acc_o)
+        T.wait_wgmma(1)
+        T.barrier_arrive(free[1][1][0])  # block 2t+1's right half
+        T.wait_wgmma(0)
+        T.barrier_arrive(free[0][1][0])  # block 2t's right half (and P0 in its tail)
 
     n_blk = 2 if split else 1
 
@@ -336,14 +560,14 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
     def main(
         Q: T.Tensor([B, S, H, dim_qk], dtype),
         KV: T.Tensor([B, SKV, dim_qk], dtype),
-        Indices: T.Tensor([B, S, KP], "int32"),
+        Indices: T.Tensor([B, SO, KP], "int32"),
         Sinks: T.Tensor([H], accum),
         scale: T.float32,
-        Output: T.Tensor([B, S, H, dim_v], dtype),
-        Lse: T.Tensor([B, S, H], accum),
-        RowTrips: T.Tensor([B, S] if skip_tail else [1], "int32"),  # trips of 2 * BK slots per row
+        Output: T.Tensor([B, SO, H, dim_v], out_dtype),
+        Lse: T.Tensor([B, SO, H], accum),
+        RowTrips: T.Tensor([B, SO] if skip_tail else [1], "int32"),  # trips of 2 * BK slots per row
     ):
-        with T.Kernel(T.ceildiv(H, HB), S, B, threads=384) as (bx, by, bz):
+        with T.Kernel(T.ceildiv(H, HB), SO, B, threads=384, prelude=_FWD_PRELUDE if hint else None) as (bx, by, bz):
             Q_l = T.alloc_shared([HB, D_half], dtype)
             Q_r = T.alloc_shared([HB, D_half], dtype)
             Q_t = T.alloc_shared([HB, D_tail], dtype) if D_tail > 0 else None
@@ -353,7 +577,17 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
                 kv_r = [T.alloc_shared([ROWS_BUF, D_half], dtype) for _b in range(n_blk)]
                 kt = [T.alloc_shared([ROWS_BUF, D_tail], dtype) for _b in range(n_blk)] if D_tail > 0 else None
                 stages.append((kv_l, kv_r, kt))
-            P_s = [T.alloc_shared([HB, ROWS_BUF], dtype) for _b in range(n_blk)]
+            if seesaw:
+                # each block's P (at the maximum after both blocks) for the other consumer. P of
+                # block 2t sits in its stage's score-only tail when that is one P tile wide (the
+                # scores are done with it, and that half is released after consumer 1's P @ V);
+                # block 2t+1's right half is released earlier, so its P has a buffer of its own
+                P_s = [stages[0][2][0] if D_tail == BK else T.alloc_shared([HB, BK], dtype),
+                       T.alloc_shared([HB, BK], dtype)]
+                p_reg0 = T.alloc_fragment([HB, BK], dtype)
+                p_reg1 = T.alloc_fragment([HB, BK], dtype)
+            else:
+                P_s = [T.alloc_shared([HB, ROWS_BUF], dtype) for _b in range(n_blk)]
             valid = [T.alloc_shared([BK], "int32"), T.alloc_shared([BK], "int32")]
             x_s = T.alloc_shared([2, HB], accum)  # row max exchange ("split")
             l_s = T.alloc_shared([2, HB], accum)  # row sums / final factors
@@ -374,31 +608,71 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
             rs0 = T.alloc_fragment([HB], accum)
             rs1 = T.alloc_fragment([HB], accum)
 
-            bar_ready = [T.alloc_barrier(256), T.alloc_barrier(256)]
-            bar_free = [T.alloc_barrier(256), T.alloc_barrier(256)]
+            if seesaw:
+                # [stage][half]: ready = 128 producer threads x (cp.async completion + arrive);
+                # free = the one consumer that reads the half last
+                bar_ready = [[T.alloc_barrier(256), T.alloc_barrier(256)], [T.alloc_barrier(256), T.alloc_barrier(256)]]
+                bar_free = [[T.alloc_barrier(128), T.alloc_barrier(128)], [T.alloc_barrier(128), T.alloc_barrier(128)]]
+                idx_reg1 = T.alloc_local([PASSES], "int32")
+            else:
+                bar_ready = [T.alloc_barrier(256), T.alloc_barrier(256)]
+                bar_free = [T.alloc_barrier(256), T.alloc_barrier(256)]
 
             tx = T.get_thread_binding()
             h0 = bx * HB
             # skip_tail: trips past the row's last valid slot hold only -1; every warpgroup reads
             # the same count, so the barriers stay paired
             n_trips = RowTrips[bz, by] if skip_tail else KP // (2 * BK)
+            qrow = by // (SO // S) if partial else by
             c = scale * _LOG2E
 
             if tx >= 256:
                 T.set_max_nreg(producer_regs, 0)
-                producer(Indices, KV, bz, by, n_trips, idx_reg, stages, valid, bar_ready, bar_free, tx - 256)
+                if seesaw:
+                    seesaw_producer(Indices, KV, bz, by, n_trips, idx_reg, idx_reg1, stages, valid, bar_ready,
+                                    bar_free, tx - 256)
+                else:
+                    producer(Indices, KV, bz, by, n_trips, idx_reg, stages, valid, bar_ready, bar_free, tx - 256)
             else:
                 # consumers: stage Q in shared memory (rows past H read as zero)
                 for hh, d in T.Parallel(HB, D_half):
-                    Q_l[hh, d] = T.if_then_else(h0 + hh < H, Q[bz, by, h0 + hh, d], T.cast(0, dtype))
-                    Q_r[hh, d] = T.if_then_else(h0 + hh < H, Q[bz, by, h0 + hh, D_half + d], T.cast(0, dtype))
+                    Q_l[hh, d] = T.if_then_else(h0 + hh < H, Q[bz, qrow, h0 + hh, d], T.cast(0, dtype))
+                    Q_r[hh, d] = T.if_then_else(h0 + hh < H, Q[bz, qrow, h0 + hh, D_half + d], T.cast(0, dtype))
                 if D_tail > 0:
                     for hh, d in T.Parallel(HB, D_tail):
-                        Q_t[hh, d] = T.if_then_else(h0 + hh < H, Q[bz, by, h0 + hh, dim_v + d], T.cast(0, dtype))
+                        Q_t[hh, d] = T.if_then_else(h0 + hh < H, Q[bz, qrow, h0 + hh, dim_v + d], T.cast(0, dtype))
                 T.fence_proxy_async()
                 T.sync_threads(_BAR_Q, 256)
 
-                if tx < 128:
+                if seesaw and tx < 128:
+                    T.set_max_nreg(consumer_regs[0], 1)
+                    T.fill(acc_o0, 0)
+                    T.fill(l_i0, 0)
+                    T.fill(m_i0, neg_big)
+                    for t in T.serial(n_trips):
+                        seesaw_even(c, Q_l, Q_r, Q_t, stages, valid, P_s[0], P_s[1], x_s, acc_s0, p_reg0, acc_o0,
+                                    m_i0, m_loc0, alpha0, l_i0, rs0, bar_ready, bar_free, t)
+                    for h in T.Parallel(HB):
+                        l_s[0, h] = l_i0[h]
+                    T.sync_threads(_BAR_FIN, 256)
+                    for h in T.Parallel(HB):
+                        rs0[h] = l_s[0, h] + l_s[1, h]
+                    finish(0, c, rs0, m_i0, alpha0, acc_o0, Q_l, Sinks, Output, Lse, bz, by, h0, m_scaled=True)
+                elif seesaw:
+                    T.set_max_nreg(consumer_regs[1], 1)
+                    T.fill(acc_o1, 0)
+                    T.fill(l_i1, 0)
+                    T.fill(m_i1, neg_big)
+                    for t in T.serial(n_trips):
+                        seesaw_odd(c, Q_l, Q_r, Q_t, stages, valid, P_s[0], P_s[1], x_s, acc_s1, p_reg1, acc_o1,
+                                   m_i1, m_loc1, alpha1, l_i1, rs1, bar_ready, bar_free, t)
+                    for h in T.Parallel(HB):
+                        l_s[1, h] = l_i1[h]
+                    T.sync_threads(_BAR_FIN, 256)
+                    for h in T.Parallel(HB):
+                        rs1[h] = l_s[0, h] + l_s[1, h]
+                    finish(1, c, rs1, m_i1, alpha1, acc_o1, Q_r, Sinks, Output, Lse, bz, by, h0, m_scaled=True)
+                elif tx < 128:
                     T.set_max_nreg(consumer_regs[0], 1)
                     T.fill(acc_o0, 0)
                     T.fill(l_i0, 0)
@@ -522,6 +796,83 @@ def build_fwd_kernel(config: dict, target="auto"):
     return kernel
 
 
+def _combine_program(dim_v, has_sink, dtype):
+    """Merges the partial program's outputs: per (row, head), the parts' fp32 outputs weighted by
+    exp(lse_p - max), the sink (if any) added to the normaliser. Parts without a valid slot
+    (lse +inf) weigh nothing; a row without any gives out 0 and lse +inf; NaN propagates."""
+    import tilelang.language as T
+
+    B, S, P, H = T.dynamic("batch, seqlen, parts, heads")
+    threads = 128
+    per_thread = (dim_v + threads - 1) // threads
+    f32 = "float32"
+
+    @T.prim_func
+    def main(
+        OPart: T.Tensor([B, S, P, H, dim_v], f32),
+        LPart: T.Tensor([B, S, P, H], f32),
+        Sinks: T.Tensor([H], f32),
+        Output: T.Tensor([B, S, H, dim_v], dtype),
+        Lse: T.Tensor([B, S, H], f32),
+    ):
+        with T.Kernel(H, S, B, threads=threads) as (h, s, b):
+            tx = T.get_thread_binding()
+            m = T.alloc_local([1], f32)
+            tot = T.alloc_local([1], f32)
+            w = T.alloc_local([1], f32)
+            acc = T.alloc_local([per_thread], f32)
+            m[0] = -T.infinity(f32)
+            for p in T.serial(P):
+                if LPart[b, s, p, h] < T.infinity(f32):
+                    m[0] = T.max(m[0], LPart[b, s, p, h])
+            tot[0] = 0.0
+            for j in T.serial(per_thread):
+                acc[j] = 0.0
+            for p in T.serial(P):
+                w[0] = T.if_then_else(LPart[b, s, p, h] == T.infinity(f32), 0.0, T.exp(LPart[b, s, p, h] - m[0]))
+                tot[0] += w[0]
+                for j in T.serial(per_thread):
+                    if j * threads + tx < dim_v:
+                        acc[j] += w[0] * OPart[b, s, p, h, j * threads + tx]
+            if has_sink:
+                w[0] = T.if_then_else(tot[0] != 0, 1.0 / (tot[0] + T.exp(Sinks[h] - m[0])), 0.0)
+            else:
+                w[0] = T.if_then_else(tot[0] != 0, 1.0 / tot[0], 0.0)
+            for j in T.serial(per_thread):
+                if j * threads + tx < dim_v:
+                    Output[b, s, h, j * threads + tx] = T.cast(acc[j] * w[0], dtype)
+            if tx == 0:
+                Lse[b, s, h] = T.if_then_else(tot[0] != 0, m[0] + T.log(tot[0]), T.infinity(f32))
+
+    return main
+
+
+_combine_kernels: dict = {}
+
+
+def build_combine_kernel(dim_v: int, has_sink: bool, dtype: str = "bfloat16", target="auto"):
+    """Compile (or fetch) the combine program of the decode path; called as
+    kernel(out_parts [B,S,P,H,dv] fp32, lse_parts [B,S,P,H] fp32, sinks [H] fp32, out, lse)."""
+    if dtype not in _TORCH_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_TORCH_DTYPES)}, got {dtype!r}")
+    tkey = _target_key(target)
+    key = (tkey, int(dim_v), bool(has_sink), dtype)
+    kernel = _combine_kernels.get(key)
+    if kernel is None:
+        with _build_lock:
+            kernel = _combine_kernels.get(key)
+            if kernel is None:
+                import tilelang
+
+                announce_compile("sparse attention forward (decode combine)")
+                kernel = tilelang.jit(
+                    target=_target_from_key(tkey),
+                    pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False},
+                )(_combine_program)(int(dim_v), bool(has_sink), dtype)
+                _combine_kernels[key] = kernel
+    return kernel
+
+
 def config_for(dim_qk: int, dim_v: int, has_sink: bool, dtype: torch.dtype) -> dict:
     """The configuration the wrapper uses for these inputs."""
     if dtype not in _DTYPE_NAMES:
@@ -573,11 +924,22 @@ def _check_inputs(q, kv, indices, scale, sink, dv):
     return scale, dv
 
 
+# Decode (one query per row): with DSA_PLUGINS_DECODE_PART_SLOTS = n > 0 the slots of a row are
+# cut into parts of at most n, each part scored by a CTA of its own (the partial program), and the
+# parts merged by the combine program. A lone row's CTA walks its slots at about 4-5 us per 128 on
+# an H100 however idle the GPU is (B 1, k 2048: 16 trips, 68 us), so small batches gain from the
+# split (H64 B 8: 70.6 -> 33.0 us with n = 512); large ones are bound by the gather rate (about
+# 1.6 TB/s) and lose to the partials' extra traffic (H64 B 64: 80.6 -> 113.5 us), hence off by
+# default. The part size depends on k only, never on the batch: a row's result is the same bits
+# however the rows are batched.
+
+
 def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse: torch.Tensor,
-            overrides: dict | None = None) -> None:
+            overrides: dict | None = None, part_slots: int | None = None) -> None:
     """Normalise the (checked) inputs once and run the program, writing ``out`` and ``lse``.
 
-    ``overrides`` replaces compile-time parameters of the default configuration (tests, tuning)."""
+    ``overrides`` replaces compile-time parameters of the default configuration (tests, tuning);
+    ``part_slots`` the decode split (None: DSA_PLUGINS_DECODE_PART_SLOTS for one-query rows, 0: off)."""
     b, s, h, dqk = q.shape
     k = indices.shape[-1]
     if b == 0 or s == 0 or h == 0:
@@ -590,11 +952,14 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
     if overrides:
         cfg = _normalise_config({**cfg, **overrides})
     step = 2 * cfg["block_k"]
-    kp = (k + step - 1) // step * step
-    if max(q.numel(), kv.numel(), out.numel(), b * s * kp) >= 2**31:
+    if part_slots is None:
+        part_slots = decode_part_slots() if s == 1 else 0
+    parts = -(-k // part_slots) if part_slots and k > part_slots else 1
+    kp = -(-(-(-k // parts)) // step) * step * parts  # each part a whole number of trips
+    if max(q.numel(), kv.numel(), out.numel() * parts, b * s * kp) >= 2**31:
         raise ValueError("sparse_attention_fwd: tensors of 2**31 or more elements are not supported (int32 offsets)")
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    kernel = build_fwd_kernel(cfg, target=device_target(device_index))
+    target = device_target(device_index)
     q = q.contiguous()
     kv = kv.contiguous()
     idx = as_int32(indices, kv.shape[1])
@@ -602,12 +967,22 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
         idx = torch.nn.functional.pad(idx, (0, kp - k), value=-1)
     idx = idx.contiguous()
     sinks = sink.contiguous() if sink is not None else cached_zeros(h, torch.float32, q.device)
+    rows = s * parts  # part p of a row is row s * parts + p of the partial program
     if cfg["skip_tail"]:
-        trips = row_blocks(idx.view(b * s, kp), step, kv.shape[1]).view(b, s)
+        trips = row_blocks(idx.view(b * rows, kp // parts), step, kv.shape[1]).view(b, rows)
     else:
         trips = cached_zeros(1, torch.int32, q.device)
     with torch.cuda.device(q.device):
-        kernel(q, kv, idx, sinks, scale, out, lse, trips)
+        if parts == 1:
+            build_fwd_kernel(cfg, target=target)(q, kv, idx, sinks, scale, out, lse, trips)
+            return
+        partial = build_fwd_kernel({**cfg, "has_sink": False, "partial": True}, target=target)
+        o_part = torch.empty(b, rows, h, dv, dtype=torch.float32, device=q.device)
+        l_part = torch.empty(b, rows, h, dtype=torch.float32, device=q.device)
+        partial(q, kv, idx.view(b, rows, kp // parts), cached_zeros(h, torch.float32, q.device), scale, o_part,
+                l_part, trips)
+        combine = build_combine_kernel(dv, sink is not None, cfg["dtype"], target=target)
+        combine(o_part.view(b, s, parts, h, dv), l_part.view(b, s, parts, h), sinks, out, lse)
 
 
 def sparse_attention_fwd(q, kv, indices, scale: float, sink=None, dv: int | None = None, *, out=None, lse=None):

@@ -39,6 +39,36 @@ def test_shipped_config_compiles_for_sm90a(config, caplog):
     assert mod.build_fwd_kernel(dict(config), target=SM90A) is kernel
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TILELANG, reason="TileLang is not installed")
+@pytest.mark.parametrize("variant", [{"schedule": "seesaw"}, {"schedule": "seesaw", "has_sink": True, "dim_qk": 512},
+                                     {"load_hint": "l2_256_keep"}], ids=["seesaw-576", "seesaw-512-sink", "l2_keep"])
+def test_forward_variants_compile_for_sm90a(variant):
+    """The opt-in variants (the seesaw schedule, the gather hints) compile for sm_90a."""
+    kernel = mod.build_fwd_kernel({**mod.DEFAULT_CONFIG, **variant}, target=SM90A)
+    src = kernel.get_kernel_source()
+    assert "wgmma" in src
+    if "load_hint" in variant:
+        assert "dsa_cp_async16<2>" in src and "evict_last" in src
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TILELANG, reason="TileLang is not installed")
+@pytest.mark.parametrize("dims", [(576, 512), (512, 512)], ids=lambda d: f"{d[0]}-{d[1]}")
+def test_decode_split_programs_compile_for_sm90a(dims):
+    """DSA_PLUGINS_DECODE_PART_SLOTS's programs: the partial forward (fp32 partials, parts as rows of
+    their own) and the combine, with and without a sink."""
+    dqk, dv = dims
+    kernel = mod.build_fwd_kernel({**mod.DEFAULT_CONFIG, "dim_qk": dqk, "dim_v": dv, "partial": True}, target=SM90A)
+    src = kernel.get_kernel_source()
+    assert "rows_out" in src and "float* __restrict__ Output" in src
+    for sink in (False, True):
+        src = mod.build_combine_kernel(dv, sink, "bfloat16", target=SM90A).get_kernel_source()
+        assert "parts" in src and ("Sinks[" in src) == sink
+    with pytest.raises(ValueError, match="no sink"):
+        mod._normalise_config({"dim_qk": dqk, "dim_v": dv, "partial": True, "has_sink": True})
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="dim_v"):
         mod._normalise_config({"dim_qk": 512, "dim_v": 500})
@@ -48,6 +78,9 @@ def test_config_validation():
         mod._normalise_config({"dtype": "float32"})
     with pytest.raises(ValueError, match="schedule"):
         mod._normalise_config({"schedule": "nope"})
+    with pytest.raises(ValueError, match="load_hint"):
+        mod._normalise_config({"load_hint": "nope"})
+    assert mod._normalise_config({"schedule": "seesaw"})["consumer_regs"] == (224, 224)
     with pytest.raises(ValueError, match="504"):  # more than the CTA's registers: setmaxnreg would hang
         mod._normalise_config({"producer_regs": 56, "consumer_regs": (256, 208)})
     assert mod._normalise_config({"consumer_regs": 224})["consumer_regs"] == (224, 224)

@@ -131,10 +131,10 @@ CASES += [
 ]
 
 
-SCHEDULES = ("qk_one", "split", "qk_one_async")
+SCHEDULES = ("qk_one", "split", "qk_one_async", "seesaw")
 
 
-def _run_case(case, dtype=torch.bfloat16, scale_mult=1.0, seed=0, schedule=None):
+def _run_case(case, dtype=torch.bfloat16, scale_mult=1.0, seed=0, schedule=None, part_slots=None):
     from dsa_plugins.kernels.sparse_attention_fwd import _check_inputs, _launch
 
     b, s, h, dqk, dv, k, skv, mode, sink_mode = case
@@ -150,7 +150,8 @@ def _run_case(case, dtype=torch.bfloat16, scale_mult=1.0, seed=0, schedule=None)
     out = torch.full((b, s, h, dv), math.nan, dtype=dtype, device=device)
     lse = torch.full((b, s, h), math.nan, dtype=torch.float32, device=device)
     sc, dv_ = _check_inputs(q, kv, idx, scale, sink, dv)
-    _launch(q, kv, idx, sc, sink, dv_, out, lse, overrides={"schedule": schedule} if schedule else None)
+    _launch(q, kv, idx, sc, sink, dv_, out, lse, overrides={"schedule": schedule} if schedule else None,
+            part_slots=part_slots)
     torch.cuda.synchronize()
 
     ref_out, ref_lse = reference(q, kv, idx, scale, sink, dv)
@@ -238,7 +239,8 @@ def test_new_lengths_do_not_recompile():
 @pytest.mark.parametrize("case", [c for c in CASES if c[7] in ("causal", "empty_rows", "all_invalid", "pad", "oob")
                                   and c[3] >= 512],  # the model dims: two programs to compile
                          ids=lambda c: f"B{c[0]}S{c[1]}H{c[2]}D{c[3]}-{c[4]}K{c[5]}Skv{c[6]}-{c[7]}")
-def test_skip_tail_is_bitwise_the_full_walk(case):
+@pytest.mark.parametrize("schedule", ("qk_one", "seesaw"))
+def test_skip_tail_is_bitwise_the_full_walk(case, schedule):
     """skip_tail (each row stops after its last valid slot, empty rows run no trip) gives the same
     bits as walking every slot block, and the reference's values."""
     from dsa_plugins.kernels.sparse_attention_fwd import _check_inputs, _launch
@@ -255,9 +257,94 @@ def test_skip_tail_is_bitwise_the_full_walk(case):
     for skip in (False, True):
         out = torch.full((b, s, h, dv), math.nan, dtype=torch.bfloat16, device="cuda")
         lse = torch.full((b, s, h), math.nan, dtype=torch.float32, device="cuda")
-        _launch(q, kv, idx, sc, sink, dv_, out, lse, overrides={"skip_tail": skip})
+        _launch(q, kv, idx, sc, sink, dv_, out, lse, overrides={"skip_tail": skip, "schedule": schedule})
         outs.append((out, lse))
     (o0, l0), (o1, l1) = outs
     assert torch.equal(o0, o1) and torch.equal(l0, l1)
     ref_out, _ = reference(q, kv, idx, dqk**-0.5, sink, dv)
     assert (o1.double() - ref_out).abs().max().item() <= 1.5e-2 * max(ref_out.abs().max().item(), 1e-3) + 1e-3
+
+
+# Decode: one query per row, the slots split into parts (DSA_PLUGINS_DECODE_PART_SLOTS) scored by
+# CTAs of their own and merged by the combine program; lengths that are multiples of no block
+DECODE_CASES = []
+for h in (16, 64, 128):
+    DECODE_CASES += [
+        (1, 1, h, 576, 512, 2048, 32771, "random", None),
+        (3, 1, h, 512, 512, 513, 1001, "pad", "randn"),
+        (2, 1, h, 576, 512, 2049, 3000, "oob", None),
+        (4, 1, h, 512, 512, 700, 700, "empty_rows", "extreme"),
+        (2, 1, h, 576, 512, 1500, 333, "dup", None),
+        (2, 1, h, 512, 512, 1025, 4097, "random", "large"),
+    ]
+DECODE_CASES += [
+    (2, 1, 64, 576, 512, 1024, 5000, "all_invalid", None),
+    (3, 1, 128, 512, 512, 3000, 9000, "all_invalid", "randn"),
+    (1, 1, 64, 64, 64, 1000, 3000, "random", "randn"),
+    (2, 1, 32, 96, 64, 777, 999, "pad", None),
+    (5, 1, 64, 576, 512, 511, 2000, "random", None),  # one part: the plain program
+]
+
+
+@pytest.mark.parametrize("part_slots", (512, 128))
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"B{c[0]}H{c[2]}D{c[3]}-{c[4]}K{c[5]}Skv{c[6]}-{c[7]}-{c[8]}")
+def test_decode_split_matches_float64(case, part_slots):
+    from dsa_plugins.kernels import sparse_attention_fwd as mod
+
+    _run_case(case, part_slots=part_slots)
+    if case[5] > part_slots:  # the partial program served it
+        assert any(key[-1] for key in mod._kernels), "the decode split did not run"
+
+
+@pytest.mark.parametrize("h, dqk, sink_mode", [(64, 576, None), (128, 512, "randn"), (16, 576, None)])
+def test_decode_rows_are_batch_invariant(h, dqk, sink_mode, monkeypatch):
+    """A row's output and lse are the same bits alone and in a batch (the part size depends on k only)."""
+    from dsa_plugins.kernels.sparse_attention_fwd import sparse_attention_fwd
+
+    monkeypatch.setenv("DSA_PLUGINS_DECODE_PART_SLOTS", "512")
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(h + dqk)
+    b, skv, k = 5, 4000, 2048
+    q = torch.randn(b, 1, h, dqk, generator=gen, device="cuda").bfloat16()
+    kv = torch.randn(b, skv, dqk, generator=gen, device="cuda").bfloat16()
+    idx = make_indices(b, 1, k, skv, "pad", torch.device("cuda"), gen)
+    sink = make_sink(h, sink_mode, torch.device("cuda"), gen)
+    out, lse = sparse_attention_fwd(q, kv, idx, dqk**-0.5, sink=sink, dv=512)
+    for i in range(b):
+        o1, l1 = sparse_attention_fwd(q[i : i + 1], kv[i : i + 1], idx[i : i + 1], dqk**-0.5, sink=sink, dv=512)
+        assert torch.equal(o1, out[i : i + 1]) and torch.equal(l1, lse[i : i + 1]), f"row {i} differs alone"
+
+
+def test_decode_split_agrees_with_one_part_and_keeps_nan():
+    """The split and the one-CTA walk agree to bf16 rounding; a NaN query head gives NaN in that
+    head only, in out and lse."""
+    from dsa_plugins.kernels.sparse_attention_fwd import _check_inputs, _launch
+
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(7)
+    b, h, dqk, k, skv = 3, 64, 576, 2048, 6000
+    q = torch.randn(b, 1, h, dqk, generator=gen, device="cuda").bfloat16()
+    q[1, 0, 5] = math.nan
+    kv = make_kv(b, skv, dqk, torch.bfloat16, torch.device("cuda"), gen)
+    idx = make_indices(b, 1, k, skv, "random", torch.device("cuda"), gen)
+    sc, dv = _check_inputs(q, kv, idx, dqk**-0.5, None, 512)
+    res = []
+    for part_slots in (512, 0):
+        out = torch.full((b, 1, h, dv), math.nan, dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((b, 1, h), math.nan, device="cuda")
+        _launch(q, kv, idx, sc, None, dv, out, lse, part_slots=part_slots)
+        res.append((out, lse))
+    (o_split, l_split), (o_one, l_one) = res
+    nan_head = torch.zeros(b, 1, h, dtype=torch.bool, device="cuda")
+    nan_head[1, 0, 5] = True
+    for o, lse_ in res:
+        assert torch.isnan(o[nan_head]).all() and torch.isnan(lse_[nan_head]).all()
+        assert not torch.isnan(o[~nan_head]).any() and not torch.isnan(lse_[~nan_head]).any()
+    ref_out, ref_lse = reference(q, kv, idx, dqk**-0.5, None, dv)
+    keep = ~nan_head
+    for o, lse_ in res:
+        err = (o.double() - ref_out)[keep].abs().max().item()
+        assert err <= 1.5e-2 * ref_out[keep].abs().max().item() + 1e-3
+        assert (lse_.double() - ref_lse)[keep].abs().max().item() <= 2e-3 + 1e-3 * ref_lse[keep].abs().max().item()
+    d = (o_split.double() - o_one.double())[keep].abs().max().item()
+    assert d <= 1e-2 * o_one[keep].double().abs().max().item(), f"split vs one part: {d:.3e}"
