@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import datetime as _dt
+import os
 import statistics
 import subprocess
 import time
@@ -112,10 +113,15 @@ def env_info(device: torch.device) -> dict:
         except md.PackageNotFoundError:
             return "-"
 
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip()
-    except Exception:
-        sha = ""
+    # DSA_PLUGINS_GIT names the code's commit where the checkout's own HEAD does not (a copy of the
+    # working tree sent to a GPU machine carries a stale .git)
+    sha = os.environ.get("DSA_PLUGINS_GIT", "").strip()
+    if not sha:
+        try:
+            sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                 timeout=5).stdout.strip()
+        except Exception:
+            sha = ""
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {
         "gpu": gpu, "torch": torch.__version__, "tilelang": version("tilelang"), "git": sha or "-",
