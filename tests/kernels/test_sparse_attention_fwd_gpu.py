@@ -315,6 +315,30 @@ def test_decode_rows_are_batch_invariant(h, dqk, sink_mode, monkeypatch):
         assert torch.equal(o1, out[i : i + 1]) and torch.equal(l1, lse[i : i + 1]), f"row {i} differs alone"
 
 
+@pytest.mark.parametrize("h, dqk, mode", [(64, 576, "pad"), (128, 512, "empty_rows"), (16, 576, "oob")])
+def test_decode_rows_walk_all_trips_with_the_same_bits(h, dqk, mode):
+    """One-query rows skip the per-row trip counts (they walk every trip of their slots); each
+    such row gives the bits the same row gives inside a prefill launch (trips from the indices)."""
+    from dsa_plugins.kernels.sparse_attention_fwd import sparse_attention_fwd
+
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(11 * h + dqk)
+    b, skv, k = 3, 3001, 1000
+    dv = 512
+    sink = make_sink(h, "randn" if dqk == dv else None, torch.device("cuda"), gen)
+    q = torch.randn(b, 2, h, dqk, generator=gen, device="cuda").bfloat16()
+    kv = torch.randn(b, skv, dqk, generator=gen, device="cuda").bfloat16()
+    idx = make_indices(b, 2, k, skv, mode, torch.device("cuda"), gen)
+    idx[0, 0] = -1  # a decode row with no key at all
+    idx[1, 0, 7:] = -1  # a decode row with a short cache
+    out2, lse2 = sparse_attention_fwd(q, kv, idx, dqk**-0.5, sink=sink, dv=dv)  # two rows: counted trips
+    out1, lse1 = sparse_attention_fwd(q[:, :1].contiguous(), kv, idx[:, :1].contiguous(), dqk**-0.5, sink=sink,
+                                      dv=dv)  # one row each: every trip
+    assert torch.equal(out1, out2[:, :1]) and torch.equal(lse1, lse2[:, :1])
+    assert torch.equal(out1[0], torch.zeros_like(out1[0])) and torch.isinf(lse1[0]).all()
+    assert torch.isfinite(out1).all()
+
+
 def test_decode_split_agrees_with_one_part_and_keeps_nan():
     """The split and the one-CTA walk agree to bf16 rounding; a NaN query head gives NaN in that
     head only, in out and lse."""
