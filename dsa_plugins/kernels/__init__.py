@@ -54,26 +54,17 @@ KERNEL_GROUPS: dict[str, tuple[str, ...]] = {
 }
 
 
-_CONSTANTS: dict = {}
-
-
-def cached_full(n: int, value, dtype: torch.dtype, device) -> torch.Tensor:
-    """A cached [n] tensor of ``value`` (read-only by contract): program arguments that hold a
-    constant, with no allocation or fill kernel per call. One made while a CUDA graph is being
-    captured is not kept (it would live in the graph's private memory pool)."""
-    key = (n, value, dtype, str(device))
-    t = _CONSTANTS.get(key)
-    if t is None:
-        t = torch.full((n,), value, dtype=dtype, device=device)
-        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-            t = _CONSTANTS.setdefault(key, t)
-    return t
+_ZEROS: dict = {}
 
 
 def cached_zeros(n: int, dtype: torch.dtype, device) -> torch.Tensor:
     """A cached [n] zero tensor for a program argument the compiled variant does not read (or
     reads as zeros): no allocation per call."""
-    return cached_full(n, 0, dtype, device)
+    key = (n, dtype, str(device))
+    t = _ZEROS.get(key)
+    if t is None:
+        t = _ZEROS.setdefault(key, torch.zeros(n, dtype=dtype, device=device))
+    return t
 
 
 def announce_compile(what: str) -> None:

@@ -42,7 +42,7 @@ import torch
 from ..common.settings import decode_part_slots, logger
 from ..common.indices import as_int32, row_blocks
 from ..common.validation import check_scale, check_tensor, output_buffer
-from . import announce_compile, cached_full, cached_zeros
+from . import announce_compile, cached_zeros
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -970,9 +970,10 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
     rows = s * parts  # part p of a row is row s * parts + p of the partial program
     if cfg["skip_tail"] and s == 1:
         # one-query rows (decode) walk every trip: their caches are rarely shorter than k, and
-        # row_blocks' ~9 small launches cost ~25 us of a 60-85 us step (H100, CUDA graph); the
-        # full walk gives the same bits (masked trips add nothing)
-        trips = cached_full(b * rows, kp // parts // step, torch.int32, q.device).view(b, rows)
+        # row_blocks' nine small launches cost ~15 us of an 85 us step (H100, CUDA graph); the
+        # full walk gives the same bits (masked trips add nothing). A fill per call, not a cached
+        # tensor: one first made inside torch.compile's CUDA-graph warm-up would stay in its pool
+        trips = torch.full((b, rows), kp // parts // step, dtype=torch.int32, device=q.device)
     elif cfg["skip_tail"]:
         trips = row_blocks(idx.view(b * rows, kp // parts), step, kv.shape[1]).view(b, rows)
     else:

@@ -111,7 +111,11 @@ def test_int32_chunking_writes_one_buffer_and_matches_one_launch(monkeypatch, de
     out, dq, dkv = blocks
     assert not any(torch.isnan(t).any() for t in blocks)
     assert torch.equal(out, whole[0]) and torch.equal(dq, whole[1])  # each query row is computed alone
-    assert rel_err(dkv.float(), whole[2].float()) < 1e-5  # the blocks add in another order
+    # the blocks add dkv's fp32 sums in another order: the bf16 results may differ by one rounding
+    # step (measured on an H100: 8.4e-5 relative in norm), never by a missing or doubled block
+    diff = (dkv.float() - whole[2].float()).abs()
+    assert (diff <= whole[2].float().abs() * 2.0**-7 + 1e-6).all(), f"max difference {diff.max().item():.3e}"
+    assert rel_err(dkv.float(), whole[2].float()) < 1e-3
     if deterministic:
         assert all(torch.equal(a, b) for a, b in zip(run(), blocks))
 
@@ -237,3 +241,23 @@ def test_indexer_kl_loss_kernel_matches_reference(with_lse):
     assert abs(losses[0].item() - losses[1].item()) < 1e-2 * abs(losses[1].item()) + 1e-4
     for a, b in zip(*grads):
         assert rel_err(a, b) < 3e-2
+
+
+@pytest.mark.parametrize("sink", [False, True], ids=["mla", "v4_sink"])
+def test_decode_step_first_called_under_compiled_cuda_graphs(sink):
+    """A generation step whose first call of this shape is inside torch.compile's CUDA graphs
+    (mode "reduce-overhead": warm-up runs allocate from the graph pool, which must hold no
+    tensor the op keeps) gives the eager results, replay after replay."""
+    torch._dynamo.reset()
+    b, h, dqk = 3, 64, 512 if sink else 576
+    q, kv, idx, z = _fresh(b, 1, 4099, h, dqk, 2048, sink)
+    kw = dict(sink=z, dv=512, backend="tilelang")
+
+    @torch.compile(mode="reduce-overhead", fullgraph=True)
+    def step(q_, kv_, idx_):
+        return ops.sparse_attention(q_, kv_, idx_, dqk ** -0.5, **kw) * 1.0
+
+    got = [step(q, kv, idx).clone() for _ in range(4)]
+    want = ops.sparse_attention(q, kv, idx, dqk ** -0.5, **kw)
+    for g in got:
+        assert torch.equal(g, want)
