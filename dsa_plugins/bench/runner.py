@@ -183,7 +183,7 @@ def run_cases(cases: list[Case], providers: list[str], device: torch.device, mod
 
 
 COLUMNS = [
-    "op", "mode", "shape", "provider", "median_ms", "p20_ms", "p80_ms", "tflops", "gbps", "peak_gib",
+    "op", "mode", "shape", "provider", "variant", "median_ms", "p20_ms", "p80_ms", "tflops", "gbps", "peak_gib",
     "vs_anchor", "speedup_vs_torch", "speedup_vs_sdpa", "speedup_vs_torch.topk", "error",
     "gpu", "torch", "tilelang", "git", "date",
 ]
@@ -193,13 +193,34 @@ def _fmt(value) -> str:
     if isinstance(value, float):
         if value != value:
             return "-"
+        if abs(value) < 1:  # microsecond kernels in ms, ratios: four significant digits
+            return f"{value:.4g}"
         return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
     return "-" if value is None or value == "" else str(value)
+
+
+def _upgrade_columns(csv_path: Path) -> None:
+    """Rewrite a results file written with an older column list under today's (missing columns
+    read "-"), so that appended rows line up with its header."""
+    if not csv_path.exists():
+        return
+    with csv_path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames == COLUMNS:
+            return
+        if not set(reader.fieldnames or ()) <= set(COLUMNS):
+            raise ValueError(f"{csv_path} has columns of its own ({reader.fieldnames}): results go to another file")
+        old = list(reader)
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows({c: r.get(c) or "-" for c in COLUMNS} for r in old)
 
 
 def write_results(rows: list[dict], out_dir: Path, tag: str) -> tuple[Path, Path, Path | None]:
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path, md_path = out_dir / f"{tag}.csv", out_dir / f"{tag}.md"
+    _upgrade_columns(csv_path)
     new = not csv_path.exists()
     with csv_path.open("a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")

@@ -54,17 +54,13 @@ KERNEL_GROUPS: dict[str, tuple[str, ...]] = {
 }
 
 
-_ZEROS: dict = {}
-
-
-def cached_zeros(n: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """A cached [n] zero tensor for a program argument the compiled variant does not read (or
-    reads as zeros): no allocation per call."""
-    key = (n, dtype, str(device))
-    t = _ZEROS.get(key)
-    if t is None:
-        t = _ZEROS.setdefault(key, torch.zeros(n, dtype=dtype, device=device))
-    return t
+def zeros_arg(n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A [n] zero tensor for a program argument the compiled variant does not read (or reads as
+    zeros). Made per call, never cached: a tensor kept from a first call made inside
+    torch.compile's CUDA-graph warm-up lives in the graph's memory pool, which the graph then
+    refuses ("tensor(s) in the cudagraph pool not tracked as outputs"); the per-call memset is
+    about a microsecond."""
+    return torch.zeros(n, dtype=dtype, device=device)
 
 
 def announce_compile(what: str) -> None:

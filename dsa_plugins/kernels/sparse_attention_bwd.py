@@ -46,7 +46,7 @@ from torch import Tensor
 
 from ..common.indices import global_rows, row_blocks
 from ..common.validation import output_buffer
-from . import announce_compile, cached_zeros
+from . import announce_compile, zeros_arg
 
 __all__ = ["BWD_PROGRAMS", "SHIPPED_CONFIGS", "build_bwd_kernels", "build_bwd_program", "bwd_flops", "sparse_attention_bwd"]
 
@@ -1003,7 +1003,7 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
 
 def _probs_arg(probs, device):
     """The Probs argument of the main program: the buffer, or a placeholder."""
-    return probs if probs is not None else cached_zeros(1, torch.float32, device)
+    return probs if probs is not None else zeros_arg(1, torch.float32, device)
 
 
 def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, deterministic, B, S, Skv,
@@ -1027,7 +1027,7 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
     skip = cfg["skip_tail"] and kind == "main"
     # skipped blocks write no probabilities: they start at zero
     probs = (torch.zeros if skip else torch.empty)(nhb, T_, Kp, device=dev, dtype=torch.float32) if return_probs else None
-    blocks = row_blocks(idx, cfg["block_k"]) if skip else cached_zeros(1, torch.int32, dev)
+    blocks = row_blocks(idx, cfg["block_k"]) if skip else zeros_arg(1, torch.int32, dev)
     if kind == "ws":
         main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev))
     elif not deterministic:

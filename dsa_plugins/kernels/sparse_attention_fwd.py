@@ -42,7 +42,7 @@ import torch
 from ..common.settings import decode_part_slots, logger
 from ..common.indices import as_int32, row_blocks
 from ..common.validation import check_scale, check_tensor, output_buffer
-from . import announce_compile, cached_zeros
+from . import announce_compile, zeros_arg
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -966,7 +966,7 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
     if kp != k:
         idx = torch.nn.functional.pad(idx, (0, kp - k), value=-1)
     idx = idx.contiguous()
-    sinks = sink.contiguous() if sink is not None else cached_zeros(h, torch.float32, q.device)
+    sinks = sink.contiguous() if sink is not None else zeros_arg(h, torch.float32, q.device)
     rows = s * parts  # part p of a row is row s * parts + p of the partial program
     if cfg["skip_tail"] and s == 1:
         # one-query rows (decode) walk every trip: their caches are rarely shorter than k, and
@@ -977,7 +977,7 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
     elif cfg["skip_tail"]:
         trips = row_blocks(idx.view(b * rows, kp // parts), step, kv.shape[1]).view(b, rows)
     else:
-        trips = cached_zeros(1, torch.int32, q.device)
+        trips = zeros_arg(1, torch.int32, q.device)
     with torch.cuda.device(q.device):
         if parts == 1:
             build_fwd_kernel(cfg, target=target)(q, kv, idx, sinks, scale, out, lse, trips)
@@ -985,7 +985,7 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
         partial = build_fwd_kernel({**cfg, "has_sink": False, "partial": True}, target=target)
         o_part = torch.empty(b, rows, h, dv, dtype=torch.float32, device=q.device)
         l_part = torch.empty(b, rows, h, dtype=torch.float32, device=q.device)
-        partial(q, kv, idx.view(b, rows, kp // parts), cached_zeros(h, torch.float32, q.device), scale, o_part,
+        partial(q, kv, idx.view(b, rows, kp // parts), zeros_arg(h, torch.float32, q.device), scale, o_part,
                 l_part, trips)
         combine = build_combine_kernel(dv, sink is not None, cfg["dtype"], target=target)
         combine(o_part.view(b, s, parts, h, dv), l_part.view(b, s, parts, h), sinks, out, lse)

@@ -33,7 +33,7 @@ import functools
 import logging
 import threading
 
-from . import announce_compile
+from . import announce_compile, zeros_arg
 
 logger = logging.getLogger("dsa_plugins")
 
@@ -502,14 +502,6 @@ def _check_cuda(name, t, dtype):
         raise ValueError(f"{name} must be a {dtype} CUDA tensor, got {got}")
 
 
-@functools.lru_cache(maxsize=None)
-def _zero_offset(device):
-    """A one-element 0 for the Offsets argument with stride 0 (no offset)."""
-    import torch
-
-    return torch.zeros(1, dtype=torch.int32, device=device)
-
-
 def topk_rows_ranges(scores, starts, ends, topk: int, row_offsets=None, out=None, config=None):
     """Top-k inside per-row column ranges [starts[r], ends[r]) of ``scores`` [R, N] fp32.
 
@@ -527,10 +519,7 @@ def topk_rows_ranges(scores, starts, ends, topk: int, row_offsets=None, out=None
     if R == 0:
         return out
     if row_offsets is None:
-        # (a first zero made while a CUDA graph is captured would only be filled at replay: not cached then)
-        capturing = torch.cuda.is_current_stream_capturing()
-        offsets = torch.zeros(1, dtype=torch.int32, device=scores.device) if capturing else _zero_offset(scores.device)
-        stride = 0
+        offsets, stride = zeros_arg(1, torch.int32, scores.device), 0  # one 0 read with stride 0
     else:
         assert row_offsets.dtype == torch.int32 and row_offsets.shape == (R,) and row_offsets.stride(0) == 1
         offsets, stride = row_offsets, 1
