@@ -160,10 +160,9 @@ def main(argv=None) -> int:
                         error = error_text(exc)
                     if error is None:
                         add_row(rows, shape, "flashmla", "fp8_cache", graph_us(peer), peer_need, flops, peak)
-                    else:
-                        print(f"  flashmla: {error}", flush=True)
-                        rows.rows.append({"op": "sparse_attention_decode", "mode": "fwd", "shape": shape,
-                                          "provider": "flashmla", "variant": "fp8_cache", **rows.env, "error": error})
+                    else:  # a row that says why the peer was not timed
+                        rows.time("sparse_attention_decode", "fwd", shape, "flashmla", peer, flops, error=error,
+                                  variant="fp8_cache")
                 del q, kv, idx, out, lse, peer
                 torch.cuda.empty_cache()
             rows.write()

@@ -57,6 +57,20 @@ def make_inputs(s, skv, h, dqk, dv, k, sink, seed=0):
     return q, kv, idx[None], z
 
 
+def flashmla_forward(flash_mla, q, kv, idx, scale, dv, z):
+    """FlashMLA's sparse prefill on our B = 1 inputs (it takes [S,H,D], [Skv,1,D], [S,1,k]):
+    (out, max_logits, lse)."""
+    return flash_mla.flash_mla_sparse_fwd(q[0], kv[0].unsqueeze(1), idx[0].unsqueeze(1), scale, dv, attn_sink=z)
+
+
+def cudnn_backward(cudnn_dsa, q, kv, idx, out, lse, dout, scale, z):
+    """cuDNN frontend's sm90 DSA backward on our B = 1 inputs: a dict with dq, dkv, d_sink."""
+    # cuDNN takes a sink always: -inf is "no sink" (exp(-inf) = 0 adds nothing to the normaliser)
+    z_peer = z if z is not None else torch.full((q.shape[2],), float("-inf"), device=q.device)
+    return cudnn_dsa.sparse_attention_backward_wrapper(q=q[0], kv=kv[0], out=out[0], dout=dout[0], lse=lse[0],
+                                                       attn_sink=z_peer, topk_idxs=idx[0], softmax_scale=scale)
+
+
 def bench_forward(rows: Rows, shapes, flash_mla, variants=()) -> None:
     """``variants``: compile-time overrides of our forward (e.g. {"schedule": "seesaw"}), each timed
     as a ``tilelang`` row with the override in its variant column, after the default."""
@@ -78,8 +92,7 @@ def bench_forward(rows: Rows, shapes, flash_mla, variants=()) -> None:
             rows.time(op, "fwd", name, "tilelang", run, flops, error=error, variant=json.dumps(over, sort_keys=True))
         if flash_mla is None:
             continue
-        q2, kv2, idx2 = q[0], kv[0].unsqueeze(1), idx[0].unsqueeze(1)  # [S,H,D], [Skv,1,D], [S,1,k]
-        peer = lambda: flash_mla.flash_mla_sparse_fwd(q2, kv2, idx2, scale, dv, attn_sink=z)  # noqa: E731
+        peer = lambda: flashmla_forward(flash_mla, q, kv, idx, scale, dv, z)  # noqa: E731
         error = None
         try:
             p_out, _, p_lse = peer()
@@ -111,11 +124,7 @@ def bench_backward(rows: Rows, shapes, cudnn_dsa) -> None:
         rows.rows[-1]["provider"] = "tilelang_deterministic"
         if cudnn_dsa is None:
             continue
-        # cuDNN takes a sink always: -inf is "no sink" (exp(-inf) = 0 adds nothing to the normaliser)
-        z_peer = z if z is not None else torch.full((h,), float("-inf"), device="cuda")
-        args = dict(q=q[0], kv=kv[0], out=out[0], dout=dout[0], lse=lse[0], attn_sink=z_peer, topk_idxs=idx[0],
-                    softmax_scale=scale)
-        peer = lambda: cudnn_dsa.sparse_attention_backward_wrapper(**args)  # noqa: E731
+        peer = lambda: cudnn_backward(cudnn_dsa, q, kv, idx, out, lse, dout, scale, z)  # noqa: E731
         error = None
         try:
             res = peer()

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention_peers import SHAPES_8K, make_inputs  # noqa: E402
+from bench_attention_peers import SHAPES_8K, cudnn_backward, flashmla_forward, make_inputs  # noqa: E402
 from common import import_peer  # noqa: E402
 
 SHAPES = {"mla_h128": SHAPES_8K[0], "mla_h64": SHAPES_8K[1], "v4_h128": SHAPES_8K[2], "v4_h64": SHAPES_8K[3]}
@@ -38,17 +38,14 @@ def main(argv=None) -> int:
     if args.mode == "fwd":
         flash_mla = import_peer("flash_mla", "flashmla")
         ours = lambda: sparse_attention_fwd(q, kv, idx, scale, sink=z, dv=dv)  # noqa: E731
-        peer = None if flash_mla is None else (lambda: flash_mla.flash_mla_sparse_fwd(  # noqa: E731
-            q[0], kv[0].unsqueeze(1), idx[0].unsqueeze(1), scale, dv, attn_sink=z))
+        peer = None if flash_mla is None else (lambda: flashmla_forward(flash_mla, q, kv, idx, scale, dv, z))  # noqa: E731
     else:
         cudnn = import_peer("cudnn", "cudnn_fe")
         out, lse = sparse_attention_fwd(q, kv, idx, scale, sink=z, dv=dv)
         dout = 0.1 * torch.randn_like(out)
         ours = lambda: sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=z, dv=dv)  # noqa: E731
-        z_peer = z if z is not None else torch.full((h,), float("-inf"), device="cuda")
-        peer = None if cudnn is None else (lambda: cudnn.DSA.sparse_attention_backward_wrapper(  # noqa: E731
-            q=q[0], kv=kv[0], out=out[0], dout=dout[0], lse=lse[0], attn_sink=z_peer, topk_idxs=idx[0],
-            softmax_scale=scale))
+        peer = None if cudnn is None else (  # noqa: E731
+            lambda: cudnn_backward(cudnn.DSA, q, kv, idx, out, lse, dout, scale, z))
     for name, fn in (("ours", ours), ("peer", peer)):
         if fn is None:
             continue
