@@ -58,6 +58,9 @@ class KernelJob:
     function: str
     args: tuple = ()
     gpu_target: str = "sm_90a"
+    #: rough compile time on one core (TileLang 0.1.15, sm_90a): the longest jobs start first, so the
+    #: wall time is about the longest job's rather than that of whichever one happened to start last
+    seconds: float = 5.0
 
 
 def _attr(config, *names, default=None):
@@ -116,6 +119,10 @@ def load_dims(spec: str) -> list[ModelDims]:
     return model_dims(AutoConfig.from_pretrained(path))
 
 
+# backward programs: the deterministic ones take longest, the preprocess and reduce programs a few seconds
+_BWD_SECONDS = {"main_det": 20, "main_det_probs": 20, "preprocess": 3, "reduce": 3}
+
+
 def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None = None) -> list[KernelJob]:
     """The compiles one model needs (None: every shipped configuration); ``training`` adds the
     backward and the indexer loss programs. Attention dims the kernels do not take compile nothing
@@ -150,11 +157,12 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
     for dqk, dv, sink in attn:
         cfg = sparse_attention_fwd.config_for(dqk, dv, sink, torch.bfloat16)
         jobs.append(KernelJob(f"attention forward {dqk}/{dv}{' sink' if sink else ''}", fwd, "build_fwd_kernel",
-                              (cfg,)))
+                              (cfg,), seconds=35))
     if decode_part_slots():  # the decode split's programs (DSA_PLUGINS_DECODE_PART_SLOTS)
         for dqk, dv, sink in attn:
             cfg = {**sparse_attention_fwd.config_for(dqk, dv, False, torch.bfloat16), "partial": True}
-            jobs.append(KernelJob(f"attention forward {dqk}/{dv} decode parts", fwd, "build_fwd_kernel", (cfg,)))
+            jobs.append(KernelJob(f"attention forward {dqk}/{dv} decode parts", fwd, "build_fwd_kernel", (cfg,),
+                                  seconds=35))
             jobs.append(KernelJob(f"attention decode combine {dv}{' sink' if sink else ''}", fwd,
                                   "build_combine_kernel", (dv, sink, "bfloat16")))
     for cfg in idx_cfgs:
@@ -168,18 +176,18 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
     for cfg in topk.SHIPPED_CONFIGS:
         agg = ", warp-aggregated" if cfg.get("agg") else ""
         jobs.append(KernelJob(f"radix top-k {cfg['threads']} threads{agg}", tk, "build_topk", (dict(cfg),),
-                              gpu_target="auto"))
-    jobs.append(KernelJob("top-k tie fill", tk, "build_tie_fill", gpu_target="auto"))
+                              gpu_target="auto", seconds=9))
+    jobs.append(KernelJob("top-k tie fill", tk, "build_tie_fill", gpu_target="auto", seconds=7))
     if training and attn:
         for cfg in bwd_cfgs:  # one job per program: the six compile side by side
             for name in sparse_attention_bwd.BWD_PROGRAMS:
                 jobs.append(KernelJob(f"attention backward H{cfg['heads']} {cfg['dqk']}/{cfg['dv']}"
                                       f"{' sink' if cfg['has_sink'] else ''} {name}", bwd, "build_bwd_program",
-                                      (cfg, name)))
+                                      (cfg, name), seconds=_BWD_SECONDS.get(name, 15)))
         for cfg in loss_cfgs:
             jobs.append(KernelJob(f"indexer loss {cfg['kind']} " + " ".join(f"{k}={v}" for k, v in cfg.items()
                                                                               if k != "kind"),
-                                  loss, "build_config", (cfg,)))
+                                  loss, "build_config", (cfg,), seconds=15))
     return jobs
 
 
@@ -253,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                 jobs.append(job)
     for note in notes:
         print(f"warmup: {note}", file=sys.stderr)
+    jobs.sort(key=lambda job: -job.seconds)  # longest first (stable: equal ones keep their order)
     if args.list:
         for job in jobs:
             print(job.label)

@@ -54,6 +54,11 @@ __all__ = [
 
 _LOG2E = 1.4426950408889634
 BLOCK_K = 64  # slots per block of the loss program (it walks them in pairs: k is padded to 128)
+# The wrapper pads k to a multiple of SLOT_STEP. The programs take the padded k as a run-time number of
+# steps times this constant, not as a symbol of its own: TVM then proves the slot bounds by linear
+# arithmetic; with a symbolic topk_padded // 128 its simplifier took 45 of the loss program's 50 s of
+# compiling (17 s now).
+SLOT_STEP = 2 * BLOCK_K
 ATTN_BLOCK_K = 32  # slots per block of attn_probs (heads as MMA rows; 110 KB, two CTAs per SM)
 BLOCK_H = 64  # query heads per attention CTA
 THREADS = 128
@@ -81,7 +86,8 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS):
 
     BK, HB, D = ATTN_BLOCK_K, BLOCK_H, dim
     dtype, acc = "bfloat16", "float32"
-    NT, TK, KP, H, NHB = T.dynamic("n_rows, n_keys, topk_padded, heads, head_blocks")
+    NT, TK, NSTEP, H, NHB = T.dynamic("n_rows, n_keys, slot_steps, heads, head_blocks")
+    KP = NSTEP * SLOT_STEP  # padded k (see _slot_steps)
     neg_big = -1.0e30
 
     @T.macro
@@ -126,7 +132,7 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS):
                 rs = T.alloc_fragment([HB], acc)
                 T.fill(m_i, neg_big)
                 T.fill(l_i, 0)
-                for i in T.Pipelined(KP // BK, num_stages=1):
+                for i in T.Pipelined(NSTEP * (SLOT_STEP // BK), num_stages=1):
                     gather(KV, Idx, bx, i, kv_s)
                     masked_scores(Idx, bx, i, c, q_s, kv_s, s)
                     T.reduce_max(s, m_new, dim=1, clear=True)
@@ -152,7 +158,7 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS):
             else:
                 for h in T.Parallel(HB):
                     norm_s[h] = T.if_then_else(h0 + h < H, Norm[bx, T.min(h0 + h, H - 1)] * _LOG2E, T.infinity(acc))
-            for i in T.Pipelined(KP // BK, num_stages=1):
+            for i in T.Pipelined(NSTEP * (SLOT_STEP // BK), num_stages=1):
                 gather(KV, Idx, bx, i, kv_s)
                 masked_scores(Idx, bx, i, c, q_s, kv_s, s)
                 for h, j in T.Parallel(HB, BK):  # exactly 0 on invalid slots, 0 on padded heads (norm +inf)
@@ -189,7 +195,8 @@ def _loss_program(heads: int, dim: int, grads: bool, threads: int = 128, ablate:
 
     BK, HI, D = BLOCK_K, heads, dim
     dtype, acc = "bfloat16", "float32"
-    NT, TK, KP = T.dynamic("n_rows, n_keys, topk_padded")
+    NT, TK, NSTEP = T.dynamic("n_rows, n_keys, slot_steps")
+    KP = NSTEP * SLOT_STEP  # padded k (see _slot_steps)
     VEC = 8  # bf16 per 16-byte copy
     COLS = D // VEC  # copies per row
     DC = 64 if D % 64 == 0 else D  # d_index_k columns per MMA + scatter step
@@ -302,7 +309,6 @@ def _loss_program(heads: int, dim: int, grads: bool, threads: int = 128, ablate:
             red = T.alloc_fragment([1], acc)
             m_row = T.alloc_fragment([1], acc)
             tx = T.get_thread_binding()
-            nb = KP // BK  # even: the wrapper pads k to a multiple of 2 * BK
             T.copy(IQ[bx, :, :], iq_s)
             for h in T.Parallel(HI):
                 w_s[h] = W[bx, h]
@@ -314,7 +320,7 @@ def _loss_program(heads: int, dim: int, grads: bool, threads: int = 128, ablate:
 
             # pass 1: logits and row statistics
             issue(Idx, IK, bx, 0, bufs[0], tx)
-            for t in T.serial(nb // 2):
+            for t in T.serial(NSTEP):
                 for st in (0, 1):  # static: block 2t + st computes on bufs[st], the next one lands in the other
                     issue(Idx, IK, bx, 2 * t + st + 1, bufs[1 - st], tx)
                     land()
@@ -360,7 +366,7 @@ def _loss_program(heads: int, dim: int, grads: bool, threads: int = 128, ablate:
                 T.sync_threads()
                 # pass 2: gradients (the gathered rows are in L2 from pass 1)
                 issue(Idx, IK, bx, 0, bufs[0], tx)
-                for t in T.serial(nb // 2):
+                for t in T.serial(NSTEP):
                     for st in (0, 1):
                         issue(Idx, IK, bx, 2 * t + st + 1, bufs[1 - st], tx)
                         land()
@@ -526,8 +532,7 @@ def _check_indexer(index_q, index_k, weights, topk_indices, grad_rows):
 def _slots(topk_indices, tk):
     """(idx [T, kp] int32 with -1 for invalid slots and the padding, valid [T, k], kp)."""
     k = topk_indices.shape[1]
-    step = 2 * BLOCK_K  # the loss program walks the slot blocks in pairs (two gather buffers)
-    kp = max(1, -(-k // step)) * step
+    kp = max(1, -(-k // SLOT_STEP)) * SLOT_STEP  # the loss program walks the slot blocks in pairs
     idx = as_int32(topk_indices, tk)
     valid = (idx >= 0) & (idx < tk)
     idx = torch.where(valid, idx, -1)

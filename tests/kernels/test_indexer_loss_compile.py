@@ -115,7 +115,7 @@ def test_shipped_config_compiles_for_sm90a(compiled, i, caplog):
     cfg = mod.SHIPPED_CONFIGS[i]
     assert "wgmma" in src  # the GEMMs run on Hopper tensor cores
     assert "cp_async" in src or "cp.async" in src  # gathered rows land through predicated async copies
-    for name in ("n_rows", "n_keys", "topk_padded"):
+    for name in ("n_rows", "n_keys", "slot_steps"):
         assert name in src, f"{name} is not a runtime parameter"
     if cfg["kind"] == "loss":
         assert ("AtomicAdd" in src) == cfg["grads"]  # d_index_k scatter only with the gradients
