@@ -1,6 +1,6 @@
 """Sparse attention, ours beside the peers, in one process on the same inputs.
 
-    python benchmarks/peers/bench_attention_peers.py [--modes fwd,bwd] [--shapes all|8k|long] [--out DIR]
+    python benchmarks/peers/bench_attention_peers.py [--modes fwd,bwd] [--shapes all|8k|long|k] [--out DIR]
 
 Forward: ours (TileLang) vs FlashMLA's sparse prefill (``flash_mla.flash_mla_sparse_fwd``, provider
 ``flashmla``). Backward: ours vs cuDNN frontend 1.32's DSA backward
@@ -35,6 +35,9 @@ SHAPES_8K = [
     ("sparse_attention_sink", 4096, 8192, 64, 512, 512, 512, True),
 ]
 SHAPES_LONG = [("sparse_mla", 4096, skv, 128, 576, 512, 2048, False) for skv in (32768, 65536, 131072)]
+# V4 H64 over k: the time per CTA against the slot blocks it walks splits into a fixed part (Q in,
+# output out, the first gathers) and a part per block
+SHAPES_K = [("sparse_attention_sink", 4096, 8192, 64, 512, 512, k, True) for k in (256, 512, 1024, 2048)]
 
 
 def shape_name(s, skv, h, dqk, dv, k) -> str:
@@ -143,13 +146,13 @@ def bench_backward(rows: Rows, shapes, cudnn_dsa) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", default="fwd,bwd")
-    ap.add_argument("--shapes", default="all", choices=["all", "8k", "long"])
+    ap.add_argument("--shapes", default="all", choices=["all", "8k", "long", "k"])
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     ap.add_argument("--tag", default="kernels")
     ap.add_argument("--fwd-variants", default="[]",
                     help='JSON list of forward overrides to time beside the default, e.g. [{"schedule": "seesaw"}]')
     args = ap.parse_args(argv)
-    shapes = {"all": SHAPES_8K + SHAPES_LONG, "8k": SHAPES_8K, "long": SHAPES_LONG}[args.shapes]
+    shapes = {"all": SHAPES_8K + SHAPES_LONG, "8k": SHAPES_8K, "long": SHAPES_LONG, "k": SHAPES_K}[args.shapes]
     rows = Rows(args.tag, args.out)
     modes = args.modes.split(",")
     if "fwd" in modes:

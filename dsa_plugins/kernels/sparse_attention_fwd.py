@@ -93,6 +93,10 @@ DEFAULT_CONFIG: dict = {
     # the partial program (decode): fp32 partial outputs over slot ranges, merged by the combine
     # program; the wrapper runs it for one-query rows when DSA_PLUGINS_DECODE_PART_SLOTS is set
     "partial": False,
+    # persistent grid of this many CTAs (0: one CTA per row block): each walks row blocks bx, bx + N,
+    # ... and its producer gathers the next block's first stages while the consumers write the last
+    # output and stage the next Q (qk_one and split only)
+    "persistent_ctas": 0,
 }
 
 # Every configuration the package ships. Heads, batch, lengths and K are runtime values, so one
@@ -115,7 +119,7 @@ _SCHEDULE_REGS = {
     "seesaw": (56, (224, 224)),
 }
 _COMPILE_KEYS = ("dim_qk", "dim_v", "has_sink", "dtype", "block_h", "block_k", "schedule", "producer_regs",
-                 "consumer_regs", "skip_tail", "load_hint", "partial")
+                 "consumer_regs", "skip_tail", "load_hint", "partial", "persistent_ctas")
 _LOAD_HINTS = {None: 0, "l2_256": 1, "l2_256_keep": 2}
 
 # predicated 16-byte cp.async with L2 hints (TileLang's own cp.async takes none)
@@ -143,6 +147,8 @@ _DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
 _BAR_Q, _BAR_A, _BAR_B, _BAR_FIN, _BAR_OUT = 15, 14, 13, 12, 11
 # seesaw: row maximum of consumer 0 / 1 posted (_BAR_A / _BAR_B), P of its block in shared memory
 _BAR_M0, _BAR_M1, _BAR_S0, _BAR_S1 = _BAR_A, _BAR_B, 10, 9
+# persistent: the consumers are done with the last row block's output before staging the next Q
+_BAR_NEXT = 8
 
 
 def _normalise_config(config: dict) -> dict:
@@ -182,11 +188,16 @@ def _normalise_config(config: dict) -> dict:
     if cfg["partial"] and cfg["has_sink"]:
         raise ValueError("the partial program takes no sink (the combine applies it)")
     cfg["skip_tail"] = bool(cfg["skip_tail"])
+    cfg["persistent_ctas"] = int(cfg["persistent_ctas"] or 0)
+    if cfg["persistent_ctas"] and (cfg["persistent_ctas"] < 0 or cfg["schedule"] not in ("qk_one", "split")
+                                   or cfg["partial"]):
+        raise ValueError("persistent_ctas must be >= 0 and takes the qk_one or split schedule without partial, got "
+                         f"{cfg['persistent_ctas']} with {cfg['schedule']!r}, partial={cfg['partial']}")
     return cfg
 
 
 def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, producer_regs, consumer_regs,
-             skip_tail=False, load_hint=None, partial=False):
+             skip_tail=False, load_hint=None, partial=False, persistent_ctas=0):
     """The TileLang prim_func of one configuration (imported lazily)."""
     import tilelang.language as T
 
@@ -265,12 +276,13 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
                                        T.access_ptr(KV[bz, src, dim_v + col], "r", VEC), ok)
 
     @T.macro
-    def producer(Indices, KV, bz, by, n_trips, idx_reg, stages, valid, bar_ready, bar_free, ptx):
+    def producer(Indices, KV, bz, by, n_trips, idx_reg, stages, valid, bar_ready, bar_free, ptx, base):
+        # base: trips of the CTA's earlier rows (persistent), so that the barrier phases run on
         fetch_indices(Indices, bz, by, 0, idx_reg, ptx)
         for t in T.serial(n_trips):
             for st in (0, 1):
                 kv_l, kv_r, kt = stages[st]
-                T.barrier_wait(bar_free[st][0], (t & 1) ^ 1)
+                T.barrier_wait(bar_free[st][0], ((base + t) & 1) ^ 1)
                 load_stage(KV, bz, idx_reg, kv_l, kv_r, kt, valid[st], ptx)
                 T.cp_async_barrier_noinc(bar_ready[st][0])
                 T.barrier_arrive(bar_ready[st][0])
@@ -554,7 +566,97 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
         T.wait_wgmma(0)
         T.barrier_arrive(free[0][1][0])  # block 2t's right half (and P0 in its tail)
 
+    @T.macro
+    def stage_q(Q, bz, qrow, h0, Q_l, Q_r, Q_t):
+        # the consumers stage the row's Q block in shared memory (rows past H read as zero)
+        for hh, d in T.Parallel(HB, D_half):
+            Q_l[hh, d] = T.if_then_else(h0 + hh < H, Q[bz, qrow, h0 + hh, d], T.cast(0, dtype))
+            Q_r[hh, d] = T.if_then_else(h0 + hh < H, Q[bz, qrow, h0 + hh, D_half + d], T.cast(0, dtype))
+        if D_tail > 0:
+            for hh, d in T.Parallel(HB, D_tail):
+                Q_t[hh, d] = T.if_then_else(h0 + hh < H, Q[bz, qrow, h0 + hh, dim_v + d], T.cast(0, dtype))
+        T.fence_proxy_async()
+        T.sync_threads(_BAR_Q, 256)
+
+    @T.macro
+    def rows_consumer0(c, Q_l, Q_r, Q_t, stages, valid, acc_s0, acc_o0, m_i0, m_loc0, alpha0, l_i0, rs0, x_s, l_s,
+                       P_s, bar_ready, bar_free, n_trips, base, Sinks, Output, Lse, bz, by, h0):
+        # consumer 0 of the qk_one / split schedules over one row block; base as in producer
+        T.fill(acc_o0, 0)
+        T.fill(l_i0, 0)
+        T.fill(m_i0, neg_big)
+        for t in T.serial(n_trips):
+            for st in (0, 1):
+                kv_l, kv_r, kt = stages[st]
+                T.barrier_wait(bar_ready[st][0], (base + t) & 1)
+                T.fence_proxy_async()
+                if split:
+                    split_stage(0, c, Q_l, Q_r, Q_t, kv_l, kv_r, kt, valid[st], acc_s0, acc_o0, m_i0,
+                                m_loc0, alpha0, l_i0, rs0, x_s, P_s)
+                else:
+                    softmax_stage(c, Q_l, Q_r, Q_t, kv_l, kv_r, kt, valid[st], acc_s0, acc_o0,
+                                  m_i0, m_loc0, alpha0, l_i0, rs0, x_s, P_s, t > 0 if st == 0 else True,
+                                  bar_free[1 - st], t > 0 if st == 0 else True)
+                if not async_pv:
+                    T.barrier_arrive(bar_free[st][0])
+        if async_pv:
+            T.wait_wgmma(0)
+            T.barrier_arrive(bar_free[1][0])
+        # row sums of both halves ("split") or of consumer 0 alone
+        for h in T.Parallel(HB):
+            l_s[0, h] = l_i0[h]
+        if not split:
+            for h in T.Parallel(HB):
+                l_s[1, h] = m_i0[h]
+        T.sync_threads(_BAR_FIN, 256)
+        for h in T.Parallel(HB):
+            rs0[h] = l_s[0, h] + l_s[1, h] if split else l_s[0, h]
+        finish(0, c, rs0, m_i0, alpha0, acc_o0, Q_l, Sinks, Output, Lse, bz, by, h0)
+
+    @T.macro
+    def rows_consumer1(c, Q_l, Q_r, Q_t, stages, valid, acc_s1, acc_o1, m_i1, m_loc1, alpha1, l_i1, rs1, x_s, l_s,
+                       P_s, bar_ready, bar_free, n_trips, base, Sinks, Output, Lse, bz, by, h0):
+        # consumer 1 of the qk_one / split schedules over one row block
+        T.fill(acc_o1, 0)
+        if split:
+            T.fill(l_i1, 0)
+            T.fill(m_i1, neg_big)
+        for t in T.serial(n_trips):
+            for st in (0, 1):
+                kv_l, kv_r, kt = stages[st]
+                T.barrier_wait(bar_ready[st][0], (base + t) & 1)
+                T.fence_proxy_async()
+                if split:
+                    split_stage(1, c, Q_l, Q_r, Q_t, kv_l, kv_r, kt, valid[st], acc_s1, acc_o1, m_i1,
+                                m_loc1, alpha1, l_i1, rs1, x_s, P_s)
+                else:
+                    pv_stage(kv_r, acc_o1, x_s, P_s, t + 1 < n_trips if st == 1 else True)
+                T.barrier_arrive(bar_free[st][0])
+        if split:
+            for h in T.Parallel(HB):
+                l_s[1, h] = l_i1[h]
+        T.sync_threads(_BAR_FIN, 256)
+        if split:
+            for h in T.Parallel(HB):
+                rs1[h] = l_s[0, h] + l_s[1, h]
+        else:
+            for h in T.Parallel(HB):
+                rs1[h] = l_s[0, h]
+                m_i1[h] = l_s[1, h]
+        finish(1, c, rs1, m_i1, alpha1, acc_o1, Q_r, Sinks, Output, Lse, bz, by, h0)
+
+    @T.macro
+    def next_row_block(cur, RowTrips, bx, i):
+        # persistent: row block bx + i * G decoded once into registers (first head, query row, batch,
+        # trips); as let-bound values the divisions would be inlined at every use
+        cur[0] = bx + i * persistent_ctas
+        cur[1] = (cur[0] // T.ceildiv(H, HB)) % SO
+        cur[2] = cur[0] // T.ceildiv(H, HB) // SO
+        cur[0] = (cur[0] % T.ceildiv(H, HB)) * HB
+        cur[3] = RowTrips[cur[2], cur[1]] if skip_tail else KP // (2 * BK)
+
     n_blk = 2 if split else 1
+    grid = (persistent_ctas, 1, 1) if persistent_ctas else (T.ceildiv(H, HB), SO, B)
 
     @T.prim_func
     def main(
@@ -567,7 +669,7 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
         Lse: T.Tensor([B, SO, H], accum),
         RowTrips: T.Tensor([B, SO] if skip_tail else [1], "int32"),  # trips of 2 * BK slots per row
     ):
-        with T.Kernel(T.ceildiv(H, HB), SO, B, threads=384, prelude=_FWD_PRELUDE if hint else None) as (bx, by, bz):
+        with T.Kernel(*grid, threads=384, prelude=_FWD_PRELUDE if hint else None) as (bx, by, bz):
             Q_l = T.alloc_shared([HB, D_half], dtype)
             Q_r = T.alloc_shared([HB, D_half], dtype)
             Q_t = T.alloc_shared([HB, D_tail], dtype) if D_tail > 0 else None
@@ -626,23 +728,50 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
             qrow = by // (SO // S) if partial else by
             c = scale * _LOG2E
 
-            if tx >= 256:
+            if persistent_ctas:
+                # CTA bx walks the row blocks bx, bx + G, ... (head block fastest, as in the plain grid);
+                # the producer runs ahead into the next row block's first stages while the consumers
+                # write the output of the last one and stage the next Q
+                n_rows = T.ceildiv(H, HB) * SO * B
+                n_mine = T.if_then_else(bx < n_rows, (n_rows - bx + persistent_ctas - 1) // persistent_ctas, 0)
+                base = T.alloc_local([1], "int32")  # trips of the earlier row blocks: barrier phases
+                base[0] = 0
+                cur = T.alloc_local([4], "int32")  # the row block: first head, query row, batch, trips
+
+                if tx >= 256:
+                    T.set_max_nreg(producer_regs, 0)
+                    for i in T.serial(n_mine):
+                        next_row_block(cur, RowTrips, bx, i)
+                        producer(Indices, KV, cur[2], cur[1], cur[3], idx_reg, stages, valid, bar_ready, bar_free,
+                                 tx - 256, base[0])
+                        base[0] = base[0] + cur[3]
+                else:
+                    if tx < 128:
+                        T.set_max_nreg(consumer_regs[0], 1)
+                    else:
+                        T.set_max_nreg(consumer_regs[1], 1)
+                    for i in T.serial(n_mine):
+                        next_row_block(cur, RowTrips, bx, i)
+                        T.sync_threads(_BAR_NEXT, 256)  # the last row block's output left Q_l / Q_r
+                        stage_q(Q, cur[2], cur[1], cur[0], Q_l, Q_r, Q_t)
+                        if tx < 128:
+                            rows_consumer0(c, Q_l, Q_r, Q_t, stages, valid, acc_s0, acc_o0, m_i0, m_loc0, alpha0, l_i0,
+                                           rs0, x_s, l_s, P_s, bar_ready, bar_free, cur[3], base[0], Sinks, Output,
+                                           Lse, cur[2], cur[1], cur[0])
+                        else:
+                            rows_consumer1(c, Q_l, Q_r, Q_t, stages, valid, acc_s1, acc_o1, m_i1, m_loc1, alpha1, l_i1,
+                                           rs1, x_s, l_s, P_s, bar_ready, bar_free, cur[3], base[0], Sinks, Output,
+                                           Lse, cur[2], cur[1], cur[0])
+                        base[0] = base[0] + cur[3]
+            elif tx >= 256:
                 T.set_max_nreg(producer_regs, 0)
                 if seesaw:
                     seesaw_producer(Indices, KV, bz, by, n_trips, idx_reg, idx_reg1, stages, valid, bar_ready,
                                     bar_free, tx - 256)
                 else:
-                    producer(Indices, KV, bz, by, n_trips, idx_reg, stages, valid, bar_ready, bar_free, tx - 256)
+                    producer(Indices, KV, bz, by, n_trips, idx_reg, stages, valid, bar_ready, bar_free, tx - 256, 0)
             else:
-                # consumers: stage Q in shared memory (rows past H read as zero)
-                for hh, d in T.Parallel(HB, D_half):
-                    Q_l[hh, d] = T.if_then_else(h0 + hh < H, Q[bz, qrow, h0 + hh, d], T.cast(0, dtype))
-                    Q_r[hh, d] = T.if_then_else(h0 + hh < H, Q[bz, qrow, h0 + hh, D_half + d], T.cast(0, dtype))
-                if D_tail > 0:
-                    for hh, d in T.Parallel(HB, D_tail):
-                        Q_t[hh, d] = T.if_then_else(h0 + hh < H, Q[bz, qrow, h0 + hh, dim_v + d], T.cast(0, dtype))
-                T.fence_proxy_async()
-                T.sync_threads(_BAR_Q, 256)
+                stage_q(Q, bz, qrow, h0, Q_l, Q_r, Q_t)
 
                 if seesaw and tx < 128:
                     T.set_max_nreg(consumer_regs[0], 1)
@@ -674,65 +803,12 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
                     finish(1, c, rs1, m_i1, alpha1, acc_o1, Q_r, Sinks, Output, Lse, bz, by, h0, m_scaled=True)
                 elif tx < 128:
                     T.set_max_nreg(consumer_regs[0], 1)
-                    T.fill(acc_o0, 0)
-                    T.fill(l_i0, 0)
-                    T.fill(m_i0, neg_big)
-                    for t in T.serial(n_trips):
-                        for st in (0, 1):
-                            kv_l, kv_r, kt = stages[st]
-                            T.barrier_wait(bar_ready[st][0], t & 1)
-                            T.fence_proxy_async()
-                            if split:
-                                split_stage(0, c, Q_l, Q_r, Q_t, kv_l, kv_r, kt, valid[st], acc_s0, acc_o0, m_i0,
-                                            m_loc0, alpha0, l_i0, rs0, x_s, P_s)
-                            else:
-                                softmax_stage(c, Q_l, Q_r, Q_t, kv_l, kv_r, kt, valid[st], acc_s0, acc_o0,
-                                              m_i0, m_loc0, alpha0, l_i0, rs0, x_s, P_s, t > 0 if st == 0 else True,
-                                              bar_free[1 - st], t > 0 if st == 0 else True)
-                            if not async_pv:
-                                T.barrier_arrive(bar_free[st][0])
-                    if async_pv:
-                        T.wait_wgmma(0)
-                        T.barrier_arrive(bar_free[1][0])
-                    # row sums of both halves ("split") or of consumer 0 alone
-                    for h in T.Parallel(HB):
-                        l_s[0, h] = l_i0[h]
-                    if not split:
-                        for h in T.Parallel(HB):
-                            l_s[1, h] = m_i0[h]
-                    T.sync_threads(_BAR_FIN, 256)
-                    for h in T.Parallel(HB):
-                        rs0[h] = l_s[0, h] + l_s[1, h] if split else l_s[0, h]
-                    finish(0, c, rs0, m_i0, alpha0, acc_o0, Q_l, Sinks, Output, Lse, bz, by, h0)
+                    rows_consumer0(c, Q_l, Q_r, Q_t, stages, valid, acc_s0, acc_o0, m_i0, m_loc0, alpha0, l_i0, rs0,
+                                   x_s, l_s, P_s, bar_ready, bar_free, n_trips, 0, Sinks, Output, Lse, bz, by, h0)
                 else:
                     T.set_max_nreg(consumer_regs[1], 1)
-                    T.fill(acc_o1, 0)
-                    if split:
-                        T.fill(l_i1, 0)
-                        T.fill(m_i1, neg_big)
-                    for t in T.serial(n_trips):
-                        for st in (0, 1):
-                            kv_l, kv_r, kt = stages[st]
-                            T.barrier_wait(bar_ready[st][0], t & 1)
-                            T.fence_proxy_async()
-                            if split:
-                                split_stage(1, c, Q_l, Q_r, Q_t, kv_l, kv_r, kt, valid[st], acc_s1, acc_o1, m_i1,
-                                            m_loc1, alpha1, l_i1, rs1, x_s, P_s)
-                            else:
-                                pv_stage(kv_r, acc_o1, x_s, P_s, t + 1 < n_trips if st == 1 else True)
-                            T.barrier_arrive(bar_free[st][0])
-                    if split:
-                        for h in T.Parallel(HB):
-                            l_s[1, h] = l_i1[h]
-                    T.sync_threads(_BAR_FIN, 256)
-                    if split:
-                        for h in T.Parallel(HB):
-                            rs1[h] = l_s[0, h] + l_s[1, h]
-                    else:
-                        for h in T.Parallel(HB):
-                            rs1[h] = l_s[0, h]
-                            m_i1[h] = l_s[1, h]
-                    finish(1, c, rs1, m_i1, alpha1, acc_o1, Q_r, Sinks, Output, Lse, bz, by, h0)
+                    rows_consumer1(c, Q_l, Q_r, Q_t, stages, valid, acc_s1, acc_o1, m_i1, m_loc1, alpha1, l_i1, rs1,
+                                   x_s, l_s, P_s, bar_ready, bar_free, n_trips, 0, Sinks, Output, Lse, bz, by, h0)
 
     return main
 

@@ -265,6 +265,34 @@ def test_skip_tail_is_bitwise_the_full_walk(case, schedule):
     assert (o1.double() - ref_out).abs().max().item() <= 1.5e-2 * max(ref_out.abs().max().item(), 1e-3) + 1e-3
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[3] >= 512],  # the model dims: two programs to compile
+                         ids=lambda c: f"B{c[0]}S{c[1]}H{c[2]}D{c[3]}-{c[4]}K{c[5]}Skv{c[6]}-{c[7]}")
+def test_persistent_grid_is_bitwise_the_plain_grid(case):
+    """persistent_ctas: 5 CTAs walk every row block in turn (several per CTA, rows without a trip
+    among them, the barrier phases carried from block to block): the same bits as one CTA per row
+    block, and the reference's values."""
+    from dsa_plugins.kernels.sparse_attention_fwd import _check_inputs, _launch
+
+    b, s, h, dqk, dv, k, skv, mode, sink_mode = case
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(zlib.crc32(repr(case).encode()) + 1)
+    q = torch.randn(b, s, h, dqk, generator=gen, device="cuda").bfloat16()
+    kv = make_kv(b, skv, dqk, torch.bfloat16, torch.device("cuda"), gen)
+    idx = make_indices(b, s, k, skv, mode, torch.device("cuda"), gen)
+    sink = make_sink(h, sink_mode, torch.device("cuda"), gen)
+    sc, dv_ = _check_inputs(q, kv, idx, dqk**-0.5, sink, dv)
+    outs = []
+    for over in (None, {"persistent_ctas": 5}):
+        out = torch.full((b, s, h, dv), math.nan, dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((b, s, h), math.nan, dtype=torch.float32, device="cuda")
+        _launch(q, kv, idx, sc, sink, dv_, out, lse, overrides=over)
+        outs.append((out, lse))
+    (o0, l0), (o1, l1) = outs
+    assert torch.equal(o0, o1) and torch.equal(l0, l1)
+    ref_out, _ = reference(q, kv, idx, dqk**-0.5, sink, dv)
+    assert (o1.double() - ref_out).abs().max().item() <= 1.5e-2 * max(ref_out.abs().max().item(), 1e-3) + 1e-3
+
+
 # Decode: one query per row, the slots split into parts (DSA_PLUGINS_DECODE_PART_SLOTS) scored by
 # CTAs of their own and merged by the combine program; lengths that are multiples of no block
 DECODE_CASES = []
