@@ -95,7 +95,9 @@ DEFAULT_CONFIG: dict = {
     "partial": False,
     # persistent grid of this many CTAs (0: one CTA per row block): each walks row blocks bx, bx + N,
     # ... and its producer gathers the next block's first stages while the consumers write the last
-    # output and stage the next Q (qk_one and split only)
+    # output and stage the next Q (qk_one and split only). Bitwise the plain grid but 0.75-0.80x its
+    # speed on an H100 (132 CTAs): consumer 0 spills 276 bytes in the loop instead of 8
+    # (fwd_fixed_cost_h100.md), so off
     "persistent_ctas": 0,
 }
 
