@@ -99,6 +99,10 @@ DEFAULT_CONFIG: dict = {
     # speed on an H100 (132 CTAs): consumer 0 spills 276 bytes in the loop instead of 8
     # (fwd_fixed_cost_h100.md), so off
     "persistent_ctas": 0,
+    # Q comes in with TMA (one thread issues it, the consumers wait on an mbarrier) and each consumer's
+    # output half leaves with a TMA store, instead of 256 threads' vector loads and stores: the SM's
+    # load/store pipe then carries only the gathers (not with the partial or persistent programs)
+    "tma_io": False,
 }
 
 # Every configuration the package ships. Heads, batch, lengths and K are runtime values, so one
@@ -121,7 +125,7 @@ _SCHEDULE_REGS = {
     "seesaw": (56, (224, 224)),
 }
 _COMPILE_KEYS = ("dim_qk", "dim_v", "has_sink", "dtype", "block_h", "block_k", "schedule", "producer_regs",
-                 "consumer_regs", "skip_tail", "load_hint", "partial", "persistent_ctas")
+                 "consumer_regs", "skip_tail", "load_hint", "partial", "persistent_ctas", "tma_io")
 _LOAD_HINTS = {None: 0, "l2_256": 1, "l2_256_keep": 2}
 
 # predicated 16-byte cp.async with L2 hints (TileLang's own cp.async takes none)
@@ -195,11 +199,14 @@ def _normalise_config(config: dict) -> dict:
                                    or cfg["partial"]):
         raise ValueError("persistent_ctas must be >= 0 and takes the qk_one or split schedule without partial, got "
                          f"{cfg['persistent_ctas']} with {cfg['schedule']!r}, partial={cfg['partial']}")
+    cfg["tma_io"] = bool(cfg["tma_io"])
+    if cfg["tma_io"] and (cfg["partial"] or cfg["persistent_ctas"]):
+        raise ValueError("tma_io takes neither the partial program nor persistent_ctas")
     return cfg
 
 
 def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, producer_regs, consumer_regs,
-             skip_tail=False, load_hint=None, partial=False, persistent_ctas=0):
+             skip_tail=False, load_hint=None, partial=False, persistent_ctas=0, tma_io=False):
     """The TileLang prim_func of one configuration (imported lazily)."""
     import tilelang.language as T
 
@@ -409,6 +416,12 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
             for h, d in T.Parallel(HB, D_half):
                 if h0 + h < H:
                     Output[bz, by, h0 + h, g * D_half + d] = acc_o[h, d] * inv[h]
+        elif tma_io:
+            # rows past H fall outside the tensor and are not written
+            T.fence_proxy_async()
+            T.sync_threads(_BAR_OUT, 256)
+            T.tma_copy(O_s, Output[bz, by, h0 : h0 + HB, g * D_half : (g + 1) * D_half])
+            T.tma_store_wait()
         else:
             T.sync_threads(_BAR_OUT, 256)
             for h, d in T.Parallel(HB, D_half):
@@ -569,6 +582,17 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
         T.barrier_arrive(free[0][1][0])  # block 2t's right half (and P0 in its tail)
 
     @T.macro
+    def stage_q_tma(Q, bz, qrow, h0, Q_l, Q_r, Q_t, bar_q):
+        # one TMA per part of the row's Q block (rows past H fall outside the tensor: zeros)
+        T.tma_copy(Q[bz, qrow, h0 : h0 + HB, 0:D_half], Q_l, barrier=bar_q)
+        T.tma_copy(Q[bz, qrow, h0 : h0 + HB, D_half:dim_v], Q_r, barrier=bar_q)
+        if D_tail > 0:
+            T.tma_copy(Q[bz, qrow, h0 : h0 + HB, dim_v:dim_qk], Q_t, barrier=bar_q)
+        if T.shuffle_elect(256):
+            T.barrier_arrive(bar_q)
+        T.mbarrier_wait_parity(bar_q, 0)
+
+    @T.macro
     def stage_q(Q, bz, qrow, h0, Q_l, Q_r, Q_t):
         # the consumers stage the row's Q block in shared memory (rows past H read as zero)
         for hh, d in T.Parallel(HB, D_half):
@@ -721,6 +745,7 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
             else:
                 bar_ready = [T.alloc_barrier(256), T.alloc_barrier(256)]
                 bar_free = [T.alloc_barrier(256), T.alloc_barrier(256)]
+            bar_q = T.alloc_barrier(1) if tma_io else None
 
             tx = T.get_thread_binding()
             h0 = bx * HB
@@ -773,7 +798,10 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
                 else:
                     producer(Indices, KV, bz, by, n_trips, idx_reg, stages, valid, bar_ready, bar_free, tx - 256, 0)
             else:
-                stage_q(Q, bz, qrow, h0, Q_l, Q_r, Q_t)
+                if tma_io:
+                    stage_q_tma(Q, bz, qrow, h0, Q_l, Q_r, Q_t, bar_q)
+                else:
+                    stage_q(Q, bz, qrow, h0, Q_l, Q_r, Q_t)
 
                 if seesaw and tx < 128:
                     T.set_max_nreg(consumer_regs[0], 1)

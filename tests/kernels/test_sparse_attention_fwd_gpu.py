@@ -280,6 +280,15 @@ def test_persistent_grid_is_bitwise_the_plain_grid(case):
     _same_bits_and_reference(case, [None, {"persistent_ctas": 5}], seed_offset=1)
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[3] >= 512],  # the model dims: two programs to compile
+                         ids=lambda c: f"B{c[0]}S{c[1]}H{c[2]}D{c[3]}-{c[4]}K{c[5]}Skv{c[6]}-{c[7]}")
+def test_tma_io_is_bitwise_the_thread_copies(case):
+    """tma_io: Q in by TMA (head rows past H zero-filled by the tensor bounds) and the output out by
+    TMA stores (rows past H not written): the same bits as the threads' own loads and stores, and the
+    reference's values."""
+    _same_bits_and_reference(case, [{"tma_io": False}, {"tma_io": True}], seed_offset=2)
+
+
 # Decode: one query per row, the slots split into parts (DSA_PLUGINS_DECODE_PART_SLOTS) scored by
 # CTAs of their own and merged by the combine program; lengths that are multiples of no block
 DECODE_CASES = []
