@@ -583,11 +583,12 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
 
     @T.macro
     def stage_q_tma(Q, bz, qrow, h0, Q_l, Q_r, Q_t, bar_q):
-        # one TMA per part of the row's Q block (rows past H fall outside the tensor: zeros)
-        T.tma_copy(Q[bz, qrow, h0 : h0 + HB, 0:D_half], Q_l, barrier=bar_q)
-        T.tma_copy(Q[bz, qrow, h0 : h0 + HB, D_half:dim_v], Q_r, barrier=bar_q)
+        # one TMA per part of the row's Q block (rows past H fall outside the tensor: zeros); Q is read
+        # once, so it need not stay in L2 beside the gathered rows
+        T.tma_copy(Q[bz, qrow, h0 : h0 + HB, 0:D_half], Q_l, barrier=bar_q, eviction_policy="evict_first")
+        T.tma_copy(Q[bz, qrow, h0 : h0 + HB, D_half:dim_v], Q_r, barrier=bar_q, eviction_policy="evict_first")
         if D_tail > 0:
-            T.tma_copy(Q[bz, qrow, h0 : h0 + HB, dim_v:dim_qk], Q_t, barrier=bar_q)
+            T.tma_copy(Q[bz, qrow, h0 : h0 + HB, dim_v:dim_qk], Q_t, barrier=bar_q, eviction_policy="evict_first")
         if T.shuffle_elect(256):
             T.barrier_arrive(bar_q)
         T.mbarrier_wait_parity(bar_q, 0)
