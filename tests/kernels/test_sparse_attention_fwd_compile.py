@@ -32,6 +32,9 @@ def test_shipped_config_compiles_for_sm90a(config, caplog):
         kernel = mod.build_fwd_kernel(config, target=SM90A)
     src = kernel.get_kernel_source()
     assert "wgmma" in src and ("cp.async" in src or "cp_async" in src)
+    # Q in by TMA (evict_first: read once) and the output out by TMA stores, waited for before exit
+    assert "tma_load<tl::CacheHintSm90::EVICT_FIRST>(Q_desc" in src and "tma_store(Output_desc" in src
+    assert "tma_store_wait" in src
     # dynamic shapes: lengths, heads and K are kernel parameters, the scale a runtime scalar
     for name in ("seqlen", "seqlen_kv", "heads", "topk_padded", "scale"):
         assert name in src, f"{name} is not a runtime parameter"
@@ -44,12 +47,12 @@ def test_shipped_config_compiles_for_sm90a(config, caplog):
 @pytest.mark.parametrize("variant", [{"schedule": "seesaw"}, {"schedule": "seesaw", "has_sink": True, "dim_qk": 512},
                                      {"load_hint": "l2_256_keep"},
                                      {"persistent_ctas": 132, "has_sink": True, "dim_qk": 512},
-                                     {"tma_io": True}, {"tma_io": True, "has_sink": True, "dim_qk": 512}],
-                         ids=["seesaw-576", "seesaw-512-sink", "l2_keep", "persistent-512-sink", "tma_io-576",
-                              "tma_io-512-sink"])
+                                     {"tma_io": False}, {"tma_io": False, "has_sink": True, "dim_qk": 512}],
+                         ids=["seesaw-576", "seesaw-512-sink", "l2_keep", "persistent-512-sink", "thread_io-576",
+                              "thread_io-512-sink"])
 def test_forward_variants_compile_for_sm90a(variant):
     """The opt-in variants (the seesaw schedule, the gather hints, the persistent grid, TMA for Q and the
-    output) compile for sm_90a."""
+    output off) compile for sm_90a."""
     kernel = mod.build_fwd_kernel({**mod.DEFAULT_CONFIG, **variant}, target=SM90A)
     src = kernel.get_kernel_source()
     assert "wgmma" in src
@@ -57,9 +60,8 @@ def test_forward_variants_compile_for_sm90a(variant):
         assert "dsa_cp_async16<2>" in src and "evict_last" in src
     if "persistent_ctas" in variant:  # a row-block loop whose barrier phases run on across blocks
         assert "* 132) + ((int)blockIdx.x)" in src and "(base" in src
-    if variant.get("tma_io"):  # Q loaded and the output stored by TMA, no thread copies of either
-        assert "tma_load(Q_desc" in src and "tma_store(Output_desc" in src and "tma_store_wait" in src
-        assert "Output[" not in src
+    if variant.get("tma_io") is False:  # Q and the output copied by the threads, no TMA
+        assert "tma_load(" not in src and "tma_store(" not in src and "(Output + " in src
 
 
 @pytest.mark.slow
@@ -95,8 +97,10 @@ def test_config_validation():
         mod._normalise_config({"schedule": "seesaw", "persistent_ctas": 132})
     with pytest.raises(ValueError, match="persistent_ctas"):
         mod._normalise_config({"partial": True, "persistent_ctas": 132})
-    with pytest.raises(ValueError, match="tma_io"):
-        mod._normalise_config({"partial": True, "tma_io": True})
+    # the partial and persistent programs stage Q and the output with threads
+    assert mod._normalise_config({})["tma_io"] is True
+    assert mod._normalise_config({"partial": True})["tma_io"] is False
+    assert mod._normalise_config({"persistent_ctas": 132})["tma_io"] is False
     with pytest.raises(ValueError, match="504"):  # more than the CTA's registers: setmaxnreg would hang
         mod._normalise_config({"producer_regs": 56, "consumer_regs": (256, 208)})
     assert mod._normalise_config({"consumer_regs": 224})["consumer_regs"] == (224, 224)
