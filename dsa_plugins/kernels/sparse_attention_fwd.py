@@ -20,8 +20,10 @@ Design (one CTA per (64-head block, query token, batch), 3 warpgroups, 384 threa
   through shared memory, each writes its half of P, and each accumulates its output half from
   both halves of P (balanced, but the 64x32 score MMAs are shared-memory bound).
   The softmax runs in fp32 with exp2 and the scale folded in; lse is converted to natural log.
+- Q comes in by TMA (one thread issues it on an mbarrier) and each consumer's output half leaves by TMA
+  stores from shared memory (``tma_io``), so the SM's load/store pipe carries only the gathers.
 - Head counts below 64 (16, 32: tensor-parallel shards) are padded inside the kernel: padding
-  rows read zeros, give finite values and are never written.
+  rows read zeros (outside the TMA tensor's bounds), give finite values and are never written.
 
 B, S, H, Skv and the padded K are dynamic symbols and the scale is a runtime scalar, so a program
 is compiled once per (Dqk, Dv, sink, dtype, block sizes). K is padded with -1 to a multiple of
