@@ -15,7 +15,7 @@ block, final barrier -> end (the epilogue), and the gap between one CTA's end an
 the same SM. ``--ablate`` patches the copy further for timing only (wrong numbers): ``no_q`` stages Q as
 zeros without loading it, ``no_store`` keeps the output in shared memory (thread-copy program only). The
 copy is compiled as its own module; the shipped program is untouched, and the traced one is checked
-bitwise against it (without ablations). A CPU test keeps the patches applying (``tests/test_trace_tool.py``).
+bitwise against it (without ablations). A CPU test keeps the patches applying (``tests/test_forward_tools.py``).
 """
 
 from __future__ import annotations

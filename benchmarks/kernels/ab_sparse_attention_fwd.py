@@ -1,0 +1,107 @@
+"""Forward variants against the default, interleaved in one process (decisions of a few percent).
+
+    python benchmarks/kernels/ab_sparse_attention_fwd.py '[{"tma_io": false}]' [--shapes prefill|decode]
+        [--rounds 7] [--replays 15]
+
+Single runs of a benchmark move by a few percent from one process to the next, so a compile-time
+variant is judged here against the default in the same process: each program is captured in a CUDA
+graph (no host time in the figures), and each round times ``--replays`` back-to-back replays of every
+program, in alternating order. Printed per shape: the default's median time, each variant's, and the
+default / variant time ratio per round as median [min, max] (> 1: the variant is faster).
+
+Shapes: ``prefill`` the peers benchmark's k sweep (V4 D512 sink, H 64, k 256-2048) and 8K shapes (B1
+S4096 Skv8192); ``decode`` one query per sequence over a 32K cache, k 2048, MLA 576/512, H 64 / 128,
+B 1 / 8 / 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "peers"))
+
+
+def _graph(fn):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (and compiles) outside the capture
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def _replay_ms(graph, replays: int) -> float:
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop) / replays
+
+
+def _decode_inputs(b: int, skv: int, h: int, dqk: int, k: int):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, 1, h, dqk, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(b, skv, dqk, device="cuda", generator=g).bfloat16()
+    idx = torch.rand(b, skv, device="cuda", generator=g).topk(k, dim=-1).indices.to(torch.int32).view(b, 1, k)
+    return q, kv, idx, None
+
+
+def cases(which: str):
+    """(label, (q, kv, idx, sink), dv) per shape, inputs made lazily."""
+    from bench_attention_peers import SHAPES_8K, SHAPES_K, make_inputs
+
+    if which == "decode":
+        for h in (64, 128):
+            for b in (1, 8, 64):
+                yield f"B{b} S1 H{h} D576/512 k2048 cache32768", lambda b=b, h=h: _decode_inputs(b, 32768, h, 576, 2048), 512
+        return
+    for _op, s, skv, h, dqk, dv, k, sink in SHAPES_K + SHAPES_8K[:3]:
+        yield (f"B1 S{s} Skv{skv} H{h} D{dqk}/{dv} k{k}",
+               lambda a=(s, skv, h, dqk, dv, k, sink): make_inputs(*a), dv)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("variants", help='JSON list of compile-time overrides, e.g. [{"tma_io": false}]')
+    ap.add_argument("--shapes", default="prefill", choices=["prefill", "decode"])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--replays", type=int, default=15)
+    args = ap.parse_args(argv)
+    variants = [None] + json.loads(args.variants)
+
+    from dsa_plugins.kernels.sparse_attention_fwd import _check_inputs, _launch
+
+    for label, make, dv in cases(args.shapes):
+        q, kv, idx, sink = make()
+        scale, dv = _check_inputs(q, kv, idx, q.shape[-1] ** -0.5, sink, dv)
+        out = torch.empty(*q.shape[:3], dv, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        graphs = [_graph(lambda v=v: _launch(q, kv, idx, scale, sink, dv, out, lse, overrides=v)) for v in variants]
+        times = [[] for _ in graphs]
+        for r in range(args.rounds):
+            for i in range(len(graphs)) if r % 2 == 0 else reversed(range(len(graphs))):
+                times[i].append(_replay_ms(graphs[i], args.replays))
+        line = f"{label}: default {statistics.median(times[0]):.4f} ms"
+        for v, t in zip(variants[1:], times[1:]):
+            ratios = [a / b for a, b in zip(times[0], t)]
+            line += (f" | {json.dumps(v)} {statistics.median(t):.4f} ms, default/variant "
+                     f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]")
+        print(line, flush=True)
+        del q, kv, idx, out, lse, graphs
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""The forward's measurement tools: the tracing tool patches the program's source as text (the patches
+must keep applying); the A/B script parses and lists its shapes without a GPU."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+KERNELS = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, KERNELS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _tool():
+    return _load("trace_sparse_attention_fwd")
+
+
+@pytest.mark.parametrize("ablate", [(), ("no_q", "no_store")])
+def test_trace_patches_apply_to_the_forward_source(ablate):
+    tool = _tool()
+    src = tool.traced_source(ablate)
+    compile(src, "traced_fwd.py", "exec")  # still Python
+    assert src.count('"dsa_trace"') == 10 and "Trace: T.Tensor([TRN, 16]" in src
+    assert ("h0 + hh < -1, Q[" in src) == ("no_q" in ablate)
+    with pytest.raises(RuntimeError, match="the program changed"):
+        tool._replace(src, "no such line", "x")
+
+
+def test_ab_script_parses_and_lists_its_shapes(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts benchmarks/peers first: undone after
+    monkeypatch.setitem(sys.modules, "common", None)
+    del sys.modules["common"]  # benchmarks/peers/common.py imported afresh
+    ab = _load("ab_sparse_attention_fwd")
+    with pytest.raises(SystemExit) as exc:
+        ab.main(["--help"])
+    assert exc.value.code == 0 and "usage" in capsys.readouterr().out
+    labels = [label for label, _make, _dv in ab.cases("prefill")]
+    assert len(labels) == 7 and labels[0].endswith("k256")
+    assert [label for label, _m, _d in ab.cases("decode")][0] == "B1 S1 H64 D576/512 k2048 cache32768"
