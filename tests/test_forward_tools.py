@@ -43,3 +43,17 @@ def test_ab_script_parses_and_lists_its_shapes(monkeypatch, capsys):
     labels = [label for label, _make, _dv in ab.cases("prefill")]
     assert len(labels) == 7 and labels[0].endswith("k256")
     assert [label for label, _m, _d in ab.cases("decode")][0] == "B1 S1 H64 D576/512 k2048 cache32768"
+
+
+@pytest.mark.slow
+def test_cluster_gather_probe_compiles_for_sm90a():
+    """The probe of two CTAs sharing a gather compiles in its three modes; "share" forwards each half to
+    the peer with bulk SM-to-SM copies and keeps the cluster together until both CTAs are done."""
+    pytest.importorskip("tilelang")
+    probe = _load("probe_cluster_gather")
+    sources = {mode: probe.build(576, mode, target={"kind": "cuda", "arch": "sm_90a"}).get_kernel_source()
+               for mode in probe.MODES}
+    # a cluster sync after the barriers are set up (peers arrive on them) and one before leaving
+    assert "tma_store_cluster" in sources["share"] and sources["share"].count("tl::cluster_sync()") == 2
+    assert "tma_store_cluster" not in sources["alone"] and "cluster_sync" not in sources["alone"]
+    assert "ready[0].init(137)" in sources["share"] and "ready[0].init(256)" in sources["alone_cluster"]

@@ -1,0 +1,161 @@
+"""Probe: can two CTAs share one gather of kv rows (each gathers half, forwards it to its peer)?
+
+    python benchmarks/kernels/probe_cluster_gather.py [--dim 576] [--rows 4096] [--topk 2048] [--keys 8192]
+
+The forward's main loop is bound by L2-to-SM bandwidth (``benchmarks/results/fwd_fixed_cost_h100.md``): each
+64-slot block moves 64 gathered rows into the CTA. At H 128 the two head blocks of a query gather the same
+rows. This probe moves rows only, with no math, in the forward's pattern: 128 producer threads gather one
+block into a double-buffered stage with predicated 16-byte cp.async, and 128 consumer threads wait for the
+stage, read it and release it. Three modes, timed on the same indices:
+
+- ``alone``: every CTA gathers all 64 rows of each block (today's forward);
+- ``alone_cluster``: the same, launched as clusters of two (what cluster scheduling costs by itself);
+- ``share``: the two CTAs of a cluster gather 32 rows each, wait for them, and forward them to the peer
+  with bulk SM-to-SM copies (``T.copy_cluster``: 4 KB pieces, completing on the peer's barrier). A stage
+  is ready when the CTA's own rows and the peer's bytes have landed, and free when both CTAs' consumers
+  have released it.
+
+Printed: ms per launch and GB/s of rows delivered into shared memory (both CTAs count the full 64 rows).
+If ``share`` delivers well above ``alone``, the forward at H 128 can be rebuilt around it; if not, the
+gather-then-forward latency or the SM-to-SM path is the limit. Compiled on the CPU by the test suite
+(``tests/test_forward_tools.py``); written before it could run on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+MODES = ("alone", "alone_cluster", "share")
+_BLOCK = 64  # rows per stage (the forward's block_k)
+_PIECE = 2048  # bf16 elements per forwarded piece (4 KB, a 32-row half of one 64-column chunk in the forward)
+
+
+def probe_program(dim: int, mode: str):
+    """The TileLang program of one mode: (KV [N, dim] bf16, Idx [R, KP] int32, Out [R, 2] fp32), grid 2 R."""
+    import tilelang.cuda.language as TC
+    import tilelang.language as T
+
+    share = mode == "share"
+    cluster = mode != "alone"
+    own = _BLOCK // 2 if share else _BLOCK  # rows each CTA gathers per block
+    passes = tuple(range(own // 16))  # 16 rows per pass: 8 threads x 16 bytes per row piece
+    chunks = tuple(range(dim // 64))
+    pieces = tuple(range((_BLOCK // 2) * dim // _PIECE))
+    R, N, KP = T.dynamic("R"), T.dynamic("N"), T.dynamic("KP")
+    bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+
+    @T.prim_func
+    def probe(KV: T.Tensor([N, dim], bf16), Idx: T.Tensor([R, KP], i32), Out: T.Tensor([R, 2], f32)):
+        with T.Kernel(2 * R, threads=256, cluster_dims=2 if cluster else 1) as bx:
+            stages = [T.alloc_shared([_BLOCK * dim], bf16), T.alloc_shared([_BLOCK * dim], bf16)]
+            # ready: own producer arrivals (cp.async-tracked and explicit: 2 x 128), or in "share" 128 explicit
+            # arrivals after the rows landed plus one remote arrive.expect_tx per forwarded piece
+            # (barriers a peer can reach only where the launch has clusters, as in the forward otherwise)
+            alloc = T.alloc_cluster_barrier if cluster else T.alloc_barrier
+            ready = alloc([128 + len(pieces) if share else 256] * 2)
+            # free: the own consumers, and in "share" the peer's consumers too (they receive our rows)
+            free = alloc([2 if share else 1] * 2)
+            idx_reg = T.alloc_local([len(passes)], i32)
+            acc = T.alloc_local([1], f32)
+            tx = T.get_thread_binding()
+            rank = bx % 2
+            row = bx // 2
+            first = rank * (_BLOCK // 2) if share else 0  # this CTA's rows of each block
+            n_trips = KP // (2 * _BLOCK)
+            if tx < 128:
+                lane = tx % 8
+                for t in T.serial(n_trips):
+                    for st in (0, 1):
+                        T.mbarrier_wait_parity(free[st], (t & 1) ^ 1)
+                        for r in passes:
+                            idx_reg[r] = Idx[row, (2 * t + st) * _BLOCK + first + r * 16 + tx // 8]
+                        for r in passes:
+                            ok = (idx_reg[r] >= 0) and (idx_reg[r] < N)
+                            src = T.if_then_else(ok, idx_reg[r], 0)
+                            for c in chunks:
+                                col = c * 64 + lane * 8
+                                T.ptx_cp_async(T.access_ptr(stages[st][(first + r * 16 + tx // 8) * dim + col], "w", 8),
+                                               T.access_ptr(KV[src, col], "r", 8), 8, ok)
+                        T.ptx_commit_group()
+                        if share:
+                            # forward our half once it has landed: each thread's copies done, visible to the
+                            # async proxy, all 128 threads past that point, then one thread sends the pieces
+                            T.ptx_wait_group(0)
+                            T.fence_proxy_async()
+                            T.barrier_arrive(ready[st])
+                            T.sync_threads(15, 128)
+                            if tx == 0:
+                                for p in pieces:
+                                    lo = first * dim + p * _PIECE
+                                    T.copy_cluster(stages[st][lo : lo + _PIECE], stages[st][lo : lo + _PIECE],
+                                                   dst_block=1 - rank, remote_barrier=ready[st])
+                        else:
+                            T.cp_async_barrier_noinc(ready[st])
+                            T.barrier_arrive(ready[st])
+            else:
+                acc[0] = 0.0
+                for t in T.serial(n_trips):
+                    for st in (0, 1):
+                        T.mbarrier_wait_parity(ready[st], t & 1)
+                        # read one element of every row (the forward's MMAs read them all)
+                        acc[0] += T.cast(stages[st][((tx - 128) % _BLOCK) * dim + (tx - 128) // _BLOCK], f32)
+                        T.sync_threads(14, 128)
+                        if tx == 128:
+                            T.barrier_arrive(free[st])
+                            if share:
+                                T.ptx_arrive_cluster_barrier(free[st], 1 - rank)
+                if tx == 128:
+                    Out[row, rank] = acc[0]
+            if cluster:
+                TC.cluster_sync()  # no CTA leaves while its peer may still write to it or arrive on it
+
+    return probe
+
+
+def build(dim: int, mode: str, target="auto"):
+    import tilelang
+
+    return tilelang.jit(target=target, compile_flags=["-O3", "-DNDEBUG"])(probe_program)(dim, mode)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dim", type=int, default=576, help="row width in bf16 (576 MLA, 512 V4)")
+    ap.add_argument("--rows", type=int, default=4096, help="query rows (clusters of two CTAs each)")
+    ap.add_argument("--topk", type=int, default=2048, help="slots per row (a multiple of 128)")
+    ap.add_argument("--keys", type=int, default=8192, help="kv rows to pick from")
+    ap.add_argument("--modes", default=",".join(MODES))
+    args = ap.parse_args(argv)
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kv = torch.randn(args.keys, args.dim, device="cuda", generator=g).bfloat16()
+    idx = torch.rand(args.rows, args.keys, device="cuda", generator=g).topk(args.topk, dim=-1).indices.int()
+    out = torch.empty(args.rows, 2, device="cuda")
+    delivered = 2 * args.rows * args.topk * args.dim * 2  # bytes landing in shared memory, both CTAs
+    sums = {}
+    for mode in args.modes.split(","):
+        kernel = build(args.dim, mode)
+        for _ in range(3):
+            kernel(kv, idx, out)
+        torch.cuda.synchronize()
+        sums[mode] = out.clone()
+        times = []
+        for _ in range(20):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            kernel(kv, idx, out)
+            stop.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(stop))
+        ms = statistics.median(times)
+        same = "" if mode == "alone" or "alone" not in sums else f", same sums as alone: {torch.equal(out, sums['alone'])}"
+        print(f"{mode:14s} D{args.dim} rows {args.rows} k {args.topk}: {ms:.3f} ms, "
+              f"{delivered / ms / 1e6:.0f} GB/s into shared memory{same}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
