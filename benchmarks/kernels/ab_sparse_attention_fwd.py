@@ -27,29 +27,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "peers"))
 
 
-def _graph(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (and compiles) outside the capture
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def _replay_ms(graph, replays: int) -> float:
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / replays
-
-
 def _decode_inputs(b: int, skv: int, h: int, dqk: int, k: int):
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(b, 1, h, dqk, device="cuda", generator=g).bfloat16()
@@ -81,6 +58,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     variants = [None] + json.loads(args.variants)
 
+    from dsa_plugins.bench.runner import capture_graph, graph_replay_ms
     from dsa_plugins.kernels.sparse_attention_fwd import _check_inputs, _launch
 
     for label, make, dv in cases(args.shapes):
@@ -88,11 +66,11 @@ def main(argv=None) -> int:
         scale, dv = _check_inputs(q, kv, idx, q.shape[-1] ** -0.5, sink, dv)
         out = torch.empty(*q.shape[:3], dv, dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-        graphs = [_graph(lambda v=v: _launch(q, kv, idx, scale, sink, dv, out, lse, overrides=v)) for v in variants]
+        graphs = [capture_graph(lambda v=v: _launch(q, kv, idx, scale, sink, dv, out, lse, overrides=v)) for v in variants]
         times = [[] for _ in graphs]
         for r in range(args.rounds):
             for i in range(len(graphs)) if r % 2 == 0 else reversed(range(len(graphs))):
-                times[i].append(_replay_ms(graphs[i], args.replays))
+                times[i].append(graph_replay_ms(graphs[i], args.replays))
         line = f"{label}: default {statistics.median(times[0]):.4f} ms"
         for v, t in zip(variants[1:], times[1:]):
             ratios = [a / b for a, b in zip(times[0], t)]

@@ -29,30 +29,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "peers"))
 from common import AGREE, Rows, error_text, import_peer, rel_diff  # noqa: E402
 
+from dsa_plugins.bench.runner import capture_graph, graph_replay_ms  # noqa: E402
 from dsa_plugins.kernels.sparse_attention_fwd import _check_inputs, _launch  # noqa: E402
 
 
 def graph_us(fn, reps: int = 50) -> float:
     """Median-free mean over ``reps`` replays of one captured call, in microseconds."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture_graph(fn, warmup=3)
     for _ in range(3):
         graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1e3
+    return graph_replay_ms(graph, reps) * 1e3
 
 
 FP8_ROW_BYTES = 656  # FlashMLA's V3.2 fp8 cache: 512 e4m3 + 4 fp32 scales + 64 bf16 (rope)

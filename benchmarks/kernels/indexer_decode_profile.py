@@ -5,6 +5,7 @@ import time
 import torch
 
 from dsa_plugins import ops
+from dsa_plugins.bench.runner import capture_graph, graph_replay_ms
 
 B, ctx, hi, di, k = 32, 32768, 64, 128, 2048
 g = torch.Generator(device="cuda").manual_seed(0)
@@ -25,23 +26,10 @@ t1 = time.perf_counter()
 torch.cuda.synchronize()
 t2 = time.perf_counter()
 print(f"host per call {1e3 * (t1 - t0) / n:.3f} ms; wall per call incl. drain {1e3 * (t2 - t0) / n:.3f} ms")
-s = torch.cuda.Stream()
-s.wait_stream(torch.cuda.current_stream())
-with torch.cuda.stream(s):
-    fn()
-torch.cuda.current_stream().wait_stream(s)
-graph = torch.cuda.CUDAGraph()
-with torch.cuda.graph(graph):
-    out = fn()
+graph = capture_graph(fn, warmup=1)
 graph.replay()
 torch.cuda.synchronize()
-e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-e0.record()
-for _ in range(n):
-    graph.replay()
-e1.record()
-torch.cuda.synchronize()
-print(f"CUDA graph replay per call {e0.elapsed_time(e1) / n:.3f} ms (graph-capturable: yes)")
+print(f"CUDA graph replay per call {graph_replay_ms(graph, n):.3f} ms (graph-capturable: yes)")
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
     fn()
     torch.cuda.synchronize()
