@@ -32,8 +32,11 @@ _BLOCK = 64  # rows per stage (the forward's block_k)
 _PIECE = 2048  # bf16 elements per forwarded piece (4 KB, a 32-row half of one 64-column chunk in the forward)
 
 
-def probe_program(dim: int, mode: str):
-    """The TileLang program of one mode: (KV [N, dim] bf16, Idx [R, KP] int32, Out [R, 2] fp32), grid 2 R."""
+def probe_program(dim: int, mode: str, distinct: bool = False):
+    """The TileLang program of one mode: (KV [N, dim] bf16, Idx [R, KP] int32, Out [R, 2] fp32), grid 2 R.
+    ``distinct`` (not with "share"): the two CTAs of a pair gather different index rows (Idx [2 R, KP],
+    CTA b reads row b), to tell co-scheduling by itself from two SMs fetching the same rows at once."""
+    assert not (distinct and mode == "share"), "share needs both CTAs on the same rows"
     import tilelang.cuda.language as TC
     import tilelang.language as T
 
@@ -43,11 +46,12 @@ def probe_program(dim: int, mode: str):
     passes = tuple(range(own // 16))  # 16 rows per pass: 8 threads x 16 bytes per row piece
     chunks = tuple(range(dim // 64))
     pieces = tuple(range((_BLOCK // 2) * dim // _PIECE))
-    R, N, KP = T.dynamic("R"), T.dynamic("N"), T.dynamic("KP")
+    R, N, KP, RI = T.dynamic("R"), T.dynamic("N"), T.dynamic("KP"), T.dynamic("RI")
     bf16, f32, i32 = T.bfloat16, T.float32, T.int32
 
     @T.prim_func
-    def probe(KV: T.Tensor([N, dim], bf16), Idx: T.Tensor([R, KP], i32), Out: T.Tensor([R, 2], f32)):
+    def probe(KV: T.Tensor([N, dim], bf16), Idx: T.Tensor([RI, KP], i32),
+              Out: T.Tensor([R, 2], f32)):
         with T.Kernel(2 * R, threads=256, cluster_dims=2 if cluster else 1) as bx:
             stages = [T.alloc_shared([_BLOCK * dim], bf16), T.alloc_shared([_BLOCK * dim], bf16)]
             # ready: own producer arrivals (cp.async-tracked and explicit: 2 x 128), or in "share" 128 explicit
@@ -62,6 +66,7 @@ def probe_program(dim: int, mode: str):
             tx = T.get_thread_binding()
             rank = bx % 2
             row = bx // 2
+            idx_row = T.min(bx, RI - 1) if distinct else T.min(row, RI - 1)  # (RI named in the body: annotations resolve through it)
             first = rank * (_BLOCK // 2) if share else 0  # this CTA's rows of each block
             n_trips = KP // (2 * _BLOCK)
             if tx < 128:
@@ -70,7 +75,7 @@ def probe_program(dim: int, mode: str):
                     for st in (0, 1):
                         T.mbarrier_wait_parity(free[st], (t & 1) ^ 1)
                         for r in passes:
-                            idx_reg[r] = Idx[row, (2 * t + st) * _BLOCK + first + r * 16 + tx // 8]
+                            idx_reg[r] = Idx[idx_row, (2 * t + st) * _BLOCK + first + r * 16 + tx // 8]
                         for r in passes:
                             ok = (idx_reg[r] >= 0) and (idx_reg[r] < N)
                             src = T.if_then_else(ok, idx_reg[r], 0)
@@ -114,10 +119,10 @@ def probe_program(dim: int, mode: str):
     return probe
 
 
-def build(dim: int, mode: str, target="auto"):
+def build(dim: int, mode: str, target="auto", distinct: bool = False):
     import tilelang
 
-    return tilelang.jit(target=target, compile_flags=["-O3", "-DNDEBUG"])(probe_program)(dim, mode)
+    return tilelang.jit(target=target, compile_flags=["-O3", "-DNDEBUG"])(probe_program)(dim, mode, distinct)
 
 
 def main(argv=None) -> int:
@@ -127,17 +132,20 @@ def main(argv=None) -> int:
     ap.add_argument("--topk", type=int, default=2048, help="slots per row (a multiple of 128)")
     ap.add_argument("--keys", type=int, default=8192, help="kv rows to pick from")
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--distinct", action="store_true", help="the CTAs of a pair gather different rows (alone modes)")
     args = ap.parse_args(argv)
     import torch
 
     g = torch.Generator(device="cuda").manual_seed(0)
     kv = torch.randn(args.keys, args.dim, device="cuda", generator=g).bfloat16()
-    idx = torch.rand(args.rows, args.keys, device="cuda", generator=g).topk(args.topk, dim=-1).indices.int()
+    idx = torch.rand(args.rows * (2 if args.distinct else 1), args.keys, device="cuda", generator=g).topk(args.topk, dim=-1).indices.int()
     out = torch.empty(args.rows, 2, device="cuda")
     delivered = 2 * args.rows * args.topk * args.dim * 2  # bytes landing in shared memory, both CTAs
     sums = {}
     for mode in args.modes.split(","):
-        kernel = build(args.dim, mode)
+        if args.distinct and mode == "share":
+            continue
+        kernel = build(args.dim, mode, distinct=args.distinct)
         for _ in range(3):
             kernel(kv, idx, out)
         torch.cuda.synchronize()
@@ -152,7 +160,7 @@ def main(argv=None) -> int:
             times.append(start.elapsed_time(stop))
         ms = statistics.median(times)
         same = "" if mode == "alone" or "alone" not in sums else f", same sums as alone: {torch.equal(out, sums['alone'])}"
-        print(f"{mode:14s} D{args.dim} rows {args.rows} k {args.topk}: {ms:.3f} ms, "
+        print(f"{mode:14s} D{args.dim}{' distinct' if args.distinct else ''} rows {args.rows} k {args.topk}: {ms:.3f} ms, "
               f"{delivered / ms / 1e6:.0f} GB/s into shared memory{same}", flush=True)
     return 0
 

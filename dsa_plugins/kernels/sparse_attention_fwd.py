@@ -108,6 +108,13 @@ DEFAULT_CONFIG: dict = {
     # 1.06x at k512, 1.02-1.03x at k 1024-2048 and MLA H64/H128 (fwd_fixed_cost_h100.md). The partial
     # and persistent programs keep the threads' copies (tma_io is turned off for them)
     "tma_io": True,
+    # launch CTAs in clusters of two (co-scheduled on neighbouring SMs), no shared memory traffic between
+    # them: "heads" pairs the two head blocks of one query row (H 128), "rows" two adjacent query rows.
+    # An experiment, off: a gather-only probe delivered 1.29-1.34x the bytes per second when the two CTAs
+    # that read the same rows ran as a cluster (and 0.95x for distinct rows; probe_cluster_gather.py), but
+    # the forward measured no faster under CUDA graphs on an H100 ("heads" 0.99-1.00x at H128, "rows"
+    # 0.98-1.00x; fwd_fixed_cost_h100.md)
+    "cluster": None,
 }
 
 # Every configuration the package ships. Heads, batch, lengths and K are runtime values, so one
@@ -130,8 +137,9 @@ _SCHEDULE_REGS = {
     "seesaw": (56, (224, 224)),
 }
 _COMPILE_KEYS = ("dim_qk", "dim_v", "has_sink", "dtype", "block_h", "block_k", "schedule", "producer_regs",
-                 "consumer_regs", "skip_tail", "load_hint", "partial", "persistent_ctas", "tma_io")
+                 "consumer_regs", "skip_tail", "load_hint", "partial", "persistent_ctas", "tma_io", "cluster")
 _LOAD_HINTS = {None: 0, "l2_256": 1, "l2_256_keep": 2}
+_CLUSTER_DIMS = {None: None, "heads": (2, 1, 1), "rows": (1, 2, 1)}
 
 # predicated 16-byte cp.async with L2 hints (TileLang's own cp.async takes none)
 _FWD_PRELUDE = r"""
@@ -205,11 +213,15 @@ def _normalise_config(config: dict) -> dict:
         raise ValueError("persistent_ctas must be >= 0 and takes the qk_one or split schedule without partial, got "
                          f"{cfg['persistent_ctas']} with {cfg['schedule']!r}, partial={cfg['partial']}")
     cfg["tma_io"] = bool(cfg["tma_io"]) and not cfg["partial"] and not cfg["persistent_ctas"]
+    if cfg["cluster"] not in _CLUSTER_DIMS:
+        raise ValueError(f"cluster must be one of {sorted(_CLUSTER_DIMS, key=str)}, got {cfg['cluster']!r}")
+    if cfg["cluster"] and cfg["persistent_ctas"]:
+        raise ValueError("cluster takes the plain grid (persistent_ctas=0)")
     return cfg
 
 
 def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, producer_regs, consumer_regs,
-             skip_tail=False, load_hint=None, partial=False, persistent_ctas=0, tma_io=False):
+             skip_tail=False, load_hint=None, partial=False, persistent_ctas=0, tma_io=False, cluster=None):
     """The TileLang prim_func of one configuration (imported lazily)."""
     import tilelang.language as T
 
@@ -699,7 +711,8 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
         Lse: T.Tensor([B, SO, H], accum),
         RowTrips: T.Tensor([B, SO] if skip_tail else [1], "int32"),  # trips of 2 * BK slots per row
     ):
-        with T.Kernel(*grid, threads=384, prelude=_FWD_PRELUDE if hint else None) as (bx, by, bz):
+        with T.Kernel(*grid, threads=384, prelude=_FWD_PRELUDE if hint else None,
+                      cluster_dims=_CLUSTER_DIMS[cluster]) as (bx, by, bz):
             Q_l = T.alloc_shared([HB, D_half], dtype)
             Q_r = T.alloc_shared([HB, D_half], dtype)
             Q_t = T.alloc_shared([HB, D_tail], dtype) if D_tail > 0 else None
@@ -1080,6 +1093,9 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
     idx = idx.contiguous()
     sinks = sink.contiguous() if sink is not None else zeros_arg(h, torch.float32, q.device)
     rows = s * parts  # part p of a row is row s * parts + p of the partial program
+    if (cfg["cluster"] == "heads" and -(-h // cfg["block_h"]) % 2) or (cfg["cluster"] == "rows" and rows % 2):
+        raise ValueError(f"cluster={cfg['cluster']!r} needs an even number of head blocks / query rows, got "
+                         f"{h} heads and {rows} rows")
     if cfg["skip_tail"] and s == 1:
         # one-query rows (decode) walk every trip: their caches are rarely shorter than k, and
         # row_blocks' nine small launches cost ~15 us of an 85 us step (H100, CUDA graph); the
