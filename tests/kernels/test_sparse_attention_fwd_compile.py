@@ -104,6 +104,13 @@ def test_config_validation():
     with pytest.raises(ValueError, match="504"):  # more than the CTA's registers: setmaxnreg would hang
         mod._normalise_config({"producer_regs": 56, "consumer_regs": (256, 208)})
     assert mod._normalise_config({"consumer_regs": 224})["consumer_regs"] == (224, 224)
+    # the cluster-launch experiment: off by default, two layouts, the plain grid only
+    assert mod._normalise_config({})["cluster"] is None
+    assert mod._normalise_config({"cluster": "heads"})["cluster"] == "heads"
+    with pytest.raises(ValueError, match="cluster must be one of"):
+        mod._normalise_config({"cluster": "quad"})
+    with pytest.raises(ValueError, match="cluster takes the plain grid"):
+        mod._normalise_config({"cluster": "rows", "persistent_ctas": 132})
     cfg = mod.config_for(576, 512, False, torch.bfloat16)
     assert cfg["dim_qk"] == 576 and cfg["dtype"] == "bfloat16"
     with pytest.raises(ValueError, match="bfloat16 or float16"):
