@@ -119,8 +119,8 @@ def load_dims(spec: str) -> list[ModelDims]:
     return model_dims(AutoConfig.from_pretrained(path))
 
 
-# backward programs: the deterministic ones take longest, the preprocess and reduce programs a few seconds
-_BWD_SECONDS = {"main_det": 20, "main_det_probs": 20, "preprocess": 3, "reduce": 3}
+# backward programs: the main ones take 15-20 s, the preprocess and reduce programs a few seconds
+_BWD_SECONDS = {"main_det": 20, "main_det_probs": 20, "preprocess": 3, "preprocess_det": 3, "reduce": 3}
 
 
 def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None = None) -> list[KernelJob]:
@@ -179,8 +179,8 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
                               gpu_target="auto", seconds=9))
     jobs.append(KernelJob("top-k tie fill", tk, "build_tie_fill", gpu_target="auto", seconds=7))
     if training and attn:
-        for cfg in bwd_cfgs:  # one job per program: the six compile side by side
-            for name in sparse_attention_bwd.BWD_PROGRAMS:
+        for cfg in bwd_cfgs:  # one job per program: they compile side by side
+            for name in sparse_attention_bwd.bwd_program_names(cfg):
                 jobs.append(KernelJob(f"attention backward H{cfg['heads']} {cfg['dqk']}/{cfg['dv']}"
                                       f"{' sink' if cfg['has_sink'] else ''} {name}", bwd, "build_bwd_program",
                                       (cfg, name), seconds=_BWD_SECONDS.get(name, 15)))

@@ -2,6 +2,8 @@
 
     python benchmarks/kernels/bench_sparse_attention_bwd.py --warmup [--jobs 16]   # compile in parallel
     python benchmarks/kernels/bench_sparse_attention_bwd.py [--csv out.csv] [--variants JSON]
+    (a variant {"deterministic": true, ...} times that mode only, e.g. {"deterministic": true,
+    "det_mode": "contrib"} beside the default --det rows)
 
 FLOPs = 2 * B * S * H * K * (2 * Dv + 3 * Dqk) (all K slots counted). Times are medians of
 triton.testing.do_bench (CUDA events fallback) on random inputs; out/lse come from a chunked
@@ -50,10 +52,10 @@ def _jobs(configs):
     for c, with_det in configs:
         cfg = m._normalise_config(c)
         nhb = (cfg["heads"] + 63) // 64
-        jobs.append(("preprocess", (cfg["heads"], cfg["dv"], cfg["has_sink"], cfg["dtype"])))
         for det in ((False, True) if with_det else (False,)):
+            jobs.append(("preprocess", m._preprocess_args(cfg, det and m._uses_ws(cfg, det))))
             jobs.append(m._main_kernel(cfg, det))
-        if with_det:
+        if with_det and cfg["det_mode"] == "contrib":
             jobs.append(("reduce", (cfg["dqk"], nhb)))
     out = []
     for j in jobs:
@@ -148,7 +150,8 @@ def _bench_shape(m, name, shape, variants, det, rows):
         if var.get("only") and var["only"] != sname:
             continue
         var = {k: v for k, v in var.items() if k != "only"}
-        for d in ([False, True] if (det and not var) else [False]):
+        forced = var.pop("deterministic", None)  # a variant may time one mode only
+        for d in ([forced] if forced is not None else [False, True] if (det and not var) else [False]):
             cfg = var or None
             try:
                 err = diff(run(d, cfg))
@@ -197,7 +200,9 @@ def main():
                 if var.get("only") and var["only"] != _:
                     continue
                 var = {k: v for k, v in var.items() if k != "only"}
-                cfgs.append(({"heads": H, "dqk": Dqk, "dv": Dv, "has_sink": sink, "dtype": "bfloat16", **var}, not var))
+                forced = var.pop("deterministic", None)
+                cfgs.append(({"heads": H, "dqk": Dqk, "dv": Dv, "has_sink": sink, "dtype": "bfloat16", **var},
+                             bool(forced) or not var))
         sys.exit(1 if warmup(cfgs, args.jobs) else 0)
     shapes = SHAPES if not args.shapes else [s for s in SHAPES if s[0] in args.shapes.split(",")]
     bench(shapes, variants, args.csv, args.det)

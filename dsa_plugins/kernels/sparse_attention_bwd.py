@@ -12,7 +12,12 @@ Programs (all compiled per configuration by :func:`build_bwd_kernels`):
   model shape): warp-specialised, see :func:`_ws_body`. H100, B1 S4096 Skv8192: MLA 576/512 k2048
   H64 352 TFLOP/s (8.39 ms), H128 358; V4 D512 sink H128 k1024 330-338; 1.31-1.38x the plain program,
   0.80-0.84x cuDNN frontend 1.32's sm90 backward in the same run (``benchmarks/results/bwd_ws_h100.md``).
-* ``main`` (the plain program: deterministic mode, other head dims, tuning experiments): one CTA of
+  The opt-in deterministic mode ``det_mode`` "fixed" sends fixed-point values instead: each dkv value
+  times a power of two chosen from the inputs' magnitudes, rounded to int64 and added with integer
+  reductions, whose sums do not depend on the order of the additions (see :func:`_fixed_point_scale`);
+  measured 4.3-4.8x the atomic time on an H100 (L2 adds 64-bit integers ~7x slower per value than
+  fp32 red.v4), so the default deterministic mode is "contrib".
+* ``main`` (the plain program: other head dims, the default "contrib" deterministic mode, tuning experiments): one CTA of
   256 threads per (query row, block of 64 heads); heads beyond H are padded inside the CTA (zero q / dout, lse = +inf: they contribute
   nothing). The CTA walks the top-k slots in blocks of 64: gathers the selected kv rows with
   cp.async (invalid slots zero-filled, never read; the next block's gather overlaps the dkv part),
@@ -20,7 +25,8 @@ Programs (all compiled per configuration by :func:`build_bwd_kernels`):
   registers, and adds dS^T q + P^T dout (all MMAs on wgmma) into a zero-initialised fp32 dkv with
   red.global.add.v2.f32 straight from the accumulators. ``overlap`` (off by default, measured no
   faster) runs the MMAs of the next dkv column chunk while the atomics of the current one issue.
-* ``reduce`` (deterministic only): sums each kv row's per-slot contributions in a fixed order.
+* ``reduce`` (deterministic "contrib" only): sums each kv row's per-slot contributions in a fixed order
+  (one CTA per kv row, its warps taking slots in turn, then combined in warp order).
 
 Everything is flattened over the batch: query rows t = b * S + s, kv rows n = b * Skv + j; the
 wrapper rewrites the indices once to global rows (invalid -> -1) while padding k with -1.
@@ -48,7 +54,8 @@ from ..common.indices import global_rows, row_blocks
 from ..common.validation import output_buffer
 from . import announce_compile, zeros_arg
 
-__all__ = ["BWD_PROGRAMS", "SHIPPED_CONFIGS", "build_bwd_kernels", "build_bwd_program", "bwd_flops", "sparse_attention_bwd"]
+__all__ = ["BWD_PROGRAMS", "SHIPPED_CONFIGS", "build_bwd_kernels", "build_bwd_program", "bwd_flops", "bwd_program_names",
+           "sparse_attention_bwd"]
 
 logger = logging.getLogger("dsa_plugins")
 
@@ -76,7 +83,8 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
 
 
 _TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep",
-                "schedule", "ws_prefetch", "ws_dq_rs")
+                "schedule", "ws_prefetch", "ws_dq_rs", "det_mode")
+_DET_MODES = ("fixed", "contrib")
 _SCHEDULES = ("ws", "plain")
 
 
@@ -131,6 +139,14 @@ def _normalise_config(config: dict) -> dict:
     if cfg["schedule"] == "ws" and not ws_supported(cfg["dqk"], cfg["dv"]):
         raise ValueError(f"schedule 'ws' needs dv a multiple of 128 and dqk - dv in (0, 64), got dqk={cfg['dqk']} "
                          f"dv={cfg['dv']}")
+    # deterministic mode: "contrib" (the plain program writes per-slot contributions, sorted and summed:
+    # 2.1-2.5x the atomic time on an H100) or "fixed" (the ws program adding fixed-point integers with
+    # 64-bit reductions, order-free sums: 4.3-4.8x, L2 takes integer adds ~7x slower per value than
+    # fp32 red.v4; an option: its memory is [Skv, dqk] int64, whatever the query count)
+    cfg["det_mode"] = str(cfg.get("det_mode") or "contrib")
+    if cfg["det_mode"] not in _DET_MODES or (cfg["det_mode"] == "fixed" and cfg["schedule"] != "ws"):
+        raise ValueError(f"det_mode must be one of {_DET_MODES} ('fixed' needs the ws schedule), got "
+                         f"{cfg['det_mode']!r} with schedule {cfg['schedule']!r}")
     return cfg
 
 
@@ -139,13 +155,32 @@ def _normalise_config(config: dict) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def _preprocess_body(heads, dv, has_sink, dtype, block_h=16, threads=128):
+_PRE_BLOCK_H, _PRE_THREADS = 16, 128  # the preprocess's heads per CTA and threads
+
+
+def _preprocess_args(cfg: dict, maxima: bool) -> tuple:
+    """Compile args of the preprocess (``maxima``: the deterministic "fixed" mode's variant)."""
+    return (cfg["heads"], cfg["dv"], cfg["has_sink"], cfg["dtype"]) + ((cfg["dqk"],) if maxima else ())
+
+
+def _preprocess_body(heads, dv, has_sink, dtype, maxima_dqk=0, block_h=_PRE_BLOCK_H, threads=_PRE_THREADS):
+    """Delta = rowsum(O * dO) and the base-2 lse (with the sink folded in) per (query row, head).
+    ``maxima_dqk`` > 0 (the deterministic "fixed" mode, Q of that width): also Maxima [Tq, NHB, threads, 3]
+    = max |q|, |out|, |dout| over the finite entries each thread saw, from which the wrapper takes its
+    fixed-point scale without three more passes over q, out and dout."""
+    assert block_h * maxima_dqk % threads == 0 and block_h * dv % threads == 0
     import tilelang.language as T
 
     Tq = T.dynamic("Tq")
     nhb = (heads + block_h - 1) // block_h
     dt = T.bfloat16 if dtype == "bfloat16" else T.float16
     f32 = T.float32
+    q_rows = Tq if maxima_dqk else 1  # without maxima, Q and Maxima are [1, ...] placeholders
+    dqk = max(maxima_dqk, 1)
+    tail = max(dqk - dv, 0)
+
+    def finite_abs(x):  # |x|, or 0 where x is inf or NaN (NaN < inf is false)
+        return T.if_then_else(T.abs(x) < T.infinity(f32), T.abs(x), 0.0)
 
     @T.prim_func
     def dsa_bwd_preprocess(
@@ -155,6 +190,8 @@ def _preprocess_body(heads, dv, has_sink, dtype, block_h=16, threads=128):
         Sink: T.Tensor([heads], f32),
         Delta: T.Tensor([Tq, heads], f32),
         Lse2: T.Tensor([Tq, heads], f32),
+        Q: T.Tensor([q_rows, heads, dqk], dt),
+        Maxima: T.Tensor([q_rows, nhb, threads, 3], f32),
     ):
         with T.Kernel(Tq, nhb, threads=threads) as (t, hb):
             prod = T.alloc_fragment([block_h, dv], f32)
@@ -167,6 +204,25 @@ def _preprocess_body(heads, dv, has_sink, dtype, block_h=16, threads=128):
                     0.0,
                 )
             T.reduce_sum(prod, dsum, dim=1)
+            if maxima_dqk:
+                # each thread keeps its own running maxima (no cross-thread reductions: the wrapper takes
+                # the max over all of them); the O and dO lines are still in L1 from the product above
+                tx = T.get_thread_binding()
+                mx = T.alloc_local([3], f32)
+                for c in T.serial(3):
+                    mx[c] = 0.0
+                for k in T.serial(block_h * dv // threads):
+                    h = hb * block_h + (k * threads + tx) // dv
+                    d = (k * threads + tx) % dv
+                    if h < heads:
+                        mx[1] = T.max(mx[1], finite_abs(T.cast(O[t, h, d], f32)))
+                        mx[2] = T.max(mx[2], finite_abs(T.cast(dO[t, h, d], f32)))
+                for k in T.serial(block_h * dqk // threads):
+                    h = hb * block_h + (k * threads + tx) // dqk
+                    if h < heads:
+                        mx[0] = T.max(mx[0], finite_abs(T.cast(Q[t, h, (k * threads + tx) % dqk], f32)))
+                for c in T.serial(3):
+                    Maxima[t, hb, tx, c] = mx[c]
             for i in T.Parallel(block_h):
                 h = hb * block_h + i
                 if h < heads:
@@ -464,20 +520,63 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
 # r + 1) trade float4s so that 8 lanes cover one row's 128-byte line: a warp's reduction touches
 # 4 whole lines (the v2 reductions straight from the layout touch 8 rows x 32 bytes).
 _WS_PRELUDE = r"""
-template <bool kKeepInL2>
-__device__ __forceinline__ void dsa_red4(float* p, float4 v, unsigned long long policy) {
-  if (kKeepInL2) {
-    asm volatile("red.global.add.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;"
-                 :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "l"(policy));
+// kMode 0: red.v4.f32; 1: the same with an L2 evict_last policy; 2: fixed point (deterministic mode):
+// each value times the power of two `fix` is rounded to a 64-bit integer and added to `sums` with
+// red.add.u64 (integer addition is associative: the sums do not depend on the order the CTAs reach
+// L2). A value that is not finite goes to the fp32 dkv as it is (NaN, +-inf: any order gives the same
+// result); one beyond the bound the scale was chosen for goes there as NaN (never a wrapped integer).
+__device__ __forceinline__ void dsa_fixed_add(unsigned long long* sums, float* dkv, float v, float fix) {
+  const float y = v * fix;
+  if (fabsf(y) < 1.152921504606846976e18f) {  // 2^60
+    asm volatile("red.global.add.u64 [%0], %1;" :: "l"(sums), "l"(__float2ll_rn(y)));
   } else {
-    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w));
+    atomicAdd(dkv, isfinite(v) ? __int_as_float(0x7fffffff) : v);
   }
 }
 
-template <bool kKeepInL2>
-__device__ __forceinline__ void dsa_red_tile64(const float* acc, float* dkv, const int* rows, int ld, int col0) {
+__device__ __forceinline__ float dsa_pick4(float4 v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Fixed-point adds of a quad's 16 consecutive columns of one row (lane q of the quad holds the float4
+// at column offset 8 (q & 1) + 4 (q >> 1)). A 4x4 transpose over the quad first gives lane q element q
+// of every float4, so each red.add.u64 of the quad fills one whole 32-byte sector (4 lanes x 8 bytes);
+// straight from the float4s, the 4 lanes would put one value into each of 4 sectors (H100, MLA H64:
+// the kernel 52.5 -> 42.7 ms; what is left is L2's per-value cost of 64-bit integer adds). All lanes
+// take part in the shuffles; rows < 0 (invalid slots) add nothing.
+__device__ __forceinline__ void dsa_fixed_quad(int64_t* sums, float* dkv, int row, int ld, int col, float4 v,
+                                               float fix, int q) {
+  float z[4];  // z[m]: element q of lane (q ^ m)'s float4
+  z[0] = dsa_pick4(v, q);
+  #pragma unroll
+  for (int m = 1; m < 4; ++m) z[m] = __shfl_xor_sync(0xffffffffu, dsa_pick4(v, q ^ m), m);
+  if (row < 0) return;
+  #pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int m = q ^ e;
+    const float val = m == 0 ? z[0] : m == 1 ? z[1] : m == 2 ? z[2] : z[3];
+    const long long off = (long long)row * ld + col + 8 * (e & 1) + 4 * (e >> 1) + q;
+    dsa_fixed_add(reinterpret_cast<unsigned long long*>(sums) + off, dkv + off, val, fix);
+  }
+}
+
+template <int kMode>
+__device__ __forceinline__ void dsa_red4(float* dkv, long long off, float4 v, unsigned long long policy) {
+  if (kMode == 1) {
+    asm volatile("red.global.add.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;"
+                 :: "l"(dkv + off), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "l"(policy));
+  } else {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};"
+                 :: "l"(dkv + off), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w));
+  }
+}
+
+template <int kMode>
+__device__ __forceinline__ void dsa_red_tile64(const float* acc, float* dkv, const int* rows, int ld, int col0,
+                                               int64_t* sums, const float* fix_scale) {
   unsigned long long policy = 0;
-  if (kKeepInL2) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  if (kMode == 1) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  const float fix = kMode == 2 ? *fix_scale : 1.0f;
   const int tid = threadIdx.x & 127;
   const int lane = tid & 31, q = lane & 3, g = lane >> 2;
   const int odd = q & 1, gb = g & 1;
@@ -504,9 +603,14 @@ __device__ __forceinline__ void dsa_red_tile64(const float* acc, float* dkv, con
       r.z = __shfl_xor_sync(0xffffffffu, s.z, 4);
       r.w = __shfl_xor_sync(0xffffffffu, s.w, 4);
       const float4 va = gb ? r : x, vb = gb ? y : r;
+      if (kMode == 2) {
+        dsa_fixed_quad(sums, dkv, row_a, ld, col0 + 16 * (2 * mp + gb), va, fix, q);
+        dsa_fixed_quad(sums, dkv, row_b, ld, col0 + 16 * (2 * mp + gb), vb, fix, q);
+        continue;
+      }
       const int col = col0 + 16 * (2 * mp + gb) + 8 * odd + 4 * (q >> 1);
-      if (row_a >= 0) dsa_red4<kKeepInL2>(dkv + (long long)row_a * ld + col, va, policy);
-      if (row_b >= 0) dsa_red4<kKeepInL2>(dkv + (long long)row_b * ld + col, vb, policy);
+      if (row_a >= 0) dsa_red4<kMode>(dkv, (long long)row_a * ld + col, va, policy);
+      if (row_b >= 0) dsa_red4<kMode>(dkv, (long long)row_b * ld + col, vb, policy);
     }
   }
 }
@@ -521,7 +625,8 @@ def ws_supported(dqk: int, dv: int) -> bool:
     return dv % 128 == 0 and dqk - dv in (0, 64)
 
 
-def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, emit_probs=False, l2_keep=False):
+def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, emit_probs=False, l2_keep=False,
+             fixed_point=False):
     """Main backward program, warp-specialised (256 threads, one CTA per query row and 64 heads).
 
     Warpgroup 0 gathers the selected kv rows (predicated cp.async, invalid slots zero-filled),
@@ -538,7 +643,10 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     sends no reductions (a benchmark ablation). ``emit_probs``: warpgroup 0 also writes the
     head-summed P of each slot (Probs [NHB, Tq, Kp], the indexer loss's target). ``l2_keep``: the
     reductions carry an L2 evict_last policy (the fp32 dkv lines stay in L2 while gathered rows
-    stream through: long caches, where dkv outgrows L2)."""
+    stream through: long caches, where dkv outgrows L2). ``fixed_point`` (deterministic mode): the
+    values go to FixedSums [N, dqk] int64 instead, each times FixScale[0] (a power of two) rounded to
+    an integer and added with red.add.u64, so the sums do not depend on the order of the additions;
+    non-finite values go to dKV as they are (see ``dsa_fixed_add``)."""
     import tilelang.cuda.language as TC
     import tilelang.language as T
 
@@ -560,7 +668,7 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     chunks = tuple([(c * 64, True) for c in range(dv // 64)] + ([(dv, False)] if DT > 0 else []))
     NCH = len(chunks)
     chunk_ids = tuple(range(NCH))  # a tuple: the loop over it is unrolled while the program is built
-    red_fn = f"dsa_red_tile64<{'true' if l2_keep else 'false'}>"
+    red_fn = f"dsa_red_tile64<{2 if fixed_point else 1 if l2_keep else 0}>"
 
     Tq = T.dynamic("Tq")
     N = T.dynamic("N")
@@ -588,6 +696,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
         scale: f32,
         scale_log2: f32,
         Probs: T.Tensor([NHB, Tq, Kp] if emit_probs else [1], f32),
+        FixedSums: T.Tensor([N, dqk] if fixed_point else [1], T.int64),
+        FixScale: T.Tensor([1], f32),  # fixed_point: the power of two the values are scaled by
     ):
         with TC.Kernel(Tq, NHB, threads=256, prelude=_WS_PRELUDE) as (t, hb):
             q_s = T.alloc_shared([BH, dv], dt)
@@ -726,8 +836,10 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                             if kb + 1 < n_blocks:
                                 T.named_barrier_arrive(_BAR_PDS_FREE, 256)
                         if store_dkv:
-                            T.call_extern("handle", red_fn, acc_kv[ci % 2].data,
-                                          T.address_of(dKV[0, 0]), T.address_of(Idx[t, kb * BK]), dqk, chunks[ci][0])
+                            T.call_extern("handle", red_fn, acc_kv[ci % 2].data, T.address_of(dKV[0, 0]),
+                                          T.address_of(Idx[t, kb * BK]), dqk, chunks[ci][0],
+                                          T.address_of(FixedSums[0, 0] if fixed_point else FixedSums[0]),
+                                          T.address_of(FixScale[0]))
                 for i, d in T.Parallel(BH, dv - DQ0):
                     if h0 + i < heads:
                         dQ[t, h0 + i, DQ0 + d] = acc_dq1[i, d]
@@ -739,40 +851,65 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     return dsa_bwd_ws
 
 
-def _reduce_body(dqk, nhb, threads=64):
-    """dKV[n] += sum of the contribution rows of kv row n, in sorted (fixed) order."""
+def _reduce_body(dqk, nhb, warps=4):
+    """dKV[n] += sum of the contribution rows of kv row n, in a fixed order: Rows[RowPtr[n]:RowPtr[n + 1]]
+    are the rows (of head block 0; block hb is kp rows further) of the slots naming n, sorted.
+
+    One CTA per kv row. Warp w sums the row's sorted slots w, w + warps, ... in turn (its lanes read
+    each contribution row as coalesced 64-column runs: dqk / 64 independent loads in flight per slot),
+    then the warps' partial sums are added in warp order through shared memory: the order never
+    depends on timing. (One thread per column walking every slot in turn left each load waiting on
+    the previous slot's index: latency-bound at 1.3-2.7 TB/s.)"""
     import tilelang.language as T
 
     f32 = T.float32
     i32 = T.int32
     M = T.dynamic("M")  # Tq * NHB * Kp contribution rows
-    L = T.dynamic("L")  # Tq * Kp sorted slots
+    L = T.dynamic("L")  # Tq * Kp slots
     N = T.dynamic("N")
     N1 = T.dynamic("N1")  # N + 1
-    DB = 64 if dqk % 64 == 0 else dqk
-    ncb = dqk // DB
+    runs = (dqk + 63) // 64  # 64-column runs (the last one partial where dqk is not a multiple of 64)
+    whole = dqk % 64 == 0
+    threads = 32 * warps
 
     @T.prim_func
     def dsa_bwd_reduce(
         Contrib: T.Tensor([M, dqk], f32),
-        Order: T.Tensor([L], i32),
+        Rows: T.Tensor([L], i32),
         RowPtr: T.Tensor([N1], i32),
         dKV: T.Tensor([N, dqk], f32),
         kp: i32,
     ):
-        with T.Kernel(N, ncb, threads=threads) as (n, cb):
-            acc = T.alloc_fragment([DB], f32)
-            T.clear(acc)
+        with T.Kernel(N, threads=threads) as n:
+            tx = T.get_thread_binding()
+            w = tx // 32
+            lane = tx % 32
+            acc = T.alloc_local([runs * 2], f32)
+            part = T.alloc_shared([warps, dqk], f32)
+            for r in T.serial(runs * 2):
+                acc[r] = 0.0
             start = RowPtr[n]
-            stop = RowPtr[n + 1]
-            for e in T.serial(stop - start):
-                slot = Order[start + e]
-                base = (slot // kp) * (nhb * kp) + slot % kp
-                for hb in T.serial(nhb):
-                    for d in T.Parallel(DB):
-                        acc[d] += Contrib[base + hb * kp, cb * DB + d]
-            for d in T.Parallel(DB):
-                dKV[n, cb * DB + d] += acc[d]
+            count = RowPtr[n + 1] - start
+            for it in T.serial(T.ceildiv(count, warps)):
+                if it * warps + w < count:
+                    base = T.alloc_var(i32, init=Rows[start + it * warps + w])
+                    for hb in T.unroll(nhb):
+                        for r in T.unroll(runs):
+                            for c in T.vectorized(2):
+                                if whole or r * 64 + lane * 2 + c < dqk:
+                                    acc[r * 2 + c] += Contrib[base + hb * kp, r * 64 + lane * 2 + c]
+            for r in T.unroll(runs):
+                for c in T.vectorized(2):
+                    if whole or r * 64 + lane * 2 + c < dqk:
+                        part[w, r * 64 + lane * 2 + c] = acc[r * 2 + c]
+            T.sync_threads()
+            for k in T.serial(T.ceildiv(dqk, threads)):
+                col = k * threads + tx
+                if col < dqk:
+                    total = T.alloc_var(f32, init=0.0)
+                    for ww in T.unroll(warps):
+                        total += part[ww, col]
+                    dKV[n, col] += total
 
     return dsa_bwd_reduce
 
@@ -831,15 +968,15 @@ def _get(kind: str, target, *args):
     return prog
 
 
-def _uses_ws(cfg: dict, deterministic: bool, emit_probs: bool) -> bool:
-    return cfg["schedule"] == "ws" and not deterministic
+def _uses_ws(cfg: dict, deterministic: bool) -> bool:
+    return cfg["schedule"] == "ws" and (not deterministic or cfg["det_mode"] == "fixed")
 
 
 def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tuple:
     """(program kind, compile args) of the main kernel the wrapper launches."""
-    if _uses_ws(cfg, deterministic, emit_probs):
+    if _uses_ws(cfg, deterministic):
         return "ws", (cfg["heads"], cfg["dqk"], cfg["dv"], cfg["dtype"], cfg["store_dkv"], cfg["ws_prefetch"],
-                      cfg["ws_dq_rs"], bool(emit_probs), cfg["l2_keep"] and cfg["schedule"] == "ws")
+                      cfg["ws_dq_rs"], bool(emit_probs), cfg["l2_keep"] and not deterministic, bool(deterministic))
     return "main", _main_args(cfg, deterministic, emit_probs)
 
 
@@ -851,16 +988,16 @@ def _main_args(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tupl
 
 
 #: The programs of one configuration, by name (each compiled separately: warmup runs them in parallel).
-BWD_PROGRAMS = ("preprocess", "main", "main_probs", "main_det", "main_det_probs", "reduce")
+BWD_PROGRAMS = ("preprocess", "preprocess_det", "main", "main_probs", "main_det", "main_det_probs", "reduce")
 
 
 def build_bwd_program(config: dict, name: str, target="auto"):
-    """Compile one program of ``config`` (a name of :data:`BWD_PROGRAMS`): the preprocess, the main
-    kernel (atomic or deterministic ``_det``, with the head-summed P output ``_probs`` or not) or the
-    deterministic reduce."""
+    """Compile one program of ``config`` (a name of :data:`BWD_PROGRAMS`): the preprocess (``_det``: with
+    the maxima of the "fixed" deterministic mode), the main kernel (atomic or deterministic ``_det``,
+    with the head-summed P output ``_probs`` or not) or the "contrib" deterministic reduce."""
     cfg = _normalise_config(config)
-    if name == "preprocess":
-        return _get("preprocess", target, cfg["heads"], cfg["dv"], cfg["has_sink"], cfg["dtype"])
+    if name in ("preprocess", "preprocess_det"):
+        return _get("preprocess", target, *_preprocess_args(cfg, name == "preprocess_det"))
     if name == "reduce":
         return _get("reduce", target, cfg["dqk"], (cfg["heads"] + _BLOCK_H - 1) // _BLOCK_H)
     if name not in BWD_PROGRAMS:
@@ -869,9 +1006,17 @@ def build_bwd_program(config: dict, name: str, target="auto"):
     return _get(kind, target, *args)
 
 
+def bwd_program_names(config: dict) -> tuple:
+    """The programs of :data:`BWD_PROGRAMS` that ``config`` runs (the reduce only with det_mode "contrib",
+    the preprocess with maxima only with "fixed")."""
+    cfg = _normalise_config(config)
+    skip = "preprocess_det" if cfg["det_mode"] == "contrib" else "reduce"
+    return tuple(n for n in BWD_PROGRAMS if n != skip)
+
+
 def build_bwd_kernels(config: dict, target="auto") -> dict:
-    """Compile every program one configuration needs (:data:`BWD_PROGRAMS`). Returns {name: kernel}."""
-    return {name: build_bwd_program(config, name, target) for name in BWD_PROGRAMS}
+    """Compile every program one configuration needs (:func:`bwd_program_names`). Returns {name: kernel}."""
+    return {name: build_bwd_program(config, name, target) for name in bwd_program_names(config)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -929,16 +1074,20 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
     defaults to Dqk. Returns dq [B,S,H,Dqk] q.dtype, dkv [B,Skv,Dqk] float32 (zero-initialised
     here unless given, accumulated with fp32 atomics), dsink [H] fp32 or None.
 
-    deterministic=True gives bitwise-reproducible results: the main kernel writes each slot's kv
-    gradient (per block of 64 heads) into a contribution buffer instead of adding it atomically,
-    for a chunk of query rows at a time (buffer <= DSA_PLUGINS_BWD_DET_BUDGET_MB, 2 GiB by
-    default); a stable sort of the chunk's slot indices gives each kv row its contributions in a
-    fixed order, and a reduce kernel (one CTA per kv row and 64 columns) sums them and adds them
-    to dkv, chunk after chunk. Cost: the same FLOPs, plus writing and reading back
-    4 * Dqk * ceil(H/64) bytes per (query, slot) and one sort of the chunk's int32 keys; measured
-    on an H200 (B1 S4096 Skv8192): MLA H64 k2048 32.1 ms vs 11.1 ms atomic (2.9x), MLA H128
-    84.5 vs 21.6 ms (3.9x), V4 H128 k1024 31.2 vs 10.3 ms (3.0x). dq and dsink are deterministic
-    in both modes (no atomics).
+    deterministic=True gives bitwise-reproducible results. By default (``det_mode`` "contrib") the plain
+    program writes each slot's kv gradient (per block of 64 heads) into a contribution buffer, a chunk
+    of query rows at a time (buffer <= DSA_PLUGINS_BWD_DET_BUDGET_MB, 2 GiB by default); a stable sort
+    gives each kv row its contributions in a fixed order and a reduce kernel sums them (H100, B1 S4096
+    Skv8192: MLA H64 k2048 21.1 ms against 8.5 ms atomic, H128 41.6 / 16.6, V4 H128 k1024 17.4 / 8.2).
+    With ``det_mode`` "fixed" (the ws program's shapes: every model shape) each dkv value is multiplied
+    by a power of two chosen on the device from the inputs' magnitudes, rounded to int64 and added with
+    integer reductions, whose sums do not depend on the order of the additions; the sums come back as
+    fp32 at the end. The scale keeps every sum under 2**60 and rounds each value to a step of ~2**-36 of a
+    typical sum at 24 query rows, one bit coarser per doubling of the rows (~2**-28 at 4096; fp32
+    atomics round each partial sum to 2**-24 of itself). Non-finite values reach dkv as they are; a
+    value beyond the bound (an lse far below the scores') makes its element NaN. It needs no buffer
+    beyond [Skv, Dqk] int64 but is slower (41.1 / 74.7 / 35.6 ms on the shapes above). dq and dsink are
+    deterministic in every mode (no atomics).
 
     return_probs=True adds a fourth result, probs [B,S,K] fp32: sum over heads of the attention
     probabilities P[h, j] = exp(scale * s_hj - lse'_h) of each slot (lse' with the sink), 0 for
@@ -1006,6 +1155,39 @@ def _probs_arg(probs, device):
     return probs if probs is not None else zeros_arg(1, torch.float32, device)
 
 
+# fixed-point sums are scaled to stay below 2**_FIX_BITS: three bits of headroom under int64's range
+_FIX_BITS = 60
+
+
+def _finite_abs_max(t: Tensor) -> Tensor:
+    """max |t| over its finite entries, as a float64 scalar tensor (0 for an empty tensor)."""
+    if t.numel() == 0:
+        return torch.zeros((), device=t.device, dtype=torch.float64)
+    return t.abs().nan_to_num_(0.0, 0.0, 0.0).amax().double()
+
+
+def _fixed_point_scale(maxima, kv2, n_queries, heads, dv, scale):
+    """(fix [1] fp32, unfix [1] fp64): the power of two the deterministic mode scales dkv values by before
+    rounding them to int64, and its inverse; computed on the device (no host sync).
+
+    A bound on every partial sum of one dkv element: each value (one slot, one head block) is
+    sum_h dS_h q_h + P_h dout_h over <= 64 heads, with P <= 1 (2 allowed: an lse a little below the
+    scores'), |dS| <= P (|dP| + |Delta|) scale, |dP| <= dv max|dout| max|kv|, |Delta| <= dv max|out|
+    max|dout| (maxima over finite entries, from the preprocess's ``maxima`` [Tq, NHB16, threads, 3]
+    of q, out, dout; values made from non-finite ones go to dkv as they are); a kv row gets at most
+    one value per query row and head block. fix = 2**floor(_FIX_BITS - log2(bound)): no sum reaches
+    int64's range, and each value is rounded to a step of bound * 2**-60 (fp32 atomics round each
+    partial sum to 2**-24 of itself)."""
+    q_max, out_max, dout_max = maxima.view(-1, 3).amax(0).double().unbind()
+    kv_max = _finite_abs_max(kv2)
+    per_row = float(n_queries * ((heads + _BLOCK_H - 1) // _BLOCK_H))
+    ds_max = 2.0 * scale * dv * dout_max * (kv_max + out_max) * 1.05
+    per_value = min(heads, _BLOCK_H) * (q_max * ds_max + 2.0 * dout_max) * 1.05
+    # a zero bound (nothing to add) takes any scale; the clamp keeps fix and unfix finite in fp32
+    exp = torch.floor(_FIX_BITS - torch.log2(per_row * per_value)).clamp(-120, 120)
+    return torch.exp2(exp).float().view(1), torch.exp2(-exp).view(1)
+
+
 def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, deterministic, B, S, Skv,
             return_probs, dq, dkv):
     """Run the programs; ``dq`` [T, H, Dqk] is written, ``dkv`` [N, Dqk] fp32 is added to."""
@@ -1014,22 +1196,32 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
     dv = cfg["dv"]
     N = kv2.shape[0]
     Kp = idx.shape[1]
-    pre = _get("preprocess", target, H, dv, cfg["has_sink"], cfg["dtype"])
+    kind, args = _main_kernel(cfg, deterministic, return_probs)
+    fixed = kind == "ws" and deterministic
+    pre = _get("preprocess", target, *_preprocess_args(cfg, fixed))
     delta = torch.empty(T_, H, device=dev, dtype=torch.float32)
     lse2 = torch.empty(T_, H, device=dev, dtype=torch.float32)
     sink_arg = sink if sink is not None else torch.zeros(H, device=dev, dtype=torch.float32)
-    pre(o2, do2, lse2_in, sink_arg, delta, lse2)
+    maxima_shape = ((T_ if fixed else 1), (H + _PRE_BLOCK_H - 1) // _PRE_BLOCK_H, _PRE_THREADS, 3)
+    maxima = torch.empty(maxima_shape, device=dev, dtype=torch.float32)
+    q_arg = q2 if fixed else torch.empty(1, H, 1, device=dev, dtype=q2.dtype)  # placeholder: not read
+    pre(o2, do2, lse2_in, sink_arg, delta, lse2, q_arg, maxima)
 
     s = float(scale)
-    kind, args = _main_kernel(cfg, deterministic, return_probs)
     main = _get(kind, target, *args)
     nhb = (H + _BLOCK_H - 1) // _BLOCK_H
     skip = cfg["skip_tail"] and kind == "main"
     # skipped blocks write no probabilities: they start at zero
     probs = (torch.zeros if skip else torch.empty)(nhb, T_, Kp, device=dev, dtype=torch.float32) if return_probs else None
     blocks = row_blocks(idx, cfg["block_k"]) if skip else zeros_arg(1, torch.int32, dev)
-    if kind == "ws":
-        main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev))
+    if fixed:
+        fix, unfix = _fixed_point_scale(maxima, kv2, T_, H, dv, s)
+        sums = torch.zeros(N, Dqk, device=dev, dtype=torch.int64)
+        main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), sums, fix)
+        dkv.add_((sums.to(torch.float64) * unfix).to(torch.float32))
+    elif kind == "ws":
+        main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev),
+             zeros_arg(1, torch.int64, dev), zeros_arg(1, torch.float32, dev))
     elif not deterministic:
         main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), blocks)
     else:
@@ -1054,7 +1246,8 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
             keys = torch.where(keys >= 0, keys, torch.full_like(keys, N))
             sorted_keys, order = torch.sort(keys, stable=True)
             rowptr = torch.searchsorted(sorted_keys, torch.arange(N + 1, device=dev, dtype=torch.int32))
-            red(cb, order.to(torch.int32), rowptr.to(torch.int32), dkv, Kp)
+            rows = (order // Kp) * (nhb * Kp) + order % Kp  # each slot's contribution row (head block 0)
+            red(cb, rows.to(torch.int32), rowptr.to(torch.int32), dkv, Kp)
 
     dsink = None
     if sink is not None:

@@ -60,15 +60,21 @@ def test_bwd_flops_convention():
 def test_shipped_config_compiles_for_sm90a(config, caplog):
     with caplog.at_level(logging.INFO, logger="dsa_plugins"):
         progs = bwd.build_bwd_kernels(config, target=SM90A)
+    # every shipped shape runs the ws program in the atomic mode; the deterministic one ("contrib", the default)
+    # the plain program writing contributions, then the reduce
     assert set(progs) == {"preprocess", "main", "main_det", "main_probs", "main_det_probs", "reduce"}
+    assert "Maxima[" not in progs["preprocess"].get_kernel_source()
     probs_src = progs["main_probs"].get_kernel_source()
-    assert "dsa_red_tile64(" in probs_src and "Probs[" in probs_src  # the ws program with the head-summed P
+    assert "dsa_red_tile64<0>(" in probs_src and "Probs[" in probs_src  # the ws program with the head-summed P
     src = progs["main"].get_kernel_source()
     assert "wgmma" in src  # Hopper tensor-core path
     # the warp-specialised program: two warpgroups handing P / dS over named barriers, dkv sent as
     # full-line v4 reductions from the accumulators
-    assert "dsa_red_tile64(" in src and "__named_barrier_arrive" in src and "AtomicAdd" not in src
-    assert "AtomicAdd" not in progs["main_det"].get_kernel_source()  # deterministic: plain stores
+    assert "dsa_red_tile64<0>(" in src and "__named_barrier_arrive" in src and "AtomicAdd" not in src
+    for name in ("main_det", "main_det_probs"):
+        # deterministic: plain stores of each slot's contribution, no reduction of any kind
+        det = progs[name].get_kernel_source()
+        assert "wgmma" in det and "AtomicAdd" not in det and "dsa_red_tile64" not in det and "red.global" not in det
     # a second build is served from the in-process cache: no new compile log line
     n = len([r for r in caplog.records if "compiled" in r.getMessage()])
     with caplog.at_level(logging.INFO, logger="dsa_plugins"):
@@ -107,12 +113,35 @@ def test_schedule_defaults_to_ws_where_its_shapes_allow():
     with pytest.raises(ValueError, match="schedule must be one of"):
         bwd._normalise_config({"heads": 16, "dqk": 576, "dv": 512, "schedule": "fast"})
     cfg = bwd._normalise_config({"heads": 64, "dqk": 576, "dv": 512})
-    # the ws program serves the atomic mode (with or without the head-summed probabilities); the
-    # deterministic mode runs the plain one
+    # the ws program serves both modes (with or without the head-summed probabilities): deterministic
+    # with fixed-point sums; det_mode "contrib" (and the plain schedule) runs the plain program
     assert bwd._main_kernel(cfg, False)[0] == "ws"
     assert bwd._main_kernel(cfg, False, emit_probs=True)[0] == "ws"
-    assert bwd._main_kernel(cfg, True)[0] == "main"
+    assert cfg["det_mode"] == "contrib" and bwd._main_kernel(cfg, True)[0] == "main"
+    kind, args = bwd._main_kernel({**cfg, "det_mode": "fixed"}, True)
+    assert kind == "ws" and args[-1] is True  # fixed_point
+    assert bwd._main_kernel(cfg, False)[1][-1] is False
     assert bwd._main_kernel({**cfg, "schedule": "plain"}, False)[0] == "main"
+    plain = bwd._normalise_config({"heads": 16, "dqk": 96, "dv": 64})
+    assert plain["det_mode"] == "contrib" and bwd.bwd_program_names(plain)[-1] == "reduce"
+    with pytest.raises(ValueError, match="det_mode"):
+        bwd._normalise_config({"heads": 16, "dqk": 96, "dv": 64, "det_mode": "fixed"})
+    with pytest.raises(ValueError, match="det_mode"):
+        bwd._normalise_config({"heads": 16, "dqk": 576, "dv": 512, "det_mode": "exact"})
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
+def test_fixed_point_deterministic_path_compiles():
+    """det_mode "fixed" (the ws program sending fixed-point integer reductions; an option, slower than
+    the contributions on an H100): its preprocess also writes the finite maxima of q, out and dout, and
+    every chunk's values go out as integer reductions, none as fp32 sums; no reduce program."""
+    cfg = {"heads": 64, "dqk": 576, "dv": 512, "has_sink": False, "dtype": "bfloat16", "det_mode": "fixed"}
+    progs = bwd.build_bwd_kernels(cfg, target=SM90A)
+    assert "reduce" not in progs and "Maxima[" in progs["preprocess_det"].get_kernel_source()
+    for name in ("main_det", "main_det_probs"):
+        det = progs[name].get_kernel_source()
+        assert "dsa_red_tile64<2>(" in det and "dsa_red_tile64<0>(" not in det and "FixedSums" in det
 
 
 def _red_tile_model(tile):
@@ -155,3 +184,66 @@ def test_red_tile_lane_mapping_covers_the_tile_once():
     out, hits = _red_tile_model(tile)
     assert (hits == 1).all()
     assert np.array_equal(out, tile)
+
+
+def _slot_values(q, kv, idx, dout, scale, dv):
+    """float64 dkv values of the deterministic mode: [head blocks, T, K, Dqk] (0 on invalid slots), and the
+    out the forward would give."""
+    q, kv, dout = q.double(), kv.double(), dout.double()
+    valid = idx >= 0
+    kvg = kv[idx.clamp(min=0).long()]  # [T, K, D]
+    s = torch.einsum("thd,tkd->thk", q, kvg) * scale
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    p = torch.exp(s - torch.logsumexp(s, -1, keepdim=True))
+    out = torch.einsum("thk,tkd->thd", p, kvg[..., :dv])
+    ds = p * (torch.einsum("thd,tkd->thk", dout, kvg[..., :dv]) - (out * dout).sum(-1, keepdim=True)) * scale
+    blocks = []
+    for h0 in range(0, q.shape[1], 64):
+        hs = slice(h0, h0 + 64)
+        v = torch.einsum("thk,thd->tkd", ds[:, hs], q[:, hs])
+        v[..., :dv] += torch.einsum("thk,thd->tkd", p[:, hs], dout[:, hs])
+        blocks.append(v * valid[..., None])
+    return torch.stack(blocks), out
+
+
+def _maxima(q, out, dout):
+    """The preprocess's maxima [Tq, NHB16, threads, 3] as the fixed-point scale reads them (here one entry)."""
+    return torch.stack([t.float().abs().amax() for t in (q, out, dout)]).view(1, 1, 1, 3)
+
+
+def test_fixed_point_scale_bounds_every_sum_and_keeps_the_precision():
+    """The deterministic mode's power of two: every kv row's sum of |values| stays under 2**60 (no partial
+    sum can wrap int64), while the sums themselves span far more bits than an fp32 mantissa's 24."""
+    import math
+
+    g = torch.Generator().manual_seed(0)
+    T_, H, Dqk, Dv, N, K = 24, 128, 576, 512, 40, 64
+    q = torch.randn(T_, H, Dqk, generator=g).bfloat16()
+    kv = torch.randn(N, Dqk, generator=g).bfloat16()
+    dout = (0.1 * torch.randn(T_, H, Dv, generator=g)).bfloat16()
+    idx = torch.randint(0, N, (T_, K), generator=g).int()
+    idx[:, -5:] = -1
+    idx[3] = 7  # one row names a key 59 times (duplicates count)
+    scale = Dqk ** -0.5
+    values, out = _slot_values(q, kv, idx, dout, scale, Dv)
+    fix, unfix = bwd._fixed_point_scale(_maxima(q, out.bfloat16(), dout), kv, T_, H, Dv, scale)
+    f = fix.item()
+    assert fix.dtype == torch.float32 and unfix.dtype == torch.float64 and f * unfix.item() == 1.0
+    assert math.log2(f).is_integer()
+    abs_sums = torch.zeros(N, Dqk, dtype=torch.float64)
+    sums = torch.zeros(N, Dqk, dtype=torch.float64)
+    rows = idx.clamp(min=0).long().reshape(-1)
+    for blk in values:
+        abs_sums.index_add_(0, rows, blk.abs().reshape(-1, Dqk))
+        sums.index_add_(0, rows, blk.reshape(-1, Dqk))
+    assert abs_sums.max().item() * f < 2.0**60
+    assert sums.abs().max().item() * f > 2.0**36, math.log2(sums.abs().max().item() * f)
+    # non-finite kv entries are left out of its maximum (their values go to dkv as they are; the
+    # preprocess leaves those of q, out and dout out of its maxima: a GPU test checks it)
+    kv_nan = kv.clone()
+    kv_nan[0, 0] = float("nan")
+    kv_nan[1, 0] = float("inf")
+    assert bwd._fixed_point_scale(_maxima(q, out.bfloat16(), dout), kv_nan, T_, H, Dv, scale)[0].item() == f
+    # nothing to add (dout 0): a finite scale all the same
+    zero = bwd._fixed_point_scale(_maxima(q, out.bfloat16(), torch.zeros_like(dout)), kv, T_, H, Dv, scale)
+    assert all(math.isfinite(t.item()) and t.item() > 0 for t in zero)

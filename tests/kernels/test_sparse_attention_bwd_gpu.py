@@ -217,8 +217,12 @@ def test_bwd_matches_float64_autograd(cfg, case):
     assert max(e2) < TOL, f"deterministic: {e2}"
 
 
-@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[2], CONFIGS[3], CONFIGS[7]], ids=lambda c: f"H{c[0]}-D{c[1]}")
-def test_deterministic_is_bitwise_reproducible(cfg):
+@pytest.mark.parametrize("cfg,det_mode", [(CONFIGS[0], None), (CONFIGS[2], None), (CONFIGS[3], None), (CONFIGS[7], None),
+                                          (CONFIGS[0], "fixed"), (CONFIGS[3], "fixed")],
+                         ids=lambda c: c if isinstance(c, str) or c is None else f"H{c[0]}-D{c[1]}")
+def test_deterministic_is_bitwise_reproducible(cfg, det_mode):
+    """20 runs, the same bits: the contribution path (the default) and the fixed-point sums (an option
+    on the ws shapes)."""
     from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
 
     case = (2, 31, 96, 150, "dups", "normal")
@@ -226,9 +230,10 @@ def test_deterministic_is_bitwise_reproducible(cfg):
     q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=7)
     out64, lse64, *_ = _reference(q, kv, idx, dout, sink, scale, Dv)
     out, lse = out64.to(dtype), lse64.float()
-    first = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv, deterministic=True)
+    kw = dict(sink=sink, dv=Dv, deterministic=True, config={"det_mode": det_mode} if det_mode else None)
+    first = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, **kw)
     for _ in range(19):
-        again = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv, deterministic=True)
+        again = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, **kw)
         for a, b in zip(first, again):
             if a is None:
                 assert b is None
@@ -315,8 +320,10 @@ def test_skip_tail_walks_only_to_the_last_valid_slot(cfg, deterministic):
     blocks = row_blocks(torch.nn.functional.pad(idx[0], (0, 192 - K), value=-1), 64)
     assert blocks[0].item() == 1 and blocks[1].item() == 0 and blocks[-1].item() == 3
     kw = dict(sink=sink, dv=Dv, deterministic=deterministic, return_probs=True)
-    plain = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, **kw)
-    skip = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, config={"skip_tail": True}, **kw)
+    # skip_tail is a key of the plain program (the ws program walks every block): both runs take it
+    plain = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, config={"schedule": "plain"}, **kw)
+    skip = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, config={"schedule": "plain", "skip_tail": True},
+                                **kw)
     assert torch.equal(skip[0], plain[0]) and torch.equal(skip[3], plain[3])
     assert (skip[0][:, 1] == 0).all()  # the empty row
     if deterministic:
@@ -395,9 +402,93 @@ def test_deterministic_chunks_with_probs_and_two_head_blocks(monkeypatch):
     q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=5)
     out64, lse64, *_ = _reference(q, kv, idx, dout, sink, scale, Dv)
     out, lse = out64.to(dtype), lse64.float()
-    kw = dict(sink=sink, dv=Dv, deterministic=True, return_probs=True)
+    # the query chunks belong to the contribution path (the fixed-point one needs none)
+    kw = dict(sink=sink, dv=Dv, deterministic=True, return_probs=True, config={"det_mode": "contrib"})
     whole = mod.sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, **kw)
     monkeypatch.setattr(mod, "_DET_BUDGET_BYTES", 2 * 2 * 192 * Dqk * 4)  # two query rows per chunk
     chunked = mod.sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, **kw)
     assert torch.equal(chunked[0], whole[0]) and torch.equal(chunked[3], whole[3])
     assert _rel(chunked[1], whole[1]) < 1e-6
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[1], CONFIGS[2]], ids=lambda c: f"H{c[0]}-D{c[1]}")
+@pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[5], BIG_CASES[0]], ids=lambda c: f"S{c[1]}K{c[3]}-{c[4]}")
+def test_deterministic_modes_agree_with_float64(cfg, case):
+    """The fixed-point sums and the contribution path both match float64, and each other to fp32 rounding."""
+    from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
+
+    H, Dqk, Dv, has_sink, dtype = cfg
+    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=zlib.crc32(repr((cfg[:4], case, 2)).encode()) % 10_000)
+    out64, lse64, dq_ref, dkv_ref, _ = _reference(q, kv, idx, dout, sink, scale, Dv)
+    out, lse = out64.to(dtype), lse64.float()
+    g_dq, g_dkv, _ = _given_inputs_grads(q, kv, idx, out, lse, dout, scale, sink, Dv)
+    res = {m: sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv, deterministic=True,
+                                   config={"det_mode": m}) for m in ("fixed", "contrib")}
+    atomic = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv)
+    for m, (dq, dkv, _) in res.items():
+        assert not torch.isnan(dkv).any(), m
+        assert _err(dq, dq_ref, g_dq) < TOL and _err(dkv, dkv_ref, g_dkv) < TOL, m
+    # fixed-point sums round each value to a step far below fp32's: as close to the float64 sums as fp32 atomics
+    assert _rel(res["fixed"][1], g_dkv) <= 2 * _rel(atomic[1], g_dkv) + 1e-6
+    assert torch.equal(res["fixed"][0], atomic[0])  # dq: the same ws program
+
+
+@pytest.mark.parametrize("factor", [1e-6, 1e4], ids=["tiny", "huge"])
+def test_fixed_point_sums_follow_the_scale_of_the_gradients(factor):
+    """The fixed-point scale comes from the inputs' magnitudes: gradients 1e-6 or 1e4 times the usual keep
+    their relative accuracy (no values lost under the step, no sum wrapped past int64)."""
+    from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
+
+    cfg, case = CONFIGS[3], (1, 33, 300, 77, "dups", "normal")
+    H, Dqk, Dv, has_sink, dtype = cfg
+    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=21)
+    dout = (dout.float() * factor).to(dtype)
+    out64, lse64, dq_ref, dkv_ref, _ = _reference(q, kv, idx, dout, sink, scale, Dv)
+    out, lse = out64.to(dtype), lse64.float()
+    g_dq, g_dkv, _ = _given_inputs_grads(q, kv, idx, out, lse, dout, scale, sink, Dv)
+    dq, dkv, _ = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv, deterministic=True,
+                                      config={"det_mode": "fixed"})
+    assert not torch.isnan(dkv).any()
+    assert _err(dq, dq_ref, g_dq) < TOL and _err(dkv, dkv_ref, g_dkv) < TOL
+
+
+def test_fixed_point_flags_values_beyond_its_bound_as_nan():
+    """An lse far below the scores' (P up to e^40: not the forward's lse) breaks the bound the scale was
+    chosen for: those dkv elements come back NaN, never a wrapped integer; the atomic mode adds them."""
+    from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
+
+    cfg, case = CONFIGS[2], (1, 17, 200, 64, "valid", "normal")
+    H, Dqk, Dv, has_sink, dtype = cfg
+    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=4)
+    out64, lse64, *_ = _reference(q, kv, idx, dout, sink, scale, Dv)
+    out, lse = out64.to(dtype), lse64.float() - 40.0
+    dq, dkv, _ = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv, deterministic=True,
+                                      config={"det_mode": "fixed"})
+    atomic = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv)
+    assert torch.isfinite(atomic[1]).all()
+    selected = torch.zeros(kv.shape[1], dtype=torch.bool, device=kv.device)
+    selected[idx[(idx >= 0) & (idx < kv.shape[1])].long()] = True
+    assert torch.isnan(dkv[0, selected]).any() and not torch.isnan(dkv[0, ~selected]).any()
+
+
+@pytest.mark.parametrize("heads,dqk", [(64, 576), (20, 512)], ids=["H64-D576", "H20-D512"])
+def test_fixed_point_preprocess_maxima_leave_out_non_finite_entries(heads, dqk):
+    """The "fixed" mode's preprocess: the max of |q|, |out|, |dout| over the finite entries (inf and NaN
+    left out, padded heads give 0), so one bad row cannot blow the scale up for every other one."""
+    from dsa_plugins.kernels import sparse_attention_bwd as bwd
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    T_, dv = 37, 512
+    q, o, do = (torch.randn(T_, heads, d, generator=g, device="cuda").bfloat16() for d in (dqk, dv, dv))
+    q[5, heads - 1, dqk - 1] = 40.0  # the largest |q| sits in the last head's rope column
+    o[0, 0, 0], do[1, 2, 3], q[2, 0, 7] = float("nan"), float("inf"), float("-inf")
+    cfg = bwd._normalise_config({"heads": heads, "dqk": dqk, "dv": dv})
+    pre = bwd._get("preprocess", bwd.runtime_target(q.device), *bwd._preprocess_args(cfg, True))
+    lse = torch.zeros(T_, heads, device="cuda")
+    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
+    maxima = torch.full((T_, (heads + 15) // 16, 128, 3), -1.0, device="cuda")
+    pre(o, do, lse, torch.zeros(heads, device="cuda"), delta, lse2, q, maxima)
+    got = maxima.view(-1, 3).amax(0)
+    want = torch.stack([t.float().abs().nan_to_num(0, 0, 0).amax() for t in (q, o, do)])
+    assert torch.equal(got, want) and got[0].item() == 40.0
+    assert (maxima >= 0).all()  # every thread wrote its entry
