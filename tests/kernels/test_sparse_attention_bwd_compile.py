@@ -247,3 +247,16 @@ def test_fixed_point_scale_bounds_every_sum_and_keeps_the_precision():
     # nothing to add (dout 0): a finite scale all the same
     zero = bwd._fixed_point_scale(_maxima(q, out.bfloat16(), torch.zeros_like(dout)), kv, T_, H, Dv, scale)
     assert all(math.isfinite(t.item()) and t.item() > 0 for t in zero)
+
+
+@pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
+@pytest.mark.parametrize("dqk,heads", [(576, 128), (96, 16)], ids=["D576-2blocks", "D96-partial-run"])
+def test_contribution_reduce_compiles_with_warps_taking_slots_in_turn(dqk, heads):
+    """The "contrib" reduce: one CTA per kv row, each warp reading whole contribution rows as 64-column
+    runs (float2 per lane; a partial last run where dqk is not a multiple of 64), the warps' sums combined
+    through shared memory in warp order."""
+    cfg = {"heads": heads, "dqk": dqk, "dv": 64 if dqk == 96 else 512, "det_mode": "contrib"}
+    src = bwd.build_bwd_program(cfg, "reduce", target=SM90A).get_kernel_source()
+    assert "float2" in src and "__syncthreads()" in src and "Rows[" in src
+    loop = src[src.index("for (int it = 0;"):src.index("__syncthreads()")]
+    assert "float2" in loop and ("< 3)" in loop) == (dqk == 96)  # the partial run: 1.5 runs of 64 (3 halves)
