@@ -3,7 +3,7 @@
     python benchmarks/kernels/bench_sparse_attention_bwd.py --warmup [--jobs 16]   # compile in parallel
     python benchmarks/kernels/bench_sparse_attention_bwd.py [--csv out.csv] [--variants JSON]
     (a variant {"deterministic": true, ...} times that mode only, e.g. {"deterministic": true,
-    "det_mode": "contrib"} beside the default --det rows)
+    "det_mode": "fixed"} beside the default --det rows)
 
 FLOPs = 2 * B * S * H * K * (2 * Dv + 3 * Dqk) (all K slots counted). Times are medians of
 triton.testing.do_bench (CUDA events fallback) on random inputs; out/lse come from a chunked
@@ -53,9 +53,9 @@ def _jobs(configs):
         cfg = m._normalise_config(c)
         nhb = (cfg["heads"] + 63) // 64
         for det in ((False, True) if with_det else (False,)):
-            jobs.append(("preprocess", m._preprocess_args(cfg, det and m._uses_ws(cfg, det))))
+            jobs.append(("preprocess", m._preprocess_args(cfg, det and cfg["det_mode"] == "fixed")))
             jobs.append(m._main_kernel(cfg, det))
-        if with_det and cfg["det_mode"] == "contrib":
+        if with_det and cfg["det_mode"] != "fixed":
             jobs.append(("reduce", (cfg["dqk"], nhb)))
     out = []
     for j in jobs:

@@ -16,7 +16,9 @@ Programs (all compiled per configuration by :func:`build_bwd_kernels`):
   times a power of two chosen from the inputs' magnitudes, rounded to int64 and added with integer
   reductions, whose sums do not depend on the order of the additions (see :func:`_fixed_point_scale`);
   measured 4.3-4.8x the atomic time on an H100 (L2 adds 64-bit integers ~7x slower per value than
-  fp32 red.v4), so the default deterministic mode is "contrib".
+  fp32 red.v4), so the default deterministic mode is "contrib". ``det_mode`` "contrib_ws" (not yet
+  measured on a GPU) has the ws program store the contribution rows that "contrib" has the plain
+  program write, for the same reduce.
 * ``main`` (the plain program: other head dims, the default "contrib" deterministic mode, tuning experiments): one CTA of
   256 threads per (query row, block of 64 heads); heads beyond H are padded inside the CTA (zero q / dout, lse = +inf: they contribute
   nothing). The CTA walks the top-k slots in blocks of 64: gathers the selected kv rows with
@@ -84,7 +86,7 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
 
 _TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep",
                 "schedule", "ws_prefetch", "ws_dq_rs", "det_mode")
-_DET_MODES = ("fixed", "contrib")
+_DET_MODES = ("contrib", "contrib_ws", "fixed")
 _SCHEDULES = ("ws", "plain")
 
 
@@ -140,12 +142,13 @@ def _normalise_config(config: dict) -> dict:
         raise ValueError(f"schedule 'ws' needs dv a multiple of 128 and dqk - dv in (0, 64), got dqk={cfg['dqk']} "
                          f"dv={cfg['dv']}")
     # deterministic mode: "contrib" (the plain program writes per-slot contributions, sorted and summed:
-    # 2.1-2.5x the atomic time on an H100) or "fixed" (the ws program adding fixed-point integers with
+    # 2.1-2.5x the atomic time on an H100), "contrib_ws" (the same contributions stored by the ws program:
+    # not yet measured on a GPU, off) or "fixed" (the ws program adding fixed-point integers with
     # 64-bit reductions, order-free sums: 4.3-4.8x, L2 takes integer adds ~7x slower per value than
     # fp32 red.v4; an option: its memory is [Skv, dqk] int64, whatever the query count)
     cfg["det_mode"] = str(cfg.get("det_mode") or "contrib")
-    if cfg["det_mode"] not in _DET_MODES or (cfg["det_mode"] == "fixed" and cfg["schedule"] != "ws"):
-        raise ValueError(f"det_mode must be one of {_DET_MODES} ('fixed' needs the ws schedule), got "
+    if cfg["det_mode"] not in _DET_MODES or (cfg["det_mode"] != "contrib" and cfg["schedule"] != "ws"):
+        raise ValueError(f"det_mode must be one of {_DET_MODES} (all but 'contrib' need the ws schedule), got "
                          f"{cfg['det_mode']!r} with schedule {cfg['schedule']!r}")
     return cfg
 
@@ -571,9 +574,12 @@ __device__ __forceinline__ void dsa_red4(float* dkv, long long off, float4 v, un
   }
 }
 
+// kMode 3 (deterministic "contrib_ws"): no reduction at all; dkv is the contribution buffer and slot s of
+// the tile stores its values (streaming stores: the reduce reads them much later) in row row0 + s;
+// invalid slots store nothing (the reduce never reads them).
 template <int kMode>
 __device__ __forceinline__ void dsa_red_tile64(const float* acc, float* dkv, const int* rows, int ld, int col0,
-                                               int64_t* sums, const float* fix_scale) {
+                                               int64_t* sums, const float* fix_scale, long long row0) {
   unsigned long long policy = 0;
   if (kMode == 1) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
   const float fix = kMode == 2 ? *fix_scale : 1.0f;
@@ -609,6 +615,11 @@ __device__ __forceinline__ void dsa_red_tile64(const float* acc, float* dkv, con
         continue;
       }
       const int col = col0 + 16 * (2 * mp + gb) + 8 * odd + 4 * (q >> 1);
+      if (kMode == 3) {
+        if (row_a >= 0) __stcs(reinterpret_cast<float4*>(dkv + (row0 + slot) * ld + col), va);
+        if (row_b >= 0) __stcs(reinterpret_cast<float4*>(dkv + (row0 + slot + 1) * ld + col), vb);
+        continue;
+      }
       if (row_a >= 0) dsa_red4<kMode>(dkv, (long long)row_a * ld + col, va, policy);
       if (row_b >= 0) dsa_red4<kMode>(dkv, (long long)row_b * ld + col, vb, policy);
     }
@@ -626,7 +637,7 @@ def ws_supported(dqk: int, dv: int) -> bool:
 
 
 def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, emit_probs=False, l2_keep=False,
-             fixed_point=False):
+             det_out=None):
     """Main backward program, warp-specialised (256 threads, one CTA per query row and 64 heads).
 
     Warpgroup 0 gathers the selected kv rows (predicated cp.async, invalid slots zero-filled),
@@ -643,10 +654,12 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     sends no reductions (a benchmark ablation). ``emit_probs``: warpgroup 0 also writes the
     head-summed P of each slot (Probs [NHB, Tq, Kp], the indexer loss's target). ``l2_keep``: the
     reductions carry an L2 evict_last policy (the fp32 dkv lines stay in L2 while gathered rows
-    stream through: long caches, where dkv outgrows L2). ``fixed_point`` (deterministic mode): the
+    stream through: long caches, where dkv outgrows L2). ``det_out`` (deterministic modes): "fixed": the
     values go to FixedSums [N, dqk] int64 instead, each times FixScale[0] (a power of two) rounded to
-    an integer and added with red.add.u64, so the sums do not depend on the order of the additions;
-    non-finite values go to dKV as they are (see ``dsa_fixed_add``)."""
+    an integer and added with red.add.u64, so the sums do not depend on the order of the additions
+    (non-finite values go to dKV as they are, see ``dsa_fixed_add``); "contrib": dKV [ND, dqk] is the
+    contribution buffer [Tq, NHB, Kp] x dqk and each valid slot's values are stored in its own row
+    (full-line stores from the same layout), for the reduce to sum in a fixed order."""
     import tilelang.cuda.language as TC
     import tilelang.language as T
 
@@ -668,11 +681,14 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     chunks = tuple([(c * 64, True) for c in range(dv // 64)] + ([(dv, False)] if DT > 0 else []))
     NCH = len(chunks)
     chunk_ids = tuple(range(NCH))  # a tuple: the loop over it is unrolled while the program is built
-    red_fn = f"dsa_red_tile64<{2 if fixed_point else 1 if l2_keep else 0}>"
+    assert det_out in (None, "fixed", "contrib"), det_out
+    fixed_point, contrib = det_out == "fixed", det_out == "contrib"
+    red_fn = f"dsa_red_tile64<{3 if contrib else 2 if fixed_point else 1 if l2_keep else 0}>"
 
     Tq = T.dynamic("Tq")
     N = T.dynamic("N")
     Kp = T.dynamic("Kp")
+    ND = T.dynamic("ND") if contrib else N  # dKV's rows: the contribution buffer's in "contrib"
 
     @T.macro
     def issue_chunk(ci, q_s, qt_s, do_s, p_s, ds_s, acc):
@@ -692,7 +708,7 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
         Lse2: T.Tensor([Tq, heads], f32),
         Delta: T.Tensor([Tq, heads], f32),
         dQ: T.Tensor([Tq, heads, dqk], dt),
-        dKV: T.Tensor([N, dqk], f32),
+        dKV: T.Tensor([ND, dqk], f32),
         scale: f32,
         scale_log2: f32,
         Probs: T.Tensor([NHB, Tq, Kp] if emit_probs else [1], f32),
@@ -839,7 +855,9 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                             T.call_extern("handle", red_fn, acc_kv[ci % 2].data, T.address_of(dKV[0, 0]),
                                           T.address_of(Idx[t, kb * BK]), dqk, chunks[ci][0],
                                           T.address_of(FixedSums[0, 0] if fixed_point else FixedSums[0]),
-                                          T.address_of(FixScale[0]))
+                                          T.address_of(FixScale[0]),
+                                          (T.cast(t * NHB + hb, T.int64) * Kp + kb * BK) if contrib
+                                          else T.int64(0))
                 for i, d in T.Parallel(BH, dv - DQ0):
                     if h0 + i < heads:
                         dQ[t, h0 + i, DQ0 + d] = acc_dq1[i, d]
@@ -969,14 +987,15 @@ def _get(kind: str, target, *args):
 
 
 def _uses_ws(cfg: dict, deterministic: bool) -> bool:
-    return cfg["schedule"] == "ws" and (not deterministic or cfg["det_mode"] == "fixed")
+    return cfg["schedule"] == "ws" and (not deterministic or cfg["det_mode"] != "contrib")
 
 
 def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tuple:
     """(program kind, compile args) of the main kernel the wrapper launches."""
     if _uses_ws(cfg, deterministic):
         return "ws", (cfg["heads"], cfg["dqk"], cfg["dv"], cfg["dtype"], cfg["store_dkv"], cfg["ws_prefetch"],
-                      cfg["ws_dq_rs"], bool(emit_probs), cfg["l2_keep"] and not deterministic, bool(deterministic))
+                      cfg["ws_dq_rs"], bool(emit_probs), cfg["l2_keep"] and not deterministic,
+                      {"fixed": "fixed", "contrib_ws": "contrib"}[cfg["det_mode"]] if deterministic else None)
     return "main", _main_args(cfg, deterministic, emit_probs)
 
 
@@ -1007,10 +1026,10 @@ def build_bwd_program(config: dict, name: str, target="auto"):
 
 
 def bwd_program_names(config: dict) -> tuple:
-    """The programs of :data:`BWD_PROGRAMS` that ``config`` runs (the reduce only with det_mode "contrib",
-    the preprocess with maxima only with "fixed")."""
+    """The programs of :data:`BWD_PROGRAMS` that ``config`` runs (the reduce only with the contribution
+    modes, the preprocess with maxima only with "fixed")."""
     cfg = _normalise_config(config)
-    skip = "preprocess_det" if cfg["det_mode"] == "contrib" else "reduce"
+    skip = "reduce" if cfg["det_mode"] == "fixed" else "preprocess_det"
     return tuple(n for n in BWD_PROGRAMS if n != skip)
 
 
@@ -1086,8 +1105,9 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
     typical sum at 24 query rows, one bit coarser per doubling of the rows (~2**-28 at 4096; fp32
     atomics round each partial sum to 2**-24 of itself). Non-finite values reach dkv as they are; a
     value beyond the bound (an lse far below the scores') makes its element NaN. It needs no buffer
-    beyond [Skv, Dqk] int64 but is slower (41.1 / 74.7 / 35.6 ms on the shapes above). dq and dsink are
-    deterministic in every mode (no atomics).
+    beyond [Skv, Dqk] int64 but is slower (41.1 / 74.7 / 35.6 ms on the shapes above). ``det_mode``
+    "contrib_ws" (ws shapes; not yet measured on a GPU) is "contrib" with the contribution rows stored
+    by the ws program instead of the plain one. dq and dsink are deterministic in every mode (no atomics).
 
     return_probs=True adds a fourth result, probs [B,S,K] fp32: sum over heads of the attention
     probabilities P[h, j] = exp(scale * s_hj - lse'_h) of each slot (lse' with the sink), 0 for
@@ -1197,7 +1217,7 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
     N = kv2.shape[0]
     Kp = idx.shape[1]
     kind, args = _main_kernel(cfg, deterministic, return_probs)
-    fixed = kind == "ws" and deterministic
+    fixed = deterministic and cfg["det_mode"] == "fixed"
     pre = _get("preprocess", target, *_preprocess_args(cfg, fixed))
     delta = torch.empty(T_, H, device=dev, dtype=torch.float32)
     lse2 = torch.empty(T_, H, device=dev, dtype=torch.float32)
@@ -1219,12 +1239,12 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
         sums = torch.zeros(N, Dqk, device=dev, dtype=torch.int64)
         main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), sums, fix)
         dkv.add_((sums.to(torch.float64) * unfix).to(torch.float32))
-    elif kind == "ws":
+    elif kind == "ws" and not deterministic:
         main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev),
              zeros_arg(1, torch.int64, dev), zeros_arg(1, torch.float32, dev))
     elif not deterministic:
         main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), blocks)
-    else:
+    else:  # the contribution modes: "contrib" (the plain program) and "contrib_ws"
         red = _get("reduce", target, Dqk, nhb)
         per_row = nhb * Kp * Dqk * 4
         chunk = max(1, min(T_, _DET_BUDGET_BYTES // per_row))
@@ -1237,9 +1257,13 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
             view = part = None if probs is None else probs[:, t0:t1]
             if view is not None and not view.is_contiguous():
                 part = (torch.zeros if skip else torch.empty)(nhb, tc, Kp, device=dev, dtype=torch.float32)
-            main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1],
-                 cb.view(tc, nhb, Kp, Dqk), s, s * _LOG2E, _probs_arg(part, dev),
-                 blocks[t0:t1] if skip else blocks)
+            if kind == "ws":  # "contrib_ws": the same contribution rows, stored by the ws program
+                main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1], cb, s,
+                     s * _LOG2E, _probs_arg(part, dev), zeros_arg(1, torch.int64, dev), zeros_arg(1, torch.float32, dev))
+            else:
+                main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1],
+                     cb.view(tc, nhb, Kp, Dqk), s, s * _LOG2E, _probs_arg(part, dev),
+                     blocks[t0:t1] if skip else blocks)
             if part is not view:
                 view.copy_(part)
             keys = idx[t0:t1].reshape(-1)

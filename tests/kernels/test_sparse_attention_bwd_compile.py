@@ -119,13 +119,16 @@ def test_schedule_defaults_to_ws_where_its_shapes_allow():
     assert bwd._main_kernel(cfg, False, emit_probs=True)[0] == "ws"
     assert cfg["det_mode"] == "contrib" and bwd._main_kernel(cfg, True)[0] == "main"
     kind, args = bwd._main_kernel({**cfg, "det_mode": "fixed"}, True)
-    assert kind == "ws" and args[-1] is True  # fixed_point
-    assert bwd._main_kernel(cfg, False)[1][-1] is False
+    assert kind == "ws" and args[-1] == "fixed"  # the ws program's deterministic output
+    assert bwd._main_kernel({**cfg, "det_mode": "contrib_ws"}, True)[1][-1] == "contrib"
+    assert bwd._main_kernel(cfg, False)[1][-1] is None
+    assert bwd._main_kernel({**cfg, "det_mode": "contrib_ws"}, False) == bwd._main_kernel(cfg, False)
     assert bwd._main_kernel({**cfg, "schedule": "plain"}, False)[0] == "main"
     plain = bwd._normalise_config({"heads": 16, "dqk": 96, "dv": 64})
     assert plain["det_mode"] == "contrib" and bwd.bwd_program_names(plain)[-1] == "reduce"
-    with pytest.raises(ValueError, match="det_mode"):
-        bwd._normalise_config({"heads": 16, "dqk": 96, "dv": 64, "det_mode": "fixed"})
+    for mode in ("fixed", "contrib_ws"):  # modes of the ws program
+        with pytest.raises(ValueError, match="det_mode"):
+            bwd._normalise_config({"heads": 16, "dqk": 96, "dv": 64, "det_mode": mode})
     with pytest.raises(ValueError, match="det_mode"):
         bwd._normalise_config({"heads": 16, "dqk": 576, "dv": 512, "det_mode": "exact"})
 
@@ -260,3 +263,15 @@ def test_contribution_reduce_compiles_with_warps_taking_slots_in_turn(dqk, heads
     assert "float2" in src and "__syncthreads()" in src and "Rows[" in src
     loop = src[src.index("for (int it = 0;"):src.index("__syncthreads()")]
     assert "float2" in loop and ("< 3)" in loop) == (dqk == 96)  # the partial run: 1.5 runs of 64 (3 halves)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
+def test_contribution_rows_from_the_ws_program_compile():
+    """det_mode "contrib_ws" (not yet measured on a GPU): the ws program stores each valid slot's values in
+    its own contribution row (streaming full-line stores, no reduction of any kind) for the reduce."""
+    cfg = {"heads": 128, "dqk": 576, "dv": 512, "has_sink": False, "dtype": "bfloat16", "det_mode": "contrib_ws"}
+    assert bwd.bwd_program_names(cfg) == ("preprocess", "main", "main_probs", "main_det", "main_det_probs", "reduce")
+    for name in ("main_det", "main_det_probs"):
+        det = bwd.build_bwd_program(cfg, name, target=SM90A).get_kernel_source()
+        assert "dsa_red_tile64<3>(" in det and "dsa_red_tile64<0>(" not in det and "__named_barrier_arrive" in det

@@ -218,11 +218,12 @@ def test_bwd_matches_float64_autograd(cfg, case):
 
 
 @pytest.mark.parametrize("cfg,det_mode", [(CONFIGS[0], None), (CONFIGS[2], None), (CONFIGS[3], None), (CONFIGS[7], None),
-                                          (CONFIGS[0], "fixed"), (CONFIGS[3], "fixed")],
+                                          (CONFIGS[0], "fixed"), (CONFIGS[3], "fixed"), (CONFIGS[0], "contrib_ws"),
+                                          (CONFIGS[3], "contrib_ws")],
                          ids=lambda c: c if isinstance(c, str) or c is None else f"H{c[0]}-D{c[1]}")
 def test_deterministic_is_bitwise_reproducible(cfg, det_mode):
-    """20 runs, the same bits: the contribution path (the default) and the fixed-point sums (an option
-    on the ws shapes)."""
+    """20 runs, the same bits: the contribution path (the default), and on the ws shapes the fixed-point
+    sums and the contributions stored by the ws program."""
     from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
 
     case = (2, 31, 96, 150, "dups", "normal")
@@ -392,7 +393,8 @@ def test_ws_tuning_variants_match_float64(tuning, case):
     assert (dq[empty] == 0).all()
 
 
-def test_deterministic_chunks_with_probs_and_two_head_blocks(monkeypatch):
+@pytest.mark.parametrize("det_mode", ["contrib", "contrib_ws"])
+def test_deterministic_chunks_with_probs_and_two_head_blocks(monkeypatch, det_mode):
     """H 128 (two head blocks): the deterministic query chunks write the head-summed probabilities
     through a buffer of their own (a [2, T, K] slice is not contiguous); same bits as one chunk."""
     from dsa_plugins.kernels import sparse_attention_bwd as mod
@@ -403,7 +405,7 @@ def test_deterministic_chunks_with_probs_and_two_head_blocks(monkeypatch):
     out64, lse64, *_ = _reference(q, kv, idx, dout, sink, scale, Dv)
     out, lse = out64.to(dtype), lse64.float()
     # the query chunks belong to the contribution path (the fixed-point one needs none)
-    kw = dict(sink=sink, dv=Dv, deterministic=True, return_probs=True, config={"det_mode": "contrib"})
+    kw = dict(sink=sink, dv=Dv, deterministic=True, return_probs=True, config={"det_mode": det_mode})
     whole = mod.sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, **kw)
     monkeypatch.setattr(mod, "_DET_BUDGET_BYTES", 2 * 2 * 192 * Dqk * 4)  # two query rows per chunk
     chunked = mod.sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, **kw)
@@ -414,7 +416,8 @@ def test_deterministic_chunks_with_probs_and_two_head_blocks(monkeypatch):
 @pytest.mark.parametrize("cfg", [CONFIGS[1], CONFIGS[2]], ids=lambda c: f"H{c[0]}-D{c[1]}")
 @pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[5], BIG_CASES[0]], ids=lambda c: f"S{c[1]}K{c[3]}-{c[4]}")
 def test_deterministic_modes_agree_with_float64(cfg, case):
-    """The fixed-point sums and the contribution path both match float64, and each other to fp32 rounding."""
+    """The fixed-point sums and the contribution paths all match float64; the two contribution paths
+    agree to fp32 rounding, and the ws one gives the atomic mode's dq bits."""
     from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
 
     H, Dqk, Dv, has_sink, dtype = cfg
@@ -423,14 +426,15 @@ def test_deterministic_modes_agree_with_float64(cfg, case):
     out, lse = out64.to(dtype), lse64.float()
     g_dq, g_dkv, _ = _given_inputs_grads(q, kv, idx, out, lse, dout, scale, sink, Dv)
     res = {m: sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv, deterministic=True,
-                                   config={"det_mode": m}) for m in ("fixed", "contrib")}
+                                   config={"det_mode": m}) for m in ("fixed", "contrib", "contrib_ws")}
     atomic = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv)
     for m, (dq, dkv, _) in res.items():
         assert not torch.isnan(dkv).any(), m
         assert _err(dq, dq_ref, g_dq) < TOL and _err(dkv, dkv_ref, g_dkv) < TOL, m
     # fixed-point sums round each value to a step far below fp32's: as close to the float64 sums as fp32 atomics
     assert _rel(res["fixed"][1], g_dkv) <= 2 * _rel(atomic[1], g_dkv) + 1e-6
-    assert torch.equal(res["fixed"][0], atomic[0])  # dq: the same ws program
+    assert torch.equal(res["fixed"][0], atomic[0]) and torch.equal(res["contrib_ws"][0], atomic[0])  # dq: the ws program
+    assert _rel(res["contrib_ws"][1], res["contrib"][1]) < 1e-5
 
 
 @pytest.mark.parametrize("factor", [1e-6, 1e4], ids=["tiny", "huge"])
