@@ -127,7 +127,9 @@ def _normalise_config(config: dict) -> dict:
                          f"dv a multiple of dkv_chunk={cfg['dkv_chunk']})")
     # schedule: "ws" (warp-specialised program, the atomic mode with or without head-summed
     # probabilities) where its shapes allow, else "plain" (the program that serves every mode)
-    cfg["schedule"] = str(cfg.get("schedule") or ("ws" if ws_supported(cfg["dqk"], cfg["dv"]) else "plain"))
+    # (the ws program walks the slots in blocks of 64: the wrapper pads k to block_k)
+    ws_ok = ws_supported(cfg["dqk"], cfg["dv"]) and cfg["block_k"] == 64
+    cfg["schedule"] = str(cfg.get("schedule") or ("ws" if ws_ok else "plain"))
     if cfg["schedule"] not in _SCHEDULES:
         raise ValueError(f"schedule must be one of {_SCHEDULES}, got {cfg['schedule']!r}")
     # l2_keep (the ws program, or the plain one with stage_atomics): the v4 reductions carry an L2
@@ -138,9 +140,9 @@ def _normalise_config(config: dict) -> dict:
     # registers 1.00-1.02x (off: within noise)
     cfg["ws_prefetch"] = bool(cfg.get("ws_prefetch", True))
     cfg["ws_dq_rs"] = bool(cfg.get("ws_dq_rs", False))
-    if cfg["schedule"] == "ws" and not ws_supported(cfg["dqk"], cfg["dv"]):
-        raise ValueError(f"schedule 'ws' needs dv a multiple of 128 and dqk - dv in (0, 64), got dqk={cfg['dqk']} "
-                         f"dv={cfg['dv']}")
+    if cfg["schedule"] == "ws" and not ws_ok:
+        raise ValueError(f"schedule 'ws' needs dv a multiple of 128, dqk - dv in (0, 64) and block_k 64, got "
+                         f"dqk={cfg['dqk']} dv={cfg['dv']} block_k={cfg['block_k']}")
     # deterministic mode: "contrib" (the plain program writes per-slot contributions, sorted and summed:
     # 2.1-2.5x the atomic time on an H100), "contrib_ws" (the same contributions stored by the ws program:
     # not yet measured on a GPU, off) or "fixed" (the ws program adding fixed-point integers with
@@ -180,7 +182,6 @@ def _preprocess_body(heads, dv, has_sink, dtype, maxima_dqk=0, block_h=_PRE_BLOC
     f32 = T.float32
     q_rows = Tq if maxima_dqk else 1  # without maxima, Q and Maxima are [1, ...] placeholders
     dqk = max(maxima_dqk, 1)
-    tail = max(dqk - dv, 0)
 
     def finite_abs(x):  # |x|, or 0 where x is inf or NaN (NaN < inf is false)
         return T.if_then_else(T.abs(x) < T.infinity(f32), T.abs(x), 0.0)
@@ -527,10 +528,11 @@ _WS_PRELUDE = r"""
 // each value times the power of two `fix` is rounded to a 64-bit integer and added to `sums` with
 // red.add.u64 (integer addition is associative: the sums do not depend on the order the CTAs reach
 // L2). A value that is not finite goes to the fp32 dkv as it is (NaN, +-inf: any order gives the same
-// result); one beyond the bound the scale was chosen for goes there as NaN (never a wrapped integer).
-__device__ __forceinline__ void dsa_fixed_add(unsigned long long* sums, float* dkv, float v, float fix) {
+// result); one beyond the per-value bound the scale was chosen for (`limit`: 2^60 over the most values a
+// kv row can receive, so no sum can leave int64) goes there as NaN (never a wrapped integer).
+__device__ __forceinline__ void dsa_fixed_add(unsigned long long* sums, float* dkv, float v, float fix, float limit) {
   const float y = v * fix;
-  if (fabsf(y) < 1.152921504606846976e18f) {  // 2^60
+  if (fabsf(y) <= limit) {
     asm volatile("red.global.add.u64 [%0], %1;" :: "l"(sums), "l"(__float2ll_rn(y)));
   } else {
     atomicAdd(dkv, isfinite(v) ? __int_as_float(0x7fffffff) : v);
@@ -548,7 +550,7 @@ __device__ __forceinline__ float dsa_pick4(float4 v, int i) {
 // the kernel 52.5 -> 42.7 ms; what is left is L2's per-value cost of 64-bit integer adds). All lanes
 // take part in the shuffles; rows < 0 (invalid slots) add nothing.
 __device__ __forceinline__ void dsa_fixed_quad(int64_t* sums, float* dkv, int row, int ld, int col, float4 v,
-                                               float fix, int q) {
+                                               float fix, float limit, int q) {
   float z[4];  // z[m]: element q of lane (q ^ m)'s float4
   z[0] = dsa_pick4(v, q);
   #pragma unroll
@@ -559,7 +561,7 @@ __device__ __forceinline__ void dsa_fixed_quad(int64_t* sums, float* dkv, int ro
     const int m = q ^ e;
     const float val = m == 0 ? z[0] : m == 1 ? z[1] : m == 2 ? z[2] : z[3];
     const long long off = (long long)row * ld + col + 8 * (e & 1) + 4 * (e >> 1) + q;
-    dsa_fixed_add(reinterpret_cast<unsigned long long*>(sums) + off, dkv + off, val, fix);
+    dsa_fixed_add(reinterpret_cast<unsigned long long*>(sums) + off, dkv + off, val, fix, limit);
   }
 }
 
@@ -582,7 +584,8 @@ __device__ __forceinline__ void dsa_red_tile64(const float* acc, float* dkv, con
                                                int64_t* sums, const float* fix_scale, long long row0) {
   unsigned long long policy = 0;
   if (kMode == 1) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-  const float fix = kMode == 2 ? *fix_scale : 1.0f;
+  const float fix = kMode == 2 ? fix_scale[0] : 1.0f;
+  const float limit = kMode == 2 ? fix_scale[1] : 0.0f;
   const int tid = threadIdx.x & 127;
   const int lane = tid & 31, q = lane & 3, g = lane >> 2;
   const int odd = q & 1, gb = g & 1;
@@ -610,8 +613,8 @@ __device__ __forceinline__ void dsa_red_tile64(const float* acc, float* dkv, con
       r.w = __shfl_xor_sync(0xffffffffu, s.w, 4);
       const float4 va = gb ? r : x, vb = gb ? y : r;
       if (kMode == 2) {
-        dsa_fixed_quad(sums, dkv, row_a, ld, col0 + 16 * (2 * mp + gb), va, fix, q);
-        dsa_fixed_quad(sums, dkv, row_b, ld, col0 + 16 * (2 * mp + gb), vb, fix, q);
+        dsa_fixed_quad(sums, dkv, row_a, ld, col0 + 16 * (2 * mp + gb), va, fix, limit, q);
+        dsa_fixed_quad(sums, dkv, row_b, ld, col0 + 16 * (2 * mp + gb), vb, fix, limit, q);
         continue;
       }
       const int col = col0 + 16 * (2 * mp + gb) + 8 * odd + 4 * (q >> 1);
@@ -655,7 +658,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     head-summed P of each slot (Probs [NHB, Tq, Kp], the indexer loss's target). ``l2_keep``: the
     reductions carry an L2 evict_last policy (the fp32 dkv lines stay in L2 while gathered rows
     stream through: long caches, where dkv outgrows L2). ``det_out`` (deterministic modes): "fixed": the
-    values go to FixedSums [N, dqk] int64 instead, each times FixScale[0] (a power of two) rounded to
+    values go to FixedSums [N, dqk] int64 instead, each times FixScale[0] (a power of two; FixScale[1]: the
+    largest scaled value allowed, beyond which it goes to dKV as NaN) rounded to
     an integer and added with red.add.u64, so the sums do not depend on the order of the additions
     (non-finite values go to dKV as they are, see ``dsa_fixed_add``); "contrib": dKV [ND, dqk] is the
     contribution buffer [Tq, NHB, Kp] x dqk and each valid slot's values are stored in its own row
@@ -713,7 +717,7 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
         scale_log2: f32,
         Probs: T.Tensor([NHB, Tq, Kp] if emit_probs else [1], f32),
         FixedSums: T.Tensor([N, dqk] if fixed_point else [1], T.int64),
-        FixScale: T.Tensor([1], f32),  # fixed_point: the power of two the values are scaled by
+        FixScale: T.Tensor([2], f32),  # fixed_point: the power of two the values are scaled by, the limit
     ):
         with TC.Kernel(Tq, NHB, threads=256, prelude=_WS_PRELUDE) as (t, hb):
             q_s = T.alloc_shared([BH, dv], dt)
@@ -1101,9 +1105,9 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
     With ``det_mode`` "fixed" (the ws program's shapes: every model shape) each dkv value is multiplied
     by a power of two chosen on the device from the inputs' magnitudes, rounded to int64 and added with
     integer reductions, whose sums do not depend on the order of the additions; the sums come back as
-    fp32 at the end. The scale keeps every sum under 2**60 and rounds each value to a step of ~2**-36 of a
-    typical sum at 24 query rows, one bit coarser per doubling of the rows (~2**-28 at 4096; fp32
-    atomics round each partial sum to 2**-24 of itself). Non-finite values reach dkv as they are; a
+    fp32 at the end. The scale keeps every sum under 2**60 and rounds each value to a step of ~2**-33 to
+    2**-35 of a typical sum (CPU check, H128 576/512, 24-64 query rows), one bit coarser per doubling
+    of the slots naming one kv row (fp32 atomics round each partial sum to 2**-24 of itself). Non-finite values reach dkv as they are; a
     value beyond the bound (an lse far below the scores') makes its element NaN. It needs no buffer
     beyond [Skv, Dqk] int64 but is slower (41.1 / 74.7 / 35.6 ms on the shapes above). ``det_mode``
     "contrib_ws" (ws shapes; not yet measured on a GPU) is "contrib" with the contribution rows stored
@@ -1186,26 +1190,32 @@ def _finite_abs_max(t: Tensor) -> Tensor:
     return t.abs().nan_to_num_(0.0, 0.0, 0.0).amax().double()
 
 
-def _fixed_point_scale(maxima, kv2, n_queries, heads, dv, scale):
-    """(fix [1] fp32, unfix [1] fp64): the power of two the deterministic mode scales dkv values by before
-    rounding them to int64, and its inverse; computed on the device (no host sync).
+def _fixed_point_scale(maxima, kv2, idx, n_rows, heads, dv, scale):
+    """(fix_limit [2] fp32, unfix [1] fp64): the power of two the deterministic "fixed" mode scales dkv
+    values by before rounding them to int64, the largest scaled value it may add, and the inverse of the
+    scale; computed on the device (no host sync).
 
     A bound on every partial sum of one dkv element: each value (one slot, one head block) is
     sum_h dS_h q_h + P_h dout_h over <= 64 heads, with P <= 1 (2 allowed: an lse a little below the
-    scores'), |dS| <= P (|dP| + |Delta|) scale, |dP| <= dv max|dout| max|kv|, |Delta| <= dv max|out|
+    scores'), |dS| <= P (|dP| + |Delta|) |scale|, |dP| <= dv max|dout| max|kv|, |Delta| <= dv max|out|
     max|dout| (maxima over finite entries, from the preprocess's ``maxima`` [Tq, NHB16, threads, 3]
-    of q, out, dout; values made from non-finite ones go to dkv as they are); a kv row gets at most
-    one value per query row and head block. fix = 2**floor(_FIX_BITS - log2(bound)): no sum reaches
-    int64's range, and each value is rounded to a step of bound * 2**-60 (fp32 atomics round each
-    partial sum to 2**-24 of itself)."""
+    of q, out, dout; values made from non-finite ones go to dkv as they are); a kv row gets one value
+    per slot naming it (duplicates included) and head block. fix = 2**floor(_FIX_BITS - log2(bound)):
+    no sum reaches int64's range, and each value is rounded to a step of bound * 2**-60 (fp32 atomics
+    round each partial sum to 2**-24 of itself). The limit, 2**60 over the most values one row gets,
+    catches a value beyond the bound (an lse far below the scores'): it goes to dkv as NaN."""
     q_max, out_max, dout_max = maxima.view(-1, 3).amax(0).double().unbind()
     kv_max = _finite_abs_max(kv2)
-    per_row = float(n_queries * ((heads + _BLOCK_H - 1) // _BLOCK_H))
-    ds_max = 2.0 * scale * dv * dout_max * (kv_max + out_max) * 1.05
+    keys = torch.where(idx >= 0, idx, n_rows).view(-1)
+    counts = torch.zeros(n_rows + 1, device=idx.device, dtype=torch.int32)
+    counts.index_add_(0, keys, torch.ones_like(keys))
+    per_row = counts[:n_rows].amax().double().clamp(min=1) * ((heads + _BLOCK_H - 1) // _BLOCK_H)
+    ds_max = 2.0 * abs(scale) * dv * dout_max * (kv_max + out_max) * 1.05
     per_value = min(heads, _BLOCK_H) * (q_max * ds_max + 2.0 * dout_max) * 1.05
     # a zero bound (nothing to add) takes any scale; the clamp keeps fix and unfix finite in fp32
     exp = torch.floor(_FIX_BITS - torch.log2(per_row * per_value)).clamp(-120, 120)
-    return torch.exp2(exp).float().view(1), torch.exp2(-exp).view(1)
+    limit = 2.0**_FIX_BITS / per_row
+    return torch.stack([torch.exp2(exp), limit]).float(), torch.exp2(-exp).view(1)
 
 
 def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, deterministic, B, S, Skv,
@@ -1235,13 +1245,13 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
     probs = (torch.zeros if skip else torch.empty)(nhb, T_, Kp, device=dev, dtype=torch.float32) if return_probs else None
     blocks = row_blocks(idx, cfg["block_k"]) if skip else zeros_arg(1, torch.int32, dev)
     if fixed:
-        fix, unfix = _fixed_point_scale(maxima, kv2, T_, H, dv, s)
+        fix, unfix = _fixed_point_scale(maxima, kv2, idx, N, H, dv, s)
         sums = torch.zeros(N, Dqk, device=dev, dtype=torch.int64)
         main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), sums, fix)
         dkv.add_((sums.to(torch.float64) * unfix).to(torch.float32))
     elif kind == "ws" and not deterministic:
         main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev),
-             zeros_arg(1, torch.int64, dev), zeros_arg(1, torch.float32, dev))
+             zeros_arg(1, torch.int64, dev), zeros_arg(2, torch.float32, dev))
     elif not deterministic:
         main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), blocks)
     else:  # the contribution modes: "contrib" (the plain program) and "contrib_ws"
@@ -1259,7 +1269,7 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
                 part = (torch.zeros if skip else torch.empty)(nhb, tc, Kp, device=dev, dtype=torch.float32)
             if kind == "ws":  # "contrib_ws": the same contribution rows, stored by the ws program
                 main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1], cb, s,
-                     s * _LOG2E, _probs_arg(part, dev), zeros_arg(1, torch.int64, dev), zeros_arg(1, torch.float32, dev))
+                     s * _LOG2E, _probs_arg(part, dev), zeros_arg(1, torch.int64, dev), zeros_arg(2, torch.float32, dev))
             else:
                 main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1],
                      cb.view(tc, nhb, Kp, Dqk), s, s * _LOG2E, _probs_arg(part, dev),

@@ -110,6 +110,10 @@ def test_schedule_defaults_to_ws_where_its_shapes_allow():
     assert bwd._normalise_config({"heads": 16, "dqk": 96, "dv": 64})["schedule"] == "plain"
     with pytest.raises(ValueError, match="schedule 'ws' needs"):
         bwd._normalise_config({"heads": 16, "dqk": 96, "dv": 64, "schedule": "ws"})
+    # the ws program walks 64-slot blocks: another block_k takes the plain program, or is refused for ws
+    assert bwd._normalise_config({"heads": 64, "dqk": 576, "dv": 512, "block_k": 32})["schedule"] == "plain"
+    with pytest.raises(ValueError, match="block_k 64"):
+        bwd._normalise_config({"heads": 64, "dqk": 576, "dv": 512, "block_k": 32, "schedule": "ws"})
     with pytest.raises(ValueError, match="schedule must be one of"):
         bwd._normalise_config({"heads": 16, "dqk": 576, "dv": 512, "schedule": "fast"})
     cfg = bwd._normalise_config({"heads": 64, "dqk": 576, "dv": 512})
@@ -229,10 +233,13 @@ def test_fixed_point_scale_bounds_every_sum_and_keeps_the_precision():
     idx[3] = 7  # one row names a key 59 times (duplicates count)
     scale = Dqk ** -0.5
     values, out = _slot_values(q, kv, idx, dout, scale, Dv)
-    fix, unfix = bwd._fixed_point_scale(_maxima(q, out.bfloat16(), dout), kv, T_, H, Dv, scale)
-    f = fix.item()
-    assert fix.dtype == torch.float32 and unfix.dtype == torch.float64 and f * unfix.item() == 1.0
+    fix_limit, unfix = bwd._fixed_point_scale(_maxima(q, out.bfloat16(), dout), kv, idx, N, H, Dv, scale)
+    f, limit = fix_limit.tolist()
+    assert fix_limit.dtype == torch.float32 and unfix.dtype == torch.float64 and f * unfix.item() == 1.0
     assert math.log2(f).is_integer()
+    # every value stays under the limit the kernel checks, and the most values one row gets under it sum below 2**60
+    counts = torch.bincount(idx[idx >= 0].long(), minlength=N).max().item() * 2  # two head blocks
+    assert values.abs().max().item() * f <= limit and limit * counts <= 2.0**60 * (1 + 1e-6)
     abs_sums = torch.zeros(N, Dqk, dtype=torch.float64)
     sums = torch.zeros(N, Dqk, dtype=torch.float64)
     rows = idx.clamp(min=0).long().reshape(-1)
@@ -246,10 +253,12 @@ def test_fixed_point_scale_bounds_every_sum_and_keeps_the_precision():
     kv_nan = kv.clone()
     kv_nan[0, 0] = float("nan")
     kv_nan[1, 0] = float("inf")
-    assert bwd._fixed_point_scale(_maxima(q, out.bfloat16(), dout), kv_nan, T_, H, Dv, scale)[0].item() == f
+    assert bwd._fixed_point_scale(_maxima(q, out.bfloat16(), dout), kv_nan, idx, N, H, Dv, scale)[0][0].item() == f
+    # a negative scale gives the same bound (its magnitude counts)
+    assert bwd._fixed_point_scale(_maxima(q, out.bfloat16(), dout), kv, idx, N, H, Dv, -scale)[0][0].item() == f
     # nothing to add (dout 0): a finite scale all the same
-    zero = bwd._fixed_point_scale(_maxima(q, out.bfloat16(), torch.zeros_like(dout)), kv, T_, H, Dv, scale)
-    assert all(math.isfinite(t.item()) and t.item() > 0 for t in zero)
+    zero = bwd._fixed_point_scale(_maxima(q, out.bfloat16(), torch.zeros_like(dout)), kv, idx, N, H, Dv, scale)
+    assert all(math.isfinite(x) and x > 0 for t in zero for x in t.tolist())
 
 
 @pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
