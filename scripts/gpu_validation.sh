@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # GPU validation on the lent Hopper machine: install, doctor, every GPU test, benchmarks.
-# Usage (device): source .devbundle/setup.sh && bash scripts/gpu_validation.sh tests|bench|all
+# Usage (device): source .devbundle/setup.sh && bash scripts/gpu_validation.sh tests|bench|all|bwd
+# (bwd: the backward's GPU tests and its deterministic modes timed beside the default, in one call)
 # Logs and results go to $OUT (or ./gpu_out).
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
 what="${1:-all}"
+case $what in tests|bench|all|bwd) ;; *) echo "usage: $0 tests|bench|all|bwd" >&2; exit 2 ;; esac
 python -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 python -m dsa_plugins doctor 2>&1 | tee "$OUT/doctor.txt"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >>"$OUT/doctor.txt" 2>&1
@@ -20,4 +22,16 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout "${BENCH_TIMEOUT:-420}" python -m dsa_plugins bench --suite "${SUITE:-all}" --out "$OUT" --tag "${TAG:-kernels}" \
     2>&1 | tee "$OUT/bench.log" | tail -n 40
+fi
+if [ "$what" = bwd ]; then
+  det='[{}, {"deterministic": true, "det_mode": "contrib_ws"}, {"deterministic": true, "det_mode": "fixed"}]'
+  # compile the backward programs side by side first: one after another the GPU file outlasts a call
+  timeout 240 python benchmarks/kernels/bench_sparse_attention_bwd.py --warmup --jobs 16 --variants "$det" \
+    >"$OUT/bwd_warmup.log" 2>&1
+  tail -n 1 "$OUT/bwd_warmup.log"
+  timeout "${TEST_TIMEOUT:-300}" python -m pytest -q -p no:cacheprovider -n "${WORKERS:-6}" --dist load -rfE \
+    tests/kernels/test_sparse_attention_bwd_gpu.py 2>&1 | tee "$OUT/bwd_tests.log" | tail -n 30
+  timeout "${BENCH_TIMEOUT:-240}" python benchmarks/kernels/bench_sparse_attention_bwd.py --det \
+    --shapes mla_h64,mla_h128,v4_h128_sink,mla_h64_causal --variants "$det" --csv "$OUT/bwd_det.csv" \
+    2>&1 | tee "$OUT/bwd_det.log" | grep "|"
 fi
