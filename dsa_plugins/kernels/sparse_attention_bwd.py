@@ -1107,8 +1107,9 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
     integer reductions, whose sums do not depend on the order of the additions; the sums come back as
     fp32 at the end. The scale keeps every sum under 2**60 and rounds each value to a step of ~2**-33 to
     2**-35 of a typical sum (CPU check, H128 576/512, 24-64 query rows), one bit coarser per doubling
-    of the slots naming one kv row (fp32 atomics round each partial sum to 2**-24 of itself). Non-finite values reach dkv as they are; a
-    value beyond the bound (an lse far below the scores') makes its element NaN. It needs no buffer
+    of the slots naming one kv row (fp32 atomics round each partial sum to 2**-24 of itself).
+    Non-finite values reach dkv as they are; a value beyond the bound (an lse far below the scores')
+    makes its element NaN. It needs no buffer
     beyond [Skv, Dqk] int64 but is slower (41.1 / 74.7 / 35.6 ms on the shapes above). ``det_mode``
     "contrib_ws" (ws shapes; not yet measured on a GPU) is "contrib" with the contribution rows stored
     by the ws program instead of the plain one. dq and dsink are deterministic in every mode (no atomics).
@@ -1190,6 +1191,17 @@ def _finite_abs_max(t: Tensor) -> Tensor:
     return t.abs().nan_to_num_(0.0, 0.0, 0.0).amax().double()
 
 
+def _keys_last_invalid(idx: Tensor, n_rows: int) -> Tensor:
+    """The flattened kv rows of ``idx`` [T, Kp] int32 with invalid slots (-1) as ``n_rows``: one past the
+    last row, so they count (and sort) after every real one."""
+    return torch.where(idx >= 0, idx, n_rows).reshape(-1)
+
+
+def _no_fixed_point(device):
+    """The ws program's FixedSums and FixScale arguments where it adds no fixed-point values."""
+    return zeros_arg(1, torch.int64, device), zeros_arg(2, torch.float32, device)
+
+
 def _fixed_point_scale(maxima, kv2, idx, n_rows, heads, dv, scale):
     """(fix_limit [2] fp32, unfix [1] fp64): the power of two the deterministic "fixed" mode scales dkv
     values by before rounding them to int64, the largest scaled value it may add, and the inverse of the
@@ -1206,7 +1218,7 @@ def _fixed_point_scale(maxima, kv2, idx, n_rows, heads, dv, scale):
     catches a value beyond the bound (an lse far below the scores'): it goes to dkv as NaN."""
     q_max, out_max, dout_max = maxima.view(-1, 3).amax(0).double().unbind()
     kv_max = _finite_abs_max(kv2)
-    keys = torch.where(idx >= 0, idx, n_rows).view(-1)
+    keys = _keys_last_invalid(idx, n_rows)
     counts = torch.zeros(n_rows + 1, device=idx.device, dtype=torch.int32)
     counts.index_add_(0, keys, torch.ones_like(keys))
     per_row = counts[:n_rows].amax().double().clamp(min=1) * ((heads + _BLOCK_H - 1) // _BLOCK_H)
@@ -1250,8 +1262,7 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
         main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), sums, fix)
         dkv.add_((sums.to(torch.float64) * unfix).to(torch.float32))
     elif kind == "ws" and not deterministic:
-        main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev),
-             zeros_arg(1, torch.int64, dev), zeros_arg(2, torch.float32, dev))
+        main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), *_no_fixed_point(dev))
     elif not deterministic:
         main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), blocks)
     else:  # the contribution modes: "contrib" (the plain program) and "contrib_ws"
@@ -1269,15 +1280,14 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
                 part = (torch.zeros if skip else torch.empty)(nhb, tc, Kp, device=dev, dtype=torch.float32)
             if kind == "ws":  # "contrib_ws": the same contribution rows, stored by the ws program
                 main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1], cb, s,
-                     s * _LOG2E, _probs_arg(part, dev), zeros_arg(1, torch.int64, dev), zeros_arg(2, torch.float32, dev))
+                     s * _LOG2E, _probs_arg(part, dev), *_no_fixed_point(dev))
             else:
                 main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1],
                      cb.view(tc, nhb, Kp, Dqk), s, s * _LOG2E, _probs_arg(part, dev),
                      blocks[t0:t1] if skip else blocks)
             if part is not view:
                 view.copy_(part)
-            keys = idx[t0:t1].reshape(-1)
-            keys = torch.where(keys >= 0, keys, torch.full_like(keys, N))
+            keys = _keys_last_invalid(idx[t0:t1], N)
             sorted_keys, order = torch.sort(keys, stable=True)
             rowptr = torch.searchsorted(sorted_keys, torch.arange(N + 1, device=dev, dtype=torch.int32))
             rows = (order // Kp) * (nhb * Kp) + order % Kp  # each slot's contribution row (head block 0)
