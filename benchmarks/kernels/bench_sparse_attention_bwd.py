@@ -32,6 +32,7 @@ SHAPES = [
     ("mla_h64", 1, 4096, 8192, 64, 576, 512, 2048, False),
     ("mla_h128", 1, 4096, 8192, 128, 576, 512, 2048, False),
     ("v4_h128_sink", 1, 4096, 8192, 128, 512, 512, 1024, True),
+    ("v4_h64_sink", 1, 4096, 8192, 64, 512, 512, 512, True),
     ("mla_h64_causal", 1, 4096, 4096, 64, 576, 512, 2048, False),
     ("mla_h128_causal", 1, 4096, 4096, 128, 576, 512, 2048, False),
 ]
@@ -56,7 +57,7 @@ def _jobs(configs):
             jobs.append(("preprocess", m._preprocess_args(cfg, det and cfg["det_mode"] == "fixed")))
             jobs.append(m._main_kernel(cfg, det))
         if with_det and cfg["det_mode"] != "fixed":
-            jobs.append(("reduce", (cfg["dqk"], nhb)))
+            jobs.append(("reduce", (cfg["dqk"], nhb, m._contrib_dtype(cfg))))
     out = []
     for j in jobs:
         if j not in out:
@@ -130,6 +131,25 @@ def make_inputs(B, S, Skv, H, Dqk, Dv, K, sink, seed=0, causal=False):
     return q, kv, idx, out, lse, dout, z, scale
 
 
+PROFILE = False
+
+
+def _profile(fn, label, calls=3):
+    """Per-kernel GPU time of ``calls`` calls under torch.profiler (ms per call, largest first)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            times[ev.name[:70]] = times.get(ev.name[:70], 0.0) + ev.device_time_total / 1e3 / calls
+    print(f"profile {label}: " + "; ".join(f"{k} {v:.3f} ms" for k, v in
+                                          sorted(times.items(), key=lambda kv: -kv[1])[:8]), flush=True)
+
+
 def _bench_shape(m, name, shape, variants, det, rows):
     sname, B, S, Skv, H, Dqk, Dv, K, sink = shape
     q, kv, idx, out, lse, dout, z, scale = make_inputs(B, S, Skv, H, Dqk, Dv, K, sink, causal="causal" in sname)
@@ -160,6 +180,8 @@ def _bench_shape(m, name, shape, variants, det, rows):
             except Exception as exc:  # noqa: BLE001 - report and go on with the next variant
                 print(f"{sname} det={d} var={var}: FAILED {type(exc).__name__}: {str(exc)[-1500:]}", flush=True)
                 continue
+            if PROFILE:
+                _profile(functools.partial(run, d, cfg), f"{sname} det={d} var={json.dumps(var)}")
             tf = flops / ms / 1e9
             print(f"{name} | {sname} det={d} var={json.dumps(var)} | {ms:.3f} ms | {tf:.1f} TFLOP/s"
                   f" ({tf * valid_share:.1f} on valid pairs, {valid_share:.0%} of slots valid)"
@@ -191,7 +213,10 @@ def main():
     ap.add_argument("--csv", default=None)
     ap.add_argument("--det", action="store_true", help="also time deterministic mode")
     ap.add_argument("--shapes", default=None, help="comma list of shape names")
+    ap.add_argument("--profile", action="store_true", help="also print each run's per-kernel GPU times")
     args = ap.parse_args()
+    global PROFILE
+    PROFILE = args.profile
     variants = json.loads(args.variants)
     if args.warmup:
         cfgs = [(c, True) for c in _test_configs()]

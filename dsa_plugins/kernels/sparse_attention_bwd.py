@@ -86,7 +86,7 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
 
 _TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep",
                 "schedule", "ws_prefetch", "ws_dq_rs", "det_mode")
-_DET_MODES = ("contrib", "contrib_ws", "fixed")
+_DET_MODES = ("contrib", "contrib_ws", "contrib_bf16", "fixed")
 _SCHEDULES = ("ws", "plain")
 
 
@@ -145,7 +145,8 @@ def _normalise_config(config: dict) -> dict:
                          f"dqk={cfg['dqk']} dv={cfg['dv']} block_k={cfg['block_k']}")
     # deterministic mode: "contrib" (the plain program writes per-slot contributions, sorted and summed:
     # 2.1-2.5x the atomic time on an H100), "contrib_ws" (the same contributions stored by the ws program:
-    # not yet measured on a GPU, off) or "fixed" (the ws program adding fixed-point integers with
+    # not yet measured on a GPU, off), "contrib_bf16" (as "contrib_ws" with each contribution rounded to bf16:
+    # half the bytes, an accuracy cost; opt-in) or "fixed" (the ws program adding fixed-point integers with
     # 64-bit reductions, order-free sums: 4.3-4.8x, L2 takes integer adds ~7x slower per value than
     # fp32 red.v4; an option: its memory is [Skv, dqk] int64, whatever the query count)
     cfg["det_mode"] = str(cfg.get("det_mode") or "contrib")
@@ -578,10 +579,25 @@ __device__ __forceinline__ void dsa_red4(float* dkv, long long off, float4 v, un
 
 // kMode 3 (deterministic "contrib_ws"): no reduction at all; dkv is the contribution buffer and slot s of
 // the tile stores its values (streaming stores: the reduce reads them much later) in row row0 + s;
-// invalid slots store nothing (the reduce never reads them).
+// invalid slots store nothing (the reduce never reads them). kMode 4 ("contrib_bf16"): the same rows in a
+// bf16 buffer (each value rounded to nearest: half the bytes written and read back).
+__device__ __forceinline__ unsigned int dsa_bf16_bits(float x) {  // round to nearest even; NaN stays NaN
+  const unsigned int u = __float_as_uint(x);
+  return isnan(x) ? 0x7fc0u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+__device__ __forceinline__ void dsa_store_bf16x4(void* dst, float4 v) {
+  uint2 packed;
+  packed.x = dsa_bf16_bits(v.x) | (dsa_bf16_bits(v.y) << 16);
+  packed.y = dsa_bf16_bits(v.z) | (dsa_bf16_bits(v.w) << 16);
+  __stcs(reinterpret_cast<uint2*>(dst), packed);
+}
+
 template <int kMode>
-__device__ __forceinline__ void dsa_red_tile64(const float* acc, float* dkv, const int* rows, int ld, int col0,
+__device__ __forceinline__ void dsa_red_tile64(const float* acc, void* dkv_raw, const int* rows, int ld, int col0,
                                                int64_t* sums, const float* fix_scale, long long row0) {
+  float* dkv = static_cast<float*>(dkv_raw);
+  unsigned short* dkv16 = static_cast<unsigned short*>(dkv_raw);  // kMode 4: bf16 bit patterns
   unsigned long long policy = 0;
   if (kMode == 1) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
   const float fix = kMode == 2 ? fix_scale[0] : 1.0f;
@@ -621,6 +637,11 @@ __device__ __forceinline__ void dsa_red_tile64(const float* acc, float* dkv, con
       if (kMode == 3) {
         if (row_a >= 0) __stcs(reinterpret_cast<float4*>(dkv + (row0 + slot) * ld + col), va);
         if (row_b >= 0) __stcs(reinterpret_cast<float4*>(dkv + (row0 + slot + 1) * ld + col), vb);
+        continue;
+      }
+      if (kMode == 4) {
+        if (row_a >= 0) dsa_store_bf16x4(dkv16 + (row0 + slot) * ld + col, va);
+        if (row_b >= 0) dsa_store_bf16x4(dkv16 + (row0 + slot + 1) * ld + col, vb);
         continue;
       }
       if (row_a >= 0) dsa_red4<kMode>(dkv, (long long)row_a * ld + col, va, policy);
@@ -663,7 +684,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     an integer and added with red.add.u64, so the sums do not depend on the order of the additions
     (non-finite values go to dKV as they are, see ``dsa_fixed_add``); "contrib": dKV [ND, dqk] is the
     contribution buffer [Tq, NHB, Kp] x dqk and each valid slot's values are stored in its own row
-    (full-line stores from the same layout), for the reduce to sum in a fixed order."""
+    (full-line stores from the same layout), for the reduce to sum in a fixed order; "contrib_bf16":
+    the same with dKV a bf16 buffer (each value rounded to bf16: half the bytes)."""
     import tilelang.cuda.language as TC
     import tilelang.language as T
 
@@ -685,9 +707,11 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     chunks = tuple([(c * 64, True) for c in range(dv // 64)] + ([(dv, False)] if DT > 0 else []))
     NCH = len(chunks)
     chunk_ids = tuple(range(NCH))  # a tuple: the loop over it is unrolled while the program is built
-    assert det_out in (None, "fixed", "contrib"), det_out
-    fixed_point, contrib = det_out == "fixed", det_out == "contrib"
-    red_fn = f"dsa_red_tile64<{3 if contrib else 2 if fixed_point else 1 if l2_keep else 0}>"
+    assert det_out in (None, "fixed", "contrib", "contrib_bf16"), det_out
+    fixed_point, contrib = det_out == "fixed", det_out in ("contrib", "contrib_bf16")
+    contrib_bf16 = det_out == "contrib_bf16"
+    red_mode = 4 if contrib_bf16 else 3 if contrib else 2 if fixed_point else 1 if l2_keep else 0
+    red_fn = f"dsa_red_tile64<{red_mode}>"
 
     Tq = T.dynamic("Tq")
     N = T.dynamic("N")
@@ -712,7 +736,7 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
         Lse2: T.Tensor([Tq, heads], f32),
         Delta: T.Tensor([Tq, heads], f32),
         dQ: T.Tensor([Tq, heads, dqk], dt),
-        dKV: T.Tensor([ND, dqk], f32),
+        dKV: T.Tensor([ND, dqk], T.bfloat16 if contrib_bf16 else f32),
         scale: f32,
         scale_log2: f32,
         Probs: T.Tensor([NHB, Tq, Kp] if emit_probs else [1], f32),
@@ -873,12 +897,15 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     return dsa_bwd_ws
 
 
-def _reduce_body(dqk, nhb, warps=4):
+def _reduce_body(dqk, nhb, contrib_dtype="float32", warps=4):
     """dKV[n] += sum of the contribution rows of kv row n, in a fixed order: Rows[RowPtr[n]:RowPtr[n + 1]]
     are the rows (of head block 0; block hb is kp rows further) of the slots naming n, sorted.
+    ``contrib_dtype``: the contribution buffer's ("float32", or "bfloat16" for "contrib_bf16"); the sums
+    are fp32 either way.
 
     One CTA per kv row. Warp w sums the row's sorted slots w, w + warps, ... in turn (its lanes read
-    each contribution row as coalesced 64-column runs: dqk / 64 independent loads in flight per slot),
+    each contribution row as coalesced runs of 8 bytes a lane: 64 fp32 or 128 bf16 columns, so
+    dqk / 64 or dqk / 128 independent loads in flight per slot),
     then the warps' partial sums are added in warp order through shared memory: the order never
     depends on timing. (One thread per column walking every slot in turn left each load waiting on
     the previous slot's index: latency-bound at 1.3-2.7 TB/s.)"""
@@ -890,13 +917,15 @@ def _reduce_body(dqk, nhb, warps=4):
     L = T.dynamic("L")  # Tq * Kp slots
     N = T.dynamic("N")
     N1 = T.dynamic("N1")  # N + 1
-    runs = (dqk + 63) // 64  # 64-column runs (the last one partial where dqk is not a multiple of 64)
-    whole = dqk % 64 == 0
+    vec = 4 if contrib_dtype == "bfloat16" else 2  # columns per lane and run: 8 bytes
+    width = 32 * vec
+    runs = (dqk + width - 1) // width  # runs of `width` columns (the last one partial where dqk is not a multiple)
+    whole = dqk % width == 0
     threads = 32 * warps
 
     @T.prim_func
     def dsa_bwd_reduce(
-        Contrib: T.Tensor([M, dqk], f32),
+        Contrib: T.Tensor([M, dqk], T.bfloat16 if contrib_dtype == "bfloat16" else f32),
         Rows: T.Tensor([L], i32),
         RowPtr: T.Tensor([N1], i32),
         dKV: T.Tensor([N, dqk], f32),
@@ -906,9 +935,9 @@ def _reduce_body(dqk, nhb, warps=4):
             tx = T.get_thread_binding()
             w = tx // 32
             lane = tx % 32
-            acc = T.alloc_local([runs * 2], f32)
+            acc = T.alloc_local([runs * vec], f32)
             part = T.alloc_shared([warps, dqk], f32)
-            for r in T.serial(runs * 2):
+            for r in T.serial(runs * vec):
                 acc[r] = 0.0
             start = RowPtr[n]
             count = RowPtr[n + 1] - start
@@ -917,13 +946,13 @@ def _reduce_body(dqk, nhb, warps=4):
                     base = T.alloc_var(i32, init=Rows[start + it * warps + w])
                     for hb in T.unroll(nhb):
                         for r in T.unroll(runs):
-                            for c in T.vectorized(2):
-                                if whole or r * 64 + lane * 2 + c < dqk:
-                                    acc[r * 2 + c] += Contrib[base + hb * kp, r * 64 + lane * 2 + c]
+                            for c in T.vectorized(vec):
+                                if whole or r * width + lane * vec + c < dqk:
+                                    acc[r * vec + c] += T.cast(Contrib[base + hb * kp, r * width + lane * vec + c], f32)
             for r in T.unroll(runs):
-                for c in T.vectorized(2):
-                    if whole or r * 64 + lane * 2 + c < dqk:
-                        part[w, r * 64 + lane * 2 + c] = acc[r * 2 + c]
+                for c in T.vectorized(vec):
+                    if whole or r * width + lane * vec + c < dqk:
+                        part[w, r * width + lane * vec + c] = acc[r * vec + c]
             T.sync_threads()
             for k in T.serial(T.ceildiv(dqk, threads)):
                 col = k * threads + tx
@@ -990,6 +1019,15 @@ def _get(kind: str, target, *args):
     return prog
 
 
+# det_mode -> the ws program's det_out
+_WS_DET_OUT = {"fixed": "fixed", "contrib_ws": "contrib", "contrib_bf16": "contrib_bf16"}
+
+
+def _contrib_dtype(cfg: dict) -> str:
+    """The contribution buffer's dtype of the contribution modes."""
+    return "bfloat16" if cfg["det_mode"] == "contrib_bf16" else "float32"
+
+
 def _uses_ws(cfg: dict, deterministic: bool) -> bool:
     return cfg["schedule"] == "ws" and (not deterministic or cfg["det_mode"] != "contrib")
 
@@ -999,7 +1037,7 @@ def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tu
     if _uses_ws(cfg, deterministic):
         return "ws", (cfg["heads"], cfg["dqk"], cfg["dv"], cfg["dtype"], cfg["store_dkv"], cfg["ws_prefetch"],
                       cfg["ws_dq_rs"], bool(emit_probs), cfg["l2_keep"] and not deterministic,
-                      {"fixed": "fixed", "contrib_ws": "contrib"}[cfg["det_mode"]] if deterministic else None)
+                      _WS_DET_OUT[cfg["det_mode"]] if deterministic else None)
     return "main", _main_args(cfg, deterministic, emit_probs)
 
 
@@ -1022,7 +1060,7 @@ def build_bwd_program(config: dict, name: str, target="auto"):
     if name in ("preprocess", "preprocess_det"):
         return _get("preprocess", target, *_preprocess_args(cfg, name == "preprocess_det"))
     if name == "reduce":
-        return _get("reduce", target, cfg["dqk"], (cfg["heads"] + _BLOCK_H - 1) // _BLOCK_H)
+        return _get("reduce", target, cfg["dqk"], (cfg["heads"] + _BLOCK_H - 1) // _BLOCK_H, _contrib_dtype(cfg))
     if name not in BWD_PROGRAMS:
         raise ValueError(f"unknown backward program {name!r}; known: {BWD_PROGRAMS}")
     kind, args = _main_kernel(cfg, "_det" in name, name.endswith("_probs"))
@@ -1197,6 +1235,35 @@ def _keys_last_invalid(idx: Tensor, n_rows: int) -> Tensor:
     return torch.where(idx >= 0, idx, n_rows).reshape(-1)
 
 
+_SIDE_STREAMS: dict = {}
+
+
+def _slot_order_async(idx: Tensor, n_rows: int, kp: int, nhb: int):
+    """Start the reduce's slot order on a side stream (it needs only the indices, so it overlaps the main
+    program); returns a function that makes the current stream wait and gives (Rows [T * Kp] int32: each
+    slot's contribution row of head block 0, sorted by kv row, ties in slot order; RowPtr [n_rows + 1]
+    int32: where each kv row's slots start). Invalid slots sort last and no RowPtr range reaches them."""
+    main = torch.cuda.current_stream(idx.device)
+    side = _SIDE_STREAMS.get(idx.device)
+    if side is None:
+        side = _SIDE_STREAMS[idx.device] = torch.cuda.Stream(idx.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        sorted_keys, order = torch.sort(_keys_last_invalid(idx, n_rows), stable=True)
+        rowptr = torch.searchsorted(sorted_keys, torch.arange(n_rows + 1, device=idx.device, dtype=torch.int32),
+                                    out_int32=True)
+        rows = order if nhb == 1 else (order // kp) * (nhb * kp) + order % kp
+        rows = rows.to(torch.int32)
+
+    def ready():
+        main.wait_stream(side)
+        rows.record_stream(main)  # made on the side stream, read on this one
+        rowptr.record_stream(main)
+        return rows, rowptr
+
+    return ready
+
+
 def _no_fixed_point(device):
     """The ws program's FixedSums and FixScale arguments where it adds no fixed-point values."""
     return zeros_arg(1, torch.int64, device), zeros_arg(2, torch.float32, device)
@@ -1266,10 +1333,12 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
     elif not deterministic:
         main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), blocks)
     else:  # the contribution modes: "contrib" (the plain program) and "contrib_ws"
-        red = _get("reduce", target, Dqk, nhb)
-        per_row = nhb * Kp * Dqk * 4
+        cdt = _contrib_dtype(cfg)
+        red = _get("reduce", target, Dqk, nhb, cdt)
+        cdt = getattr(torch, cdt)
+        per_row = nhb * Kp * Dqk * cdt.itemsize
         chunk = max(1, min(T_, _DET_BUDGET_BYTES // per_row))
-        contrib = torch.empty(chunk * nhb * Kp, Dqk, device=dev, dtype=torch.float32)
+        contrib = torch.empty(chunk * nhb * Kp, Dqk, device=dev, dtype=cdt)
         for t0 in range(0, T_, chunk):
             t1 = min(T_, t0 + chunk)
             tc = t1 - t0
@@ -1278,7 +1347,9 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
             view = part = None if probs is None else probs[:, t0:t1]
             if view is not None and not view.is_contiguous():
                 part = (torch.zeros if skip else torch.empty)(nhb, tc, Kp, device=dev, dtype=torch.float32)
-            if kind == "ws":  # "contrib_ws": the same contribution rows, stored by the ws program
+            # the slots' fixed order depends on the indices only: sorted on a side stream while the main program runs
+            order_ready = _slot_order_async(idx[t0:t1], N, Kp, nhb)
+            if kind == "ws":  # "contrib_ws" / "contrib_bf16": the same contribution rows, stored by the ws program
                 main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1], cb, s,
                      s * _LOG2E, _probs_arg(part, dev), *_no_fixed_point(dev))
             else:
@@ -1287,11 +1358,8 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
                      blocks[t0:t1] if skip else blocks)
             if part is not view:
                 view.copy_(part)
-            keys = _keys_last_invalid(idx[t0:t1], N)
-            sorted_keys, order = torch.sort(keys, stable=True)
-            rowptr = torch.searchsorted(sorted_keys, torch.arange(N + 1, device=dev, dtype=torch.int32))
-            rows = (order // Kp) * (nhb * Kp) + order % Kp  # each slot's contribution row (head block 0)
-            red(cb, rows.to(torch.int32), rowptr.to(torch.int32), dkv, Kp)
+            rows, rowptr = order_ready()
+            red(cb, rows, rowptr, dkv, Kp)
 
     dsink = None
     if sink is not None:

@@ -284,3 +284,33 @@ def test_contribution_rows_from_the_ws_program_compile():
     for name in ("main_det", "main_det_probs"):
         det = bwd.build_bwd_program(cfg, name, target=SM90A).get_kernel_source()
         assert "dsa_red_tile64<3>(" in det and "dsa_red_tile64<0>(" not in det and "__named_barrier_arrive" in det
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
+def test_bf16_contribution_rows_compile_with_a_bf16_reduce():
+    """det_mode "contrib_bf16": the ws program stores each valid slot's values as bf16 (rounded to nearest
+    even, NaN kept) and the reduce reads bf16 rows, 128 columns a run (8 bytes a lane), summing in fp32."""
+    cfg = {"heads": 64, "dqk": 576, "dv": 512, "has_sink": False, "dtype": "bfloat16", "det_mode": "contrib_bf16"}
+    assert bwd.bwd_program_names(cfg)[-1] == "reduce"
+    det = bwd.build_bwd_program(cfg, "main_det", target=SM90A).get_kernel_source()
+    assert "dsa_red_tile64<4>(" in det and "bfloat16_t* __restrict__ dKV" in det
+    red = bwd.build_bwd_program(cfg, "reduce", target=SM90A).get_kernel_source()
+    loop = red[red.index("for (int it = 0;"):red.index("__syncthreads()")]
+    assert "bfloat16_t* __restrict__ Contrib" in red and "uint2" in loop and "float dKV" not in red
+    assert "< 9)" in loop  # 576 = 4.5 runs of 128 (9 halves): the last one half the lanes
+
+
+def test_bf16_rounding_of_the_contribution_store_matches_torch():
+    """dsa_bf16_bits (the "contrib_bf16" store's rounding) mirrored in Python: round to nearest even as torch."""
+    import re
+
+    src = bwd._WS_PRELUDE
+    body = src[src.index("dsa_bf16_bits(float x)"):]
+    assert re.search(r"isnan\(x\) \? 0x7fc0u : \(u \+ 0x7fffu \+ \(\(u >> 16\) & 1u\)\) >> 16", body)
+    x = torch.randn(100_000) * torch.logspace(-30, 30, 100_000)
+    x = torch.cat([x, torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1.0 + 2**-8, 1.0 + 3 * 2**-8])])
+    u = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+    ours = (bits << 16).to(torch.int32).view(torch.float32)
+    assert torch.equal(ours, x.to(torch.bfloat16).float())

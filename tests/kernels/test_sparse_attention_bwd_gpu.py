@@ -219,7 +219,8 @@ def test_bwd_matches_float64_autograd(cfg, case):
 
 @pytest.mark.parametrize("cfg,det_mode", [(CONFIGS[0], None), (CONFIGS[2], None), (CONFIGS[3], None), (CONFIGS[7], None),
                                           (CONFIGS[0], "fixed"), (CONFIGS[3], "fixed"), (CONFIGS[0], "contrib_ws"),
-                                          (CONFIGS[3], "contrib_ws")],
+                                          (CONFIGS[3], "contrib_ws"), (CONFIGS[0], "contrib_bf16"),
+                                          (CONFIGS[3], "contrib_bf16")],
                          ids=lambda c: c if isinstance(c, str) or c is None else f"H{c[0]}-D{c[1]}")
 def test_deterministic_is_bitwise_reproducible(cfg, det_mode):
     """20 runs, the same bits: the contribution path (the default), and on the ws shapes the fixed-point
@@ -393,7 +394,7 @@ def test_ws_tuning_variants_match_float64(tuning, case):
     assert (dq[empty] == 0).all()
 
 
-@pytest.mark.parametrize("det_mode", ["contrib", "contrib_ws"])
+@pytest.mark.parametrize("det_mode", ["contrib", "contrib_ws", "contrib_bf16"])
 def test_deterministic_chunks_with_probs_and_two_head_blocks(monkeypatch, det_mode):
     """H 128 (two head blocks): the deterministic query chunks write the head-summed probabilities
     through a buffer of their own (a [2, T, K] slice is not contiguous); same bits as one chunk."""
@@ -426,7 +427,7 @@ def test_deterministic_modes_agree_with_float64(cfg, case):
     out, lse = out64.to(dtype), lse64.float()
     g_dq, g_dkv, _ = _given_inputs_grads(q, kv, idx, out, lse, dout, scale, sink, Dv)
     res = {m: sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv, deterministic=True,
-                                   config={"det_mode": m}) for m in ("fixed", "contrib", "contrib_ws")}
+                                   config={"det_mode": m}) for m in ("fixed", "contrib", "contrib_ws", "contrib_bf16")}
     atomic = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv)
     for m, (dq, dkv, _) in res.items():
         assert not torch.isnan(dkv).any(), m
@@ -435,6 +436,11 @@ def test_deterministic_modes_agree_with_float64(cfg, case):
     assert _rel(res["fixed"][1], g_dkv) <= 2 * _rel(atomic[1], g_dkv) + 1e-6
     assert torch.equal(res["fixed"][0], atomic[0]) and torch.equal(res["contrib_ws"][0], atomic[0])  # dq: the ws program
     assert _rel(res["contrib_ws"][1], res["contrib"][1]) < 1e-5
+    # bf16 contributions: each rounded once more (2^-9 of itself) before the fp32 sum; the error against the
+    # float64 sums stays within a small factor of the atomic mode's (whose P and dS are bf16 MMA operands)
+    e_bf16, e_atomic = _rel(res["contrib_bf16"][1], g_dkv), _rel(atomic[1], g_dkv)
+    assert e_bf16 <= 3 * e_atomic + 1e-6, (e_bf16, e_atomic)
+    assert torch.equal(res["contrib_bf16"][0], atomic[0])
 
 
 @pytest.mark.parametrize("factor", [1e-6, 1e4], ids=["tiny", "huge"])
