@@ -24,7 +24,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     2>&1 | tee "$OUT/bench.log" | tail -n 40
 fi
 if [ "$what" = bwd ]; then
-  det='[{}, {"deterministic": true, "det_mode": "contrib_ws"}, {"deterministic": true, "det_mode": "contrib_bf16"}, {"deterministic": true, "det_mode": "fixed"}]'
+  det='[{}, {"deterministic": true, "det_mode": "contrib_ws"}, {"deterministic": true, "det_mode": "contrib_bf16"}, {"deterministic": true, "det_mode": "contrib_i16"}, {"deterministic": true, "det_mode": "fixed"}]'
   # compile the backward programs side by side first: one after another the GPU file outlasts a call
   timeout 240 python benchmarks/kernels/bench_sparse_attention_bwd.py --warmup --jobs 16 --variants "$det" \
     >"$OUT/bwd_warmup.log" 2>&1

@@ -86,7 +86,7 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
 
 _TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep",
                 "schedule", "ws_prefetch", "ws_dq_rs", "det_mode")
-_DET_MODES = ("contrib", "contrib_ws", "contrib_bf16", "fixed")
+_DET_MODES = ("contrib", "contrib_ws", "contrib_bf16", "contrib_i16", "fixed")
 _SCHEDULES = ("ws", "plain")
 
 
@@ -580,31 +580,62 @@ __device__ __forceinline__ void dsa_red4(float* dkv, long long off, float4 v, un
 // kMode 3 (deterministic "contrib_ws"): no reduction at all; dkv is the contribution buffer and slot s of
 // the tile stores its values (streaming stores: the reduce reads them much later) in row row0 + s;
 // invalid slots store nothing (the reduce never reads them). kMode 4 ("contrib_bf16"): the same rows in a
-// bf16 buffer (each value rounded to nearest: half the bytes written and read back).
-__device__ __forceinline__ unsigned int dsa_bf16_bits(float x) {  // round to nearest even; NaN stays NaN
-  const unsigned int u = __float_as_uint(x);
-  return isnan(x) ? 0x7fc0u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+// bf16 buffer (each value rounded to nearest even). kMode 5 ("contrib_i16"): the same rows as int16 in
+// block floating point: each row's 64 columns of the tile share a power of two chosen from their largest
+// magnitude m (values times 2^(14 - e), m < 2^e, rounded: |int| <= 2^14, a step of 2^-14..2^-15 of m), and
+// scales[row, col0 / 64] gets its inverse (NaN where the 64 values are not all finite, so the sum is NaN).
+__device__ __forceinline__ unsigned int dsa_bf16x2(float lo, float hi) {
+  unsigned int r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
 }
 
-__device__ __forceinline__ void dsa_store_bf16x4(void* dst, float4 v) {
-  uint2 packed;
-  packed.x = dsa_bf16_bits(v.x) | (dsa_bf16_bits(v.y) << 16);
-  packed.y = dsa_bf16_bits(v.z) | (dsa_bf16_bits(v.w) << 16);
-  __stcs(reinterpret_cast<uint2*>(dst), packed);
+__device__ __forceinline__ unsigned int dsa_i16x2(float lo, float hi) {
+  return (static_cast<unsigned int>(__float2int_rn(lo)) & 0xffffu) | (static_cast<unsigned int>(__float2int_rn(hi)) << 16);
+}
+
+__device__ __forceinline__ float dsa_absmax4(float4 v) {  // inf where a value is not finite
+  const float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+  return isfinite(v.x + v.y + v.z + v.w) ? m : __int_as_float(0x7f800000);
+}
+
+template <int kMode>
+__device__ __forceinline__ void dsa_store_row4(void* dst, float4 v, float scale) {
+  if (kMode == 3) {
+    __stcs(reinterpret_cast<float4*>(dst), v);
+  } else {
+    uint2 packed;
+    if (kMode == 4) {
+      packed = make_uint2(dsa_bf16x2(v.x, v.y), dsa_bf16x2(v.z, v.w));
+    } else {
+      packed = make_uint2(dsa_i16x2(v.x * scale, v.y * scale), dsa_i16x2(v.z * scale, v.w * scale));
+    }
+    __stcs(reinterpret_cast<uint2*>(dst), packed);
+  }
+}
+
+// kMode 5: the power of two for a 64-column block whose largest magnitude is m (0 where m is not finite)
+// and its inverse (NaN there); e is clamped to [-112, 128] so both are normal floats.
+__device__ __forceinline__ float2 dsa_i16_scale(float m) {
+  if (!(m <= 3.402823466e38f)) return make_float2(0.0f, __int_as_float(0x7fffffff));
+  const int e = min(max(static_cast<int>((__float_as_uint(m) >> 23) & 0xff) - 126, -112), 128);  // m < 2^e
+  return make_float2(__uint_as_float(static_cast<unsigned int>(141 - e) << 23),
+                     __uint_as_float(static_cast<unsigned int>(113 + e) << 23));
 }
 
 template <int kMode>
 __device__ __forceinline__ void dsa_red_tile64(const float* acc, void* dkv_raw, const int* rows, int ld, int col0,
-                                               int64_t* sums, const float* fix_scale, long long row0) {
+                                               int64_t* sums, float* scales, long long row0) {
   float* dkv = static_cast<float*>(dkv_raw);
-  unsigned short* dkv16 = static_cast<unsigned short*>(dkv_raw);  // kMode 4: bf16 bit patterns
   unsigned long long policy = 0;
   if (kMode == 1) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-  const float fix = kMode == 2 ? fix_scale[0] : 1.0f;
-  const float limit = kMode == 2 ? fix_scale[1] : 0.0f;
+  const float fix = kMode == 2 ? scales[0] : 1.0f;
+  const float limit = kMode == 2 ? scales[1] : 0.0f;
   const int tid = threadIdx.x & 127;
   const int lane = tid & 31, q = lane & 3, g = lane >> 2;
   const int odd = q & 1, gb = g & 1;
+  constexpr int kBytes = kMode == 3 ? 4 : 2;  // bytes per stored value of the contribution modes
+  char* contrib = static_cast<char*>(dkv_raw);
   #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float4 v[4];
@@ -618,6 +649,7 @@ __device__ __forceinline__ void dsa_red_tile64(const float* acc, void* dkv_raw, 
     }
     const int slot = 16 * (tid >> 5) + 8 * half + (g & ~1);
     const int row_a = rows[slot], row_b = rows[slot + 1];
+    float4 va[2], vb[2];  // [mp]: rows a and b at column col0 + 16 (2 mp + gb) + 8 odd + 4 (q >> 1)
     #pragma unroll
     for (int mp = 0; mp < 2; ++mp) {
       const float4 x = v[2 * mp], y = v[2 * mp + 1];
@@ -627,25 +659,40 @@ __device__ __forceinline__ void dsa_red_tile64(const float* acc, void* dkv_raw, 
       r.y = __shfl_xor_sync(0xffffffffu, s.y, 4);
       r.z = __shfl_xor_sync(0xffffffffu, s.z, 4);
       r.w = __shfl_xor_sync(0xffffffffu, s.w, 4);
-      const float4 va = gb ? r : x, vb = gb ? y : r;
+      va[mp] = gb ? r : x;
+      vb[mp] = gb ? y : r;
+    }
+    float2 sa = make_float2(1.0f, 1.0f), sb = sa;
+    if (kMode == 5) {  // the 8 lanes q = 0..3, gb = 0, 1 (lane bits 0-2) hold one row's 64 columns
+      float ma = fmaxf(dsa_absmax4(va[0]), dsa_absmax4(va[1])), mb = fmaxf(dsa_absmax4(vb[0]), dsa_absmax4(vb[1]));
+      #pragma unroll
+      for (int m = 1; m <= 4; m <<= 1) {
+        ma = fmaxf(ma, __shfl_xor_sync(0xffffffffu, ma, m));
+        mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, m));
+      }
+      sa = dsa_i16_scale(ma);
+      sb = dsa_i16_scale(mb);
+      if ((lane & 7) == 0) {
+        const int nch = ld / 64;
+        if (row_a >= 0) scales[(row0 + slot) * nch + col0 / 64] = sa.y;
+        if (row_b >= 0) scales[(row0 + slot + 1) * nch + col0 / 64] = sb.y;
+      }
+    }
+    #pragma unroll
+    for (int mp = 0; mp < 2; ++mp) {
       if (kMode == 2) {
-        dsa_fixed_quad(sums, dkv, row_a, ld, col0 + 16 * (2 * mp + gb), va, fix, limit, q);
-        dsa_fixed_quad(sums, dkv, row_b, ld, col0 + 16 * (2 * mp + gb), vb, fix, limit, q);
+        dsa_fixed_quad(sums, dkv, row_a, ld, col0 + 16 * (2 * mp + gb), va[mp], fix, limit, q);
+        dsa_fixed_quad(sums, dkv, row_b, ld, col0 + 16 * (2 * mp + gb), vb[mp], fix, limit, q);
         continue;
       }
       const int col = col0 + 16 * (2 * mp + gb) + 8 * odd + 4 * (q >> 1);
-      if (kMode == 3) {
-        if (row_a >= 0) __stcs(reinterpret_cast<float4*>(dkv + (row0 + slot) * ld + col), va);
-        if (row_b >= 0) __stcs(reinterpret_cast<float4*>(dkv + (row0 + slot + 1) * ld + col), vb);
+      if (kMode >= 3) {
+        if (row_a >= 0) dsa_store_row4<kMode>(contrib + ((row0 + slot) * ld + col) * kBytes, va[mp], sa.x);
+        if (row_b >= 0) dsa_store_row4<kMode>(contrib + ((row0 + slot + 1) * ld + col) * kBytes, vb[mp], sb.x);
         continue;
       }
-      if (kMode == 4) {
-        if (row_a >= 0) dsa_store_bf16x4(dkv16 + (row0 + slot) * ld + col, va);
-        if (row_b >= 0) dsa_store_bf16x4(dkv16 + (row0 + slot + 1) * ld + col, vb);
-        continue;
-      }
-      if (row_a >= 0) dsa_red4<kMode>(dkv, (long long)row_a * ld + col, va, policy);
-      if (row_b >= 0) dsa_red4<kMode>(dkv, (long long)row_b * ld + col, vb, policy);
+      if (row_a >= 0) dsa_red4<kMode>(dkv, (long long)row_a * ld + col, va[mp], policy);
+      if (row_b >= 0) dsa_red4<kMode>(dkv, (long long)row_b * ld + col, vb[mp], policy);
     }
   }
 }
@@ -679,13 +726,15 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     head-summed P of each slot (Probs [NHB, Tq, Kp], the indexer loss's target). ``l2_keep``: the
     reductions carry an L2 evict_last policy (the fp32 dkv lines stay in L2 while gathered rows
     stream through: long caches, where dkv outgrows L2). ``det_out`` (deterministic modes): "fixed": the
-    values go to FixedSums [N, dqk] int64 instead, each times FixScale[0] (a power of two; FixScale[1]: the
+    values go to FixedSums [N, dqk] int64 instead, each times Scales[0] (a power of two; Scales[1]: the
     largest scaled value allowed, beyond which it goes to dKV as NaN) rounded to
     an integer and added with red.add.u64, so the sums do not depend on the order of the additions
     (non-finite values go to dKV as they are, see ``dsa_fixed_add``); "contrib": dKV [ND, dqk] is the
     contribution buffer [Tq, NHB, Kp] x dqk and each valid slot's values are stored in its own row
     (full-line stores from the same layout), for the reduce to sum in a fixed order; "contrib_bf16":
-    the same with dKV a bf16 buffer (each value rounded to bf16: half the bytes)."""
+    the same with dKV a bf16 buffer (each value rounded to bf16: half the bytes); "contrib_i16": dKV an
+    int16 buffer in block floating point, Scales [ND, dqk / 64] the power of two of each row's 64-column
+    block (see ``dsa_red_tile64``)."""
     import tilelang.cuda.language as TC
     import tilelang.language as T
 
@@ -707,10 +756,11 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     chunks = tuple([(c * 64, True) for c in range(dv // 64)] + ([(dv, False)] if DT > 0 else []))
     NCH = len(chunks)
     chunk_ids = tuple(range(NCH))  # a tuple: the loop over it is unrolled while the program is built
-    assert det_out in (None, "fixed", "contrib", "contrib_bf16"), det_out
-    fixed_point, contrib = det_out == "fixed", det_out in ("contrib", "contrib_bf16")
-    contrib_bf16 = det_out == "contrib_bf16"
-    red_mode = 4 if contrib_bf16 else 3 if contrib else 2 if fixed_point else 1 if l2_keep else 0
+    contrib_modes = {"contrib": 3, "contrib_bf16": 4, "contrib_i16": 5}
+    assert det_out is None or det_out == "fixed" or det_out in contrib_modes, det_out
+    fixed_point, contrib = det_out == "fixed", det_out in contrib_modes
+    contrib_dt = {"contrib_bf16": T.bfloat16, "contrib_i16": T.int16}.get(det_out, f32)
+    red_mode = contrib_modes[det_out] if contrib else 2 if fixed_point else 1 if l2_keep else 0
     red_fn = f"dsa_red_tile64<{red_mode}>"
 
     Tq = T.dynamic("Tq")
@@ -736,12 +786,14 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
         Lse2: T.Tensor([Tq, heads], f32),
         Delta: T.Tensor([Tq, heads], f32),
         dQ: T.Tensor([Tq, heads, dqk], dt),
-        dKV: T.Tensor([ND, dqk], T.bfloat16 if contrib_bf16 else f32),
+        dKV: T.Tensor([ND, dqk], contrib_dt),
         scale: f32,
         scale_log2: f32,
         Probs: T.Tensor([NHB, Tq, Kp] if emit_probs else [1], f32),
         FixedSums: T.Tensor([N, dqk] if fixed_point else [1], T.int64),
-        FixScale: T.Tensor([2], f32),  # fixed_point: the power of two the values are scaled by, the limit
+        # "fixed": the power of two the values are scaled by and the limit; "contrib_i16": each contribution
+        # row's inverse scale per 64 columns
+        Scales: T.Tensor([ND, dqk // 64] if det_out == "contrib_i16" else [2], f32),
     ):
         with TC.Kernel(Tq, NHB, threads=256, prelude=_WS_PRELUDE) as (t, hb):
             q_s = T.alloc_shared([BH, dv], dt)
@@ -883,7 +935,7 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                             T.call_extern("handle", red_fn, acc_kv[ci % 2].data, T.address_of(dKV[0, 0]),
                                           T.address_of(Idx[t, kb * BK]), dqk, chunks[ci][0],
                                           T.address_of(FixedSums[0, 0] if fixed_point else FixedSums[0]),
-                                          T.address_of(FixScale[0]),
+                                          T.address_of(Scales[0, 0] if det_out == "contrib_i16" else Scales[0]),
                                           (T.cast(t * NHB + hb, T.int64) * Kp + kb * BK) if contrib
                                           else T.int64(0))
                 for i, d in T.Parallel(BH, dv - DQ0):
@@ -900,8 +952,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
 def _reduce_body(dqk, nhb, contrib_dtype="float32", warps=4):
     """dKV[n] += sum of the contribution rows of kv row n, in a fixed order: Rows[RowPtr[n]:RowPtr[n + 1]]
     are the rows (of head block 0; block hb is kp rows further) of the slots naming n, sorted.
-    ``contrib_dtype``: the contribution buffer's ("float32", or "bfloat16" for "contrib_bf16"); the sums
-    are fp32 either way.
+    ``contrib_dtype``: the contribution buffer's ("float32"; "bfloat16" for "contrib_bf16"; "int16" for
+    "contrib_i16", each value times Scales[row, col // 64], a power of two: exact); the sums are fp32.
 
     One CTA per kv row. Warp w sums the row's sorted slots w, w + warps, ... in turn (its lanes read
     each contribution row as coalesced runs of 8 bytes a lane: 64 fp32 or 128 bf16 columns, so
@@ -917,7 +969,8 @@ def _reduce_body(dqk, nhb, contrib_dtype="float32", warps=4):
     L = T.dynamic("L")  # Tq * Kp slots
     N = T.dynamic("N")
     N1 = T.dynamic("N1")  # N + 1
-    vec = 4 if contrib_dtype == "bfloat16" else 2  # columns per lane and run: 8 bytes
+    scaled = contrib_dtype == "int16"
+    vec = 2 if contrib_dtype == "float32" else 4  # columns per lane and run: 8 bytes
     width = 32 * vec
     runs = (dqk + width - 1) // width  # runs of `width` columns (the last one partial where dqk is not a multiple)
     whole = dqk % width == 0
@@ -925,7 +978,8 @@ def _reduce_body(dqk, nhb, contrib_dtype="float32", warps=4):
 
     @T.prim_func
     def dsa_bwd_reduce(
-        Contrib: T.Tensor([M, dqk], T.bfloat16 if contrib_dtype == "bfloat16" else f32),
+        Contrib: T.Tensor([M, dqk], {"float32": f32, "bfloat16": T.bfloat16, "int16": T.int16}[contrib_dtype]),
+        Scales: T.Tensor([M, dqk // 64] if scaled else [1], f32),
         Rows: T.Tensor([L], i32),
         RowPtr: T.Tensor([N1], i32),
         dKV: T.Tensor([N, dqk], f32),
@@ -946,9 +1000,19 @@ def _reduce_body(dqk, nhb, contrib_dtype="float32", warps=4):
                     base = T.alloc_var(i32, init=Rows[start + it * warps + w])
                     for hb in T.unroll(nhb):
                         for r in T.unroll(runs):
-                            for c in T.vectorized(vec):
-                                if whole or r * width + lane * vec + c < dqk:
-                                    acc[r * vec + c] += T.cast(Contrib[base + hb * kp, r * width + lane * vec + c], f32)
+                            if scaled:  # the lane's 4 columns lie in one 64-column block
+                                sc = T.alloc_var(f32, init=T.if_then_else(
+                                    whole or r * width + lane * vec < dqk,
+                                    Scales[base + hb * kp, T.min((r * width + lane * vec) // 64, dqk // 64 - 1)], 0))
+                                for c in T.vectorized(vec):
+                                    if whole or r * width + lane * vec + c < dqk:
+                                        acc[r * vec + c] += T.cast(Contrib[base + hb * kp, r * width + lane * vec + c],
+                                                                   f32) * sc
+                            else:
+                                for c in T.vectorized(vec):
+                                    if whole or r * width + lane * vec + c < dqk:
+                                        acc[r * vec + c] += T.cast(Contrib[base + hb * kp, r * width + lane * vec + c],
+                                                                   f32)
             for r in T.unroll(runs):
                 for c in T.vectorized(vec):
                     if whole or r * width + lane * vec + c < dqk:
@@ -1020,12 +1084,12 @@ def _get(kind: str, target, *args):
 
 
 # det_mode -> the ws program's det_out
-_WS_DET_OUT = {"fixed": "fixed", "contrib_ws": "contrib", "contrib_bf16": "contrib_bf16"}
+_WS_DET_OUT = {"fixed": "fixed", "contrib_ws": "contrib", "contrib_bf16": "contrib_bf16", "contrib_i16": "contrib_i16"}
 
 
 def _contrib_dtype(cfg: dict) -> str:
     """The contribution buffer's dtype of the contribution modes."""
-    return "bfloat16" if cfg["det_mode"] == "contrib_bf16" else "float32"
+    return {"contrib_bf16": "bfloat16", "contrib_i16": "int16"}.get(cfg["det_mode"], "float32")
 
 
 def _uses_ws(cfg: dict, deterministic: bool) -> bool:
@@ -1339,19 +1403,24 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
         per_row = nhb * Kp * Dqk * cdt.itemsize
         chunk = max(1, min(T_, _DET_BUDGET_BYTES // per_row))
         contrib = torch.empty(chunk * nhb * Kp, Dqk, device=dev, dtype=cdt)
+        # contrib_i16: each contribution row's power of two per 64 columns (the ws program's Scales)
+        scales = (torch.empty(chunk * nhb * Kp, Dqk // 64, device=dev, dtype=torch.float32)
+                  if cdt == torch.int16 else zeros_arg(1, torch.float32, dev))
         for t0 in range(0, T_, chunk):
             t1 = min(T_, t0 + chunk)
             tc = t1 - t0
             cb = contrib[: tc * nhb * Kp]
+            sb = scales[: tc * nhb * Kp] if scales.dim() == 2 else scales
             # probs[:, t0:t1] is not contiguous with two head blocks or more: a chunk buffer of its own
             view = part = None if probs is None else probs[:, t0:t1]
             if view is not None and not view.is_contiguous():
                 part = (torch.zeros if skip else torch.empty)(nhb, tc, Kp, device=dev, dtype=torch.float32)
             # the slots' fixed order depends on the indices only: sorted on a side stream while the main program runs
             order_ready = _slot_order_async(idx[t0:t1], N, Kp, nhb)
-            if kind == "ws":  # "contrib_ws" / "contrib_bf16": the same contribution rows, stored by the ws program
+            if kind == "ws":  # "contrib_ws" / "_bf16" / "_i16": the same contribution rows, stored by the ws program
+                sums, fix = _no_fixed_point(dev)
                 main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1], cb, s,
-                     s * _LOG2E, _probs_arg(part, dev), *_no_fixed_point(dev))
+                     s * _LOG2E, _probs_arg(part, dev), sums, sb if sb.dim() == 2 else fix)
             else:
                 main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1],
                      cb.view(tc, nhb, Kp, Dqk), s, s * _LOG2E, _probs_arg(part, dev),
@@ -1359,7 +1428,7 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
             if part is not view:
                 view.copy_(part)
             rows, rowptr = order_ready()
-            red(cb, rows, rowptr, dkv, Kp)
+            red(cb, sb, rows, rowptr, dkv, Kp)
 
     dsink = None
     if sink is not None:

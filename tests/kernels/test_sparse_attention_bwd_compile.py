@@ -288,29 +288,34 @@ def test_contribution_rows_from_the_ws_program_compile():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
-def test_bf16_contribution_rows_compile_with_a_bf16_reduce():
-    """det_mode "contrib_bf16": the ws program stores each valid slot's values as bf16 (rounded to nearest
-    even, NaN kept) and the reduce reads bf16 rows, 128 columns a run (8 bytes a lane), summing in fp32."""
-    cfg = {"heads": 64, "dqk": 576, "dv": 512, "has_sink": False, "dtype": "bfloat16", "det_mode": "contrib_bf16"}
+@pytest.mark.parametrize("mode,ctype,store", [("contrib_bf16", "bfloat16_t", 4), ("contrib_i16", "short", 5)])
+def test_rounded_contribution_rows_compile_with_their_reduce(mode, ctype, store):
+    """det_mode "contrib_bf16" / "contrib_i16": the ws program stores each valid slot's values as bf16, or as
+    int16 with a power of two per 64 columns (Scales), and the reduce reads 128-column runs of them (8 bytes
+    a lane; int16 times its block's scale), summing in fp32."""
+    cfg = {"heads": 64, "dqk": 576, "dv": 512, "has_sink": False, "dtype": "bfloat16", "det_mode": mode}
     assert bwd.bwd_program_names(cfg)[-1] == "reduce"
     det = bwd.build_bwd_program(cfg, "main_det", target=SM90A).get_kernel_source()
-    assert "dsa_red_tile64<4>(" in det and "bfloat16_t* __restrict__ dKV" in det
+    assert f"dsa_red_tile64<{store}>(" in det and f"{ctype}* __restrict__ dKV" in det
+    assert ("Scales[" in det or "(&(Scales[0]))" in det)
     red = bwd.build_bwd_program(cfg, "reduce", target=SM90A).get_kernel_source()
     loop = red[red.index("for (int it = 0;"):red.index("__syncthreads()")]
-    assert "bfloat16_t* __restrict__ Contrib" in red and "uint2" in loop and "float dKV" not in red
+    assert f"{ctype}* __restrict__ Contrib" in red and ("uint2" in loop or "short4" in loop)
     assert "< 9)" in loop  # 576 = 4.5 runs of 128 (9 halves): the last one half the lanes
+    assert ("Scales[" in loop) == (mode == "contrib_i16")
 
 
-def test_bf16_rounding_of_the_contribution_store_matches_torch():
-    """dsa_bf16_bits (the "contrib_bf16" store's rounding) mirrored in Python: round to nearest even as torch."""
-    import re
-
+def test_int16_block_scale_bounds_every_value():
+    """dsa_i16_scale (the "contrib_i16" store) mirrored in Python: for a block whose largest magnitude is m the
+    scale is a power of two with m * scale < 2^14 <= 2 m * scale (values fit int16, none lose more than one bit
+    of the range), and the stored inverse is exact; e is clamped so both stay normal floats."""
     src = bwd._WS_PRELUDE
-    body = src[src.index("dsa_bf16_bits(float x)"):]
-    assert re.search(r"isnan\(x\) \? 0x7fc0u : \(u \+ 0x7fffu \+ \(\(u >> 16\) & 1u\)\) >> 16", body)
-    x = torch.randn(100_000) * torch.logspace(-30, 30, 100_000)
-    x = torch.cat([x, torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1.0 + 2**-8, 1.0 + 3 * 2**-8])])
-    u = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-    ours = (bits << 16).to(torch.int32).view(torch.float32)
-    assert torch.equal(ours, x.to(torch.bfloat16).float())
+    assert "- 126, -112), 128)" in src and "(141 - e) << 23" in src and "(113 + e) << 23" in src
+    m = torch.cat([torch.rand(10_000) * torch.logspace(-30, 30, 10_000), torch.tensor([1.0, 2.0**-20, 3.0e38])])
+    e = ((m.view(torch.int32) >> 23) & 0xFF) - 126
+    e = e.clamp(-112, 128)
+    scale = ((141 - e) << 23).to(torch.int32).view(torch.float32)
+    inverse = ((113 + e) << 23).to(torch.int32).view(torch.float32)
+    scaled = m.double() * scale.double()
+    assert (scaled < 2**14).all() and (scaled >= 2**13).all()
+    assert torch.equal(scale.double() * inverse.double(), torch.ones_like(scaled))

@@ -220,7 +220,8 @@ def test_bwd_matches_float64_autograd(cfg, case):
 @pytest.mark.parametrize("cfg,det_mode", [(CONFIGS[0], None), (CONFIGS[2], None), (CONFIGS[3], None), (CONFIGS[7], None),
                                           (CONFIGS[0], "fixed"), (CONFIGS[3], "fixed"), (CONFIGS[0], "contrib_ws"),
                                           (CONFIGS[3], "contrib_ws"), (CONFIGS[0], "contrib_bf16"),
-                                          (CONFIGS[3], "contrib_bf16")],
+                                          (CONFIGS[3], "contrib_bf16"), (CONFIGS[0], "contrib_i16"),
+                                          (CONFIGS[3], "contrib_i16")],
                          ids=lambda c: c if isinstance(c, str) or c is None else f"H{c[0]}-D{c[1]}")
 def test_deterministic_is_bitwise_reproducible(cfg, det_mode):
     """20 runs, the same bits: the contribution path (the default), and on the ws shapes the fixed-point
@@ -394,7 +395,7 @@ def test_ws_tuning_variants_match_float64(tuning, case):
     assert (dq[empty] == 0).all()
 
 
-@pytest.mark.parametrize("det_mode", ["contrib", "contrib_ws", "contrib_bf16"])
+@pytest.mark.parametrize("det_mode", ["contrib", "contrib_ws", "contrib_bf16", "contrib_i16"])
 def test_deterministic_chunks_with_probs_and_two_head_blocks(monkeypatch, det_mode):
     """H 128 (two head blocks): the deterministic query chunks write the head-summed probabilities
     through a buffer of their own (a [2, T, K] slice is not contiguous); same bits as one chunk."""
@@ -427,7 +428,8 @@ def test_deterministic_modes_agree_with_float64(cfg, case):
     out, lse = out64.to(dtype), lse64.float()
     g_dq, g_dkv, _ = _given_inputs_grads(q, kv, idx, out, lse, dout, scale, sink, Dv)
     res = {m: sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv, deterministic=True,
-                                   config={"det_mode": m}) for m in ("fixed", "contrib", "contrib_ws", "contrib_bf16")}
+                                   config={"det_mode": m})
+           for m in ("fixed", "contrib", "contrib_ws", "contrib_bf16", "contrib_i16")}
     atomic = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv)
     for m, (dq, dkv, _) in res.items():
         assert not torch.isnan(dkv).any(), m
@@ -436,17 +438,19 @@ def test_deterministic_modes_agree_with_float64(cfg, case):
     assert _rel(res["fixed"][1], g_dkv) <= 2 * _rel(atomic[1], g_dkv) + 1e-6
     assert torch.equal(res["fixed"][0], atomic[0]) and torch.equal(res["contrib_ws"][0], atomic[0])  # dq: the ws program
     assert _rel(res["contrib_ws"][1], res["contrib"][1]) < 1e-5
-    # bf16 contributions: each rounded once more (2^-9 of itself) before the fp32 sum; the error against the
-    # float64 sums stays within a small factor of the atomic mode's (whose P and dS are bf16 MMA operands)
-    e_bf16, e_atomic = _rel(res["contrib_bf16"][1], g_dkv), _rel(atomic[1], g_dkv)
-    assert e_bf16 <= 3 * e_atomic + 1e-6, (e_bf16, e_atomic)
-    assert torch.equal(res["contrib_bf16"][0], atomic[0])
+    # contributions rounded before the fp32 sum: bf16 (2^-9 of each value: the error of a bf16 dkv) and int16
+    # with a power of two per 64 columns (2^-15..2^-14 of the block's largest value); fp32 atomics: ~1e-6
+    e_bf16, e_i16, e_atomic = (_rel(r[1], g_dkv) for r in (res["contrib_bf16"], res["contrib_i16"], atomic))
+    assert e_bf16 < 4e-3 and e_i16 < 1e-4 and e_atomic < 1e-5, (e_bf16, e_i16, e_atomic)
+    assert torch.equal(res["contrib_bf16"][0], atomic[0]) and torch.equal(res["contrib_i16"][0], atomic[0])
 
 
+@pytest.mark.parametrize("det_mode", ["fixed", "contrib_i16"])
 @pytest.mark.parametrize("factor", [1e-6, 1e4], ids=["tiny", "huge"])
-def test_fixed_point_sums_follow_the_scale_of_the_gradients(factor):
+def test_fixed_point_sums_follow_the_scale_of_the_gradients(factor, det_mode):
     """The fixed-point scale comes from the inputs' magnitudes: gradients 1e-6 or 1e4 times the usual keep
-    their relative accuracy (no values lost under the step, no sum wrapped past int64)."""
+    their relative accuracy (no values lost under the step, no sum wrapped past int64); so do the int16
+    contributions, whose power of two follows each block's values."""
     from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
 
     cfg, case = CONFIGS[3], (1, 33, 300, 77, "dups", "normal")
@@ -457,9 +461,30 @@ def test_fixed_point_sums_follow_the_scale_of_the_gradients(factor):
     out, lse = out64.to(dtype), lse64.float()
     g_dq, g_dkv, _ = _given_inputs_grads(q, kv, idx, out, lse, dout, scale, sink, Dv)
     dq, dkv, _ = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv, deterministic=True,
-                                      config={"det_mode": "fixed"})
+                                      config={"det_mode": det_mode})
     assert not torch.isnan(dkv).any()
     assert _err(dq, dq_ref, g_dq) < TOL and _err(dkv, dkv_ref, g_dkv) < TOL
+
+
+@pytest.mark.parametrize("det_mode", ["contrib_bf16", "contrib_i16"])
+def test_rounded_contributions_carry_nan_to_the_rows_it_reaches(det_mode):
+    """A NaN in dout reaches the kv rows its query selected, as in the atomic mode: the int16 blocks mark a
+    block with a value that is not finite by a NaN scale (never a silent zero or a finite number)."""
+    from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
+
+    cfg, case = CONFIGS[2], (1, 17, 200, 64, "valid", "normal")
+    H, Dqk, Dv, has_sink, dtype = cfg
+    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=9)
+    out64, lse64, *_ = _reference(q, kv, idx, dout, sink, scale, Dv)
+    out, lse = out64.to(dtype), lse64.float()
+    dout = dout.clone()
+    dout[0, 3, 0, 5] = float("nan")
+    dkv = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv, deterministic=True,
+                               config={"det_mode": det_mode})[1]
+    atomic = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv)[1]
+    nan_rows = torch.isnan(atomic[0]).any(-1)
+    assert nan_rows.any() and torch.equal(torch.isnan(dkv[0]).any(-1), nan_rows)
+    assert torch.isfinite(dkv[0, ~nan_rows]).all()
 
 
 def test_fixed_point_flags_values_beyond_its_bound_as_nan():
