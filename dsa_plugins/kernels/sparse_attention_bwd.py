@@ -581,9 +581,12 @@ __device__ __forceinline__ void dsa_red4(float* dkv, long long off, float4 v, un
 // the tile stores its values (streaming stores: the reduce reads them much later) in row row0 + s;
 // invalid slots store nothing (the reduce never reads them). kMode 4 ("contrib_bf16"): the same rows in a
 // bf16 buffer (each value rounded to nearest even). kMode 5 ("contrib_i16"): the same rows as int16 in
-// block floating point: each row's 64 columns of the tile share a power of two chosen from their largest
-// magnitude m (values times 2^(14 - e), m < 2^e, rounded: |int| <= 2^14, a step of 2^-14..2^-15 of m), and
-// scales[row, col0 / 64] gets its inverse (NaN where the 64 values are not all finite, so the sum is NaN).
+// block floating point: the 8 values a lane holds of one row (columns x..x+3 and x+32..x+35 of the tile,
+// x = 16 gb + 8 odd + 4 (q >> 1)) share a power of two chosen from their largest magnitude m (values times
+// 2^(14 - e), m < 2^e, rounded: |int| <= 2^14, a step of 2^-14..2^-15 of m), and the byte
+// exps[row, col0 / 8 + x / 4] gets the exponent field of its inverse 2^(e - 14) (255 where a value is not
+// finite: the reduce reads it as inf, times the stored zeros: NaN). Each lane's block is its own, so no
+// shuffles delay the stores.
 __device__ __forceinline__ unsigned int dsa_bf16x2(float lo, float hi) {
   unsigned int r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -630,8 +633,10 @@ __device__ __forceinline__ float2 dsa_i16_scale(unsigned int m) {
 
 template <int kMode>
 __device__ __forceinline__ void dsa_red_tile64(const float* acc, void* dkv_raw, const int* rows, int ld, int col0,
-                                               int64_t* sums, float* scales, long long row0) {
+                                               int64_t* sums, void* scales_raw, long long row0) {
   float* dkv = static_cast<float*>(dkv_raw);
+  const float* scales = static_cast<const float*>(scales_raw);  // kMode 2: the power of two and the limit
+  unsigned char* exps = static_cast<unsigned char*>(scales_raw);  // kMode 5: the blocks' exponent bytes
   unsigned long long policy = 0;
   if (kMode == 1) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
   const float fix = kMode == 2 ? scales[0] : 1.0f;
@@ -668,21 +673,12 @@ __device__ __forceinline__ void dsa_red_tile64(const float* acc, void* dkv_raw, 
       vb[mp] = gb ? y : r;
     }
     float2 sa = make_float2(1.0f, 1.0f), sb = sa;
-    if (kMode == 5) {  // the 8 lanes q = 0..3, gb = 0, 1 (lane bits 0-2) hold one row's 64 columns
-      unsigned int ma = max(dsa_absmax4_bits(va[0]), dsa_absmax4_bits(va[1]));
-      unsigned int mb = max(dsa_absmax4_bits(vb[0]), dsa_absmax4_bits(vb[1]));
-      #pragma unroll
-      for (int m = 1; m <= 4; m <<= 1) {
-        ma = max(ma, __shfl_xor_sync(0xffffffffu, ma, m));
-        mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, m));
-      }
-      sa = dsa_i16_scale(ma);
-      sb = dsa_i16_scale(mb);
-      if ((lane & 7) == 0) {
-        const int nch = ld / 64;
-        if (row_a >= 0) scales[(row0 + slot) * nch + col0 / 64] = sa.y;
-        if (row_b >= 0) scales[(row0 + slot + 1) * nch + col0 / 64] = sb.y;
-      }
+    if (kMode == 5) {  // this lane's 8 values of each row: one block
+      sa = dsa_i16_scale(max(dsa_absmax4_bits(va[0]), dsa_absmax4_bits(va[1])));
+      sb = dsa_i16_scale(max(dsa_absmax4_bits(vb[0]), dsa_absmax4_bits(vb[1])));
+      const int blk = col0 / 8 + 4 * gb + 2 * odd + (q >> 1);
+      if (row_a >= 0) exps[(row0 + slot) * (ld / 8) + blk] = static_cast<unsigned char>(__float_as_uint(sa.y) >> 23);
+      if (row_b >= 0) exps[(row0 + slot + 1) * (ld / 8) + blk] = static_cast<unsigned char>(__float_as_uint(sb.y) >> 23);
     }
     #pragma unroll
     for (int mp = 0; mp < 2; ++mp) {
@@ -739,8 +735,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     contribution buffer [Tq, NHB, Kp] x dqk and each valid slot's values are stored in its own row
     (full-line stores from the same layout), for the reduce to sum in a fixed order; "contrib_bf16":
     the same with dKV a bf16 buffer (each value rounded to bf16: half the bytes); "contrib_i16": dKV an
-    int16 buffer in block floating point, Scales [ND, dqk / 64] the power of two of each row's 64-column
-    block (see ``dsa_red_tile64``)."""
+    int16 buffer in block floating point, Scales [ND, dqk / 8] uint8 the exponent of each block of 8 values
+    (see ``dsa_red_tile64``)."""
     import tilelang.cuda.language as TC
     import tilelang.language as T
 
@@ -798,8 +794,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
         Probs: T.Tensor([NHB, Tq, Kp] if emit_probs else [1], f32),
         FixedSums: T.Tensor([N, dqk] if fixed_point else [1], T.int64),
         # "fixed": the power of two the values are scaled by and the limit; "contrib_i16": each contribution
-        # row's inverse scale per 64 columns
-        Scales: T.Tensor([ND, dqk // 64] if det_out == "contrib_i16" else [2], f32),
+        # row's exponent bytes, one per block of 8 values (see dsa_red_tile64)
+        Scales: T.Tensor([ND, dqk // 8], T.uint8) if det_out == "contrib_i16" else T.Tensor([2], f32),
     ):
         with TC.Kernel(Tq, NHB, threads=256, prelude=_WS_PRELUDE) as (t, hb):
             q_s = T.alloc_shared([BH, dv], dt)
@@ -959,7 +955,8 @@ def _reduce_body(dqk, nhb, contrib_dtype="float32", warps=4):
     """dKV[n] += sum of the contribution rows of kv row n, in a fixed order: Rows[RowPtr[n]:RowPtr[n + 1]]
     are the rows (of head block 0; block hb is kp rows further) of the slots naming n, sorted.
     ``contrib_dtype``: the contribution buffer's ("float32"; "bfloat16" for "contrib_bf16"; "int16" for
-    "contrib_i16", each value times Scales[row, col // 64], a power of two: exact); the sums are fp32.
+    "contrib_i16", each value times the power of two whose exponent field is its block's byte in Exps:
+    exact); the sums are fp32.
 
     One CTA per kv row. Warp w sums the row's sorted slots w, w + warps, ... in turn (its lanes read
     each contribution row as coalesced runs of 8 bytes a lane: 64 fp32 or 128 bf16 columns, so
@@ -985,7 +982,7 @@ def _reduce_body(dqk, nhb, contrib_dtype="float32", warps=4):
     @T.prim_func
     def dsa_bwd_reduce(
         Contrib: T.Tensor([M, dqk], {"float32": f32, "bfloat16": T.bfloat16, "int16": T.int16}[contrib_dtype]),
-        Scales: T.Tensor([M, dqk // 64] if scaled else [1], f32),
+        Exps: T.Tensor([M, dqk // 8] if scaled else [1], T.uint8),
         Rows: T.Tensor([L], i32),
         RowPtr: T.Tensor([N1], i32),
         dKV: T.Tensor([N, dqk], f32),
@@ -1006,10 +1003,11 @@ def _reduce_body(dqk, nhb, contrib_dtype="float32", warps=4):
                     base = T.alloc_var(i32, init=Rows[start + it * warps + w])
                     for hb in T.unroll(nhb):
                         for r in T.unroll(runs):
-                            if scaled:  # the lane's 4 columns lie in one 64-column block
-                                sc = T.alloc_var(f32, init=T.if_then_else(
-                                    whole or r * width + lane * vec < dqk,
-                                    Scales[base + hb * kp, T.min((r * width + lane * vec) // 64, dqk // 64 - 1)], 0))
+                            if scaled:  # the lane's 4 columns lie in one block: 64-column chunk, 4-column group
+                                col = r * width + lane * vec
+                                blk = T.min(col // 64 * 8 + col % 32 // 4, dqk // 8 - 1)
+                                sc = T.alloc_var(f32, init=T.reinterpret(
+                                    T.shift_left(T.cast(Exps[base + hb * kp, blk], T.uint32), T.uint32(23)), f32))
                                 for c in T.vectorized(vec):
                                     if whole or r * width + lane * vec + c < dqk:
                                         acc[r * vec + c] += T.cast(Contrib[base + hb * kp, r * width + lane * vec + c],
@@ -1409,14 +1407,14 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
         per_row = nhb * Kp * Dqk * cdt.itemsize
         chunk = max(1, min(T_, _DET_BUDGET_BYTES // per_row))
         contrib = torch.empty(chunk * nhb * Kp, Dqk, device=dev, dtype=cdt)
-        # contrib_i16: each contribution row's power of two per 64 columns (the ws program's Scales)
-        scales = (torch.empty(chunk * nhb * Kp, Dqk // 64, device=dev, dtype=torch.float32)
-                  if cdt == torch.int16 else zeros_arg(1, torch.float32, dev))
+        # contrib_i16: each contribution row's exponent byte per block of 8 values (the ws program's Scales)
+        scales = (torch.empty(chunk * nhb * Kp, Dqk // 8, device=dev, dtype=torch.uint8)
+                  if cdt == torch.int16 else zeros_arg(1, torch.uint8, dev))
         for t0 in range(0, T_, chunk):
             t1 = min(T_, t0 + chunk)
             tc = t1 - t0
             cb = contrib[: tc * nhb * Kp]
-            sb = scales[: tc * nhb * Kp] if scales.dim() == 2 else scales
+            sb = scales[: tc * nhb * Kp] if cdt == torch.int16 else scales
             # probs[:, t0:t1] is not contiguous with two head blocks or more: a chunk buffer of its own
             view = part = None if probs is None else probs[:, t0:t1]
             if view is not None and not view.is_contiguous():
@@ -1426,7 +1424,7 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
             if kind == "ws":  # "contrib_ws" / "_bf16" / "_i16": the same contribution rows, stored by the ws program
                 sums, fix = _no_fixed_point(dev)
                 main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1], cb, s,
-                     s * _LOG2E, _probs_arg(part, dev), sums, sb if sb.dim() == 2 else fix)
+                     s * _LOG2E, _probs_arg(part, dev), sums, sb if cdt == torch.int16 else fix)
             else:
                 main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1],
                      cb.view(tc, nhb, Kp, Dqk), s, s * _LOG2E, _probs_arg(part, dev),

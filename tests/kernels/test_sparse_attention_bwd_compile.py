@@ -291,8 +291,8 @@ def test_contribution_rows_from_the_ws_program_compile():
 @pytest.mark.parametrize("mode,ctype,store", [("contrib_bf16", "bfloat16_t", 4), ("contrib_i16", "short", 5)])
 def test_rounded_contribution_rows_compile_with_their_reduce(mode, ctype, store):
     """det_mode "contrib_bf16" / "contrib_i16": the ws program stores each valid slot's values as bf16, or as
-    int16 with a power of two per 64 columns (Scales), and the reduce reads 128-column runs of them (8 bytes
-    a lane; int16 times its block's scale), summing in fp32."""
+    int16 with a power of two per block of 8 values (an exponent byte each, Scales), and the reduce reads
+    128-column runs of them (8 bytes a lane; int16 times its block's power of two), summing in fp32."""
     cfg = {"heads": 64, "dqk": 576, "dv": 512, "has_sink": False, "dtype": "bfloat16", "det_mode": mode}
     assert bwd.bwd_program_names(cfg)[-1] == "reduce"
     det = bwd.build_bwd_program(cfg, "main_det", target=SM90A).get_kernel_source()
@@ -302,7 +302,10 @@ def test_rounded_contribution_rows_compile_with_their_reduce(mode, ctype, store)
     loop = red[red.index("for (int it = 0;"):red.index("__syncthreads()")]
     assert f"{ctype}* __restrict__ Contrib" in red and ("uint2" in loop or "short4" in loop)
     assert "< 9)" in loop  # 576 = 4.5 runs of 128 (9 halves): the last one half the lanes
-    assert ("Scales[" in loop) == (mode == "contrib_i16")
+    assert ("Exps[" in loop and "<< (uint)23" in loop) == (mode == "contrib_i16")
+    if mode == "contrib_i16":  # a lane's 4 columns: 64-column chunk 2 r + lane / 16, group lane % 8 of it
+        assert "* (int64_t)16) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4) * (int64_t)8))" \
+               " + (((int64_t)((int)threadIdx.x)) & (int64_t)7)" in loop
 
 
 def test_int16_block_scale_bounds_every_value():
@@ -329,3 +332,23 @@ def test_int16_rounding_by_the_magic_constant_matches_round_half_even():
     f = (x.double() + 12582912.0).float()  # x is exact in fp32 here, so this is the fma's single rounding
     low = (f.view(torch.int32) & 0xFFFF).to(torch.int16)
     assert torch.equal(low.to(torch.float64), torch.round(x.double()))  # torch.round: half to even
+
+
+def test_int16_blocks_written_by_the_ws_program_are_the_ones_the_reduce_reads():
+    """The "contrib_i16" block of each column, as the ws program's lanes write it (dsa_red_tile64: lane q, g of
+    a quad-row pair holds columns col0 + 16 (2 mp + gb) + 8 odd + 4 (q >> 1) + 0..3, mp = 0, 1, and writes the
+    byte col0 / 8 + 4 gb + 2 odd + (q >> 1)) and as the reduce reads it (col // 64 * 8 + col % 32 // 4)."""
+    assert "col0 / 8 + 4 * gb + 2 * odd + (q >> 1)" in bwd._WS_PRELUDE
+    for dqk in (512, 576):
+        written = {}
+        for col0 in range(0, dqk, 64):
+            for lane in range(32):
+                q, g = lane & 3, lane >> 2
+                odd, gb = q & 1, g & 1
+                for mp in (0, 1):
+                    for c in range(4):
+                        col = col0 + 16 * (2 * mp + gb) + 8 * odd + 4 * (q >> 1) + c
+                        assert written.setdefault(col, col0 // 8 + 4 * gb + 2 * odd + (q >> 1)) == \
+                               col0 // 8 + 4 * gb + 2 * odd + (q >> 1)
+        assert sorted(written) == list(range(dqk))
+        assert all(written[col] == col // 64 * 8 + col % 32 // 4 for col in range(dqk))
