@@ -616,7 +616,9 @@ __device__ __forceinline__ void dsa_store_row4(void* dst, float4 v, float scale)
     if (kMode == 4) {
       packed = make_uint2(dsa_bf16x2(v.x, v.y), dsa_bf16x2(v.z, v.w));
     } else {
-      packed = make_uint2(dsa_i16x2(v.x, v.y, scale), dsa_i16x2(v.z, v.w, scale));
+      // a block with a value that is not finite stores zeros (its scale is 0, but NaN * 0 is NaN): its
+      // exponent byte 255 reads back as inf, and 0 * inf makes the sum NaN
+      packed = scale == 0.0f ? make_uint2(0u, 0u) : make_uint2(dsa_i16x2(v.x, v.y, scale), dsa_i16x2(v.z, v.w, scale));
     }
     __stcs(reinterpret_cast<uint2*>(dst), packed);
   }
