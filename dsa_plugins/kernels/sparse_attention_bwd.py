@@ -16,9 +16,12 @@ Programs (all compiled per configuration by :func:`build_bwd_kernels`):
   times a power of two chosen from the inputs' magnitudes, rounded to int64 and added with integer
   reductions, whose sums do not depend on the order of the additions (see :func:`_fixed_point_scale`);
   measured 4.3-4.8x the atomic time on an H100 (L2 adds 64-bit integers ~7x slower per value than
-  fp32 red.v4), so the default deterministic mode is "contrib". ``det_mode`` "contrib_ws" (not yet
-  measured on a GPU) has the ws program store the contribution rows that "contrib" has the plain
-  program write, for the same reduce.
+  fp32 red.v4), so the default deterministic mode is "contrib". The ws program can also store the
+  contribution rows that "contrib" has the plain program write, for the same reduce: ``det_mode``
+  "contrib_ws" (fp32, the same sums; 2.0x the atomic time at MLA H64 where "contrib" takes 2.35x),
+  "contrib_i16" (int16 with a power of two per 8 values: 1.86x, dkv within 5e-5 of the fp32 sums) and
+  "contrib_bf16" (bf16: 1.51x, within 1.7e-3: about a bf16 rounding). H100, B1 S4096 Skv8192
+  (``bwd_ws_h100.md``).
 * ``main`` (the plain program: other head dims, the default "contrib" deterministic mode, tuning experiments): one CTA of
   256 threads per (query row, block of 64 heads); heads beyond H are padded inside the CTA (zero q / dout, lse = +inf: they contribute
   nothing). The CTA walks the top-k slots in blocks of 64: gathers the selected kv rows with
@@ -27,8 +30,9 @@ Programs (all compiled per configuration by :func:`build_bwd_kernels`):
   registers, and adds dS^T q + P^T dout (all MMAs on wgmma) into a zero-initialised fp32 dkv with
   red.global.add.v2.f32 straight from the accumulators. ``overlap`` (off by default, measured no
   faster) runs the MMAs of the next dkv column chunk while the atomics of the current one issue.
-* ``reduce`` (deterministic "contrib" only): sums each kv row's per-slot contributions in a fixed order
-  (one CTA per kv row, its warps taking slots in turn, then combined in warp order).
+* ``reduce`` (the deterministic contribution modes): sums each kv row's per-slot contributions in a fixed
+  order (one CTA per kv row, its warps taking slots in turn, then combined in warp order); the slot order
+  is sorted on a side stream while the main program runs.
 
 Everything is flattened over the batch: query rows t = b * S + s, kv rows n = b * Skv + j; the
 wrapper rewrites the indices once to global rows (invalid -> -1) while padding k with -1.
@@ -143,12 +147,15 @@ def _normalise_config(config: dict) -> dict:
     if cfg["schedule"] == "ws" and not ws_ok:
         raise ValueError(f"schedule 'ws' needs dv a multiple of 128, dqk - dv in (0, 64) and block_k 64, got "
                          f"dqk={cfg['dqk']} dv={cfg['dv']} block_k={cfg['block_k']}")
-    # deterministic mode: "contrib" (the plain program writes per-slot contributions, sorted and summed:
-    # 2.1-2.5x the atomic time on an H100), "contrib_ws" (the same contributions stored by the ws program:
-    # not yet measured on a GPU, off), "contrib_bf16" (as "contrib_ws" with each contribution rounded to bf16:
-    # half the bytes, an accuracy cost; opt-in) or "fixed" (the ws program adding fixed-point integers with
-    # 64-bit reductions, order-free sums: 4.3-4.8x, L2 takes integer adds ~7x slower per value than
-    # fp32 red.v4; an option: its memory is [Skv, dqk] int64, whatever the query count)
+    # deterministic mode (times against the atomic mode, H100, MLA H64 / H128, V4 H128 / H64):
+    # "contrib" (the plain program writes per-slot fp32 contributions, sorted and summed: 2.35 / 2.35,
+    # 2.06 / 1.88x), "contrib_ws" (the same contributions stored by the ws program: 2.01 / 2.05, 1.83 /
+    # 1.72x), "contrib_i16" (int16 with a power of two per 8 values: half the bytes; dkv within 5e-5 of
+    # the fp32 sums: 1.86 / 1.96, 1.68 / 1.55x), "contrib_bf16" (bf16: 1.51 / 1.53, 1.42 / 1.36x, within
+    # 1.7e-3: a bf16 rounding of each contribution) or "fixed" (the ws program adding fixed-point integers
+    # with 64-bit reductions, order-free sums: 4.3-4.8x, L2 takes integer adds ~7x slower per value than
+    # fp32 red.v4; its memory is [Skv, dqk] int64, whatever the query count). The default stays "contrib"
+    # until the GPU test file has run with "contrib_i16" as the default.
     cfg["det_mode"] = str(cfg.get("det_mode") or "contrib")
     if cfg["det_mode"] not in _DET_MODES or (cfg["det_mode"] != "contrib" and cfg["schedule"] != "ws"):
         raise ValueError(f"det_mode must be one of {_DET_MODES} (all but 'contrib' need the ws schedule), got "
@@ -1218,9 +1225,12 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
     of the slots naming one kv row (fp32 atomics round each partial sum to 2**-24 of itself).
     Non-finite values reach dkv as they are; a value beyond the bound (an lse far below the scores')
     makes its element NaN. It needs no buffer
-    beyond [Skv, Dqk] int64 but is slower (41.1 / 74.7 / 35.6 ms on the shapes above). ``det_mode``
-    "contrib_ws" (ws shapes; not yet measured on a GPU) is "contrib" with the contribution rows stored
-    by the ws program instead of the plain one. dq and dsink are deterministic in every mode (no atomics).
+    beyond [Skv, Dqk] int64 but is slower (41.1 / 74.7 / 35.6 ms on the shapes above). On the ws
+    program's shapes the contribution rows can also come from the ws program (``det_mode``
+    "contrib_ws": fp32, 17.0 / 33.9 / 15.0 ms), as int16 with a power of two per 8 values ("contrib_i16":
+    15.6 / 32.5 / 13.8 ms, dkv within 5e-5 of the fp32 sums; a block with a value that is not finite
+    sums to NaN) or as bf16 ("contrib_bf16": 12.7 / 25.3 / 11.6 ms, each contribution rounded to bf16:
+    within 1.7e-3 of the fp32 sums). dq and dsink are deterministic in every mode (no atomics).
 
     return_probs=True adds a fourth result, probs [B,S,K] fp32: sum over heads of the attention
     probabilities P[h, j] = exp(scale * s_hj - lse'_h) of each slot (lse' with the sink), 0 for
