@@ -590,7 +590,7 @@ __device__ __forceinline__ void dsa_red4(float* dkv, long long off, float4 v, un
 // bf16 buffer (each value rounded to nearest even). kMode 5 ("contrib_i16"): the same rows as int16 in
 // block floating point: the 8 values a lane holds of one row (columns x..x+3 and x+32..x+35 of the tile,
 // x = 16 gb + 8 odd + 4 (q >> 1)) share a power of two chosen from their largest magnitude m (values times
-// 2^(14 - e), m < 2^e, rounded: |int| <= 2^14, a step of 2^-14..2^-15 of m), and the byte
+// 2^(14 - e), m < 2^e, rounded: |int| <= 2^14, a step of 2^-14..2^-13 of m), and the byte
 // exps[row, col0 / 8 + x / 4] gets the exponent field of its inverse 2^(e - 14) (255 where a value is not
 // finite: the reduce reads it as inf, times the stored zeros: NaN). Each lane's block is its own, so no
 // shuffles delay the stores.
@@ -631,7 +631,7 @@ __device__ __forceinline__ void dsa_store_row4(void* dst, float4 v, float scale)
   }
 }
 
-// kMode 5: the power of two for a 64-column block whose largest magnitude has the bits m (0 where it is not
+// kMode 5: the power of two for a block of 8 values whose largest magnitude has the bits m (0 where it is not
 // finite) and its inverse (NaN there); e is clamped to [-112, 128] so both are normal floats.
 __device__ __forceinline__ float2 dsa_i16_scale(unsigned int m) {
   if (m >= 0x7f800000u) return make_float2(0.0f, __int_as_float(0x7fffffff));
@@ -1318,27 +1318,37 @@ def _keys_last_invalid(idx: Tensor, n_rows: int) -> Tensor:
 _SIDE_STREAMS: dict = {}
 
 
+def _slot_order(idx: Tensor, n_rows: int, kp: int, nhb: int, rows: Tensor, rowptr: Tensor) -> None:
+    """The reduce's slot order, written into ``rows`` [T * Kp] int32 (each slot's contribution row of head
+    block 0, sorted by kv row, ties in slot order) and ``rowptr`` [n_rows + 1] int32 (where each kv row's
+    slots start). Invalid slots sort last and no RowPtr range reaches them."""
+    sorted_keys, order = torch.sort(_keys_last_invalid(idx, n_rows), stable=True)
+    torch.searchsorted(sorted_keys, torch.arange(n_rows + 1, device=idx.device, dtype=torch.int32),
+                       out_int32=True, out=rowptr)
+    rows.copy_(order if nhb == 1 else (order // kp) * (nhb * kp) + order % kp)
+
+
 def _slot_order_async(idx: Tensor, n_rows: int, kp: int, nhb: int):
-    """Start the reduce's slot order on a side stream (it needs only the indices, so it overlaps the main
-    program); returns a function that makes the current stream wait and gives (Rows [T * Kp] int32: each
-    slot's contribution row of head block 0, sorted by kv row, ties in slot order; RowPtr [n_rows + 1]
-    int32: where each kv row's slots start). Invalid slots sort last and no RowPtr range reaches them."""
+    """:func:`_slot_order` on a side stream (it needs only the indices, so it overlaps the main program);
+    returns a function that makes the current stream wait and gives (Rows, RowPtr). Both are allocated on
+    the current stream before the fork and only filled on the side one (whose own temporaries never leave
+    it), so no tensor changes streams and CUDA-graph capture sees a plain fork and join. The caller must
+    call the function (a try / finally) so the side stream always joins."""
+    rows = torch.empty(idx.numel(), device=idx.device, dtype=torch.int32)
+    rowptr = torch.empty(n_rows + 1, device=idx.device, dtype=torch.int32)
+    if idx.device.type != "cuda":
+        _slot_order(idx, n_rows, kp, nhb, rows, rowptr)
+        return lambda: (rows, rowptr)
     main = torch.cuda.current_stream(idx.device)
     side = _SIDE_STREAMS.get(idx.device)
     if side is None:
         side = _SIDE_STREAMS[idx.device] = torch.cuda.Stream(idx.device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        sorted_keys, order = torch.sort(_keys_last_invalid(idx, n_rows), stable=True)
-        rowptr = torch.searchsorted(sorted_keys, torch.arange(n_rows + 1, device=idx.device, dtype=torch.int32),
-                                    out_int32=True)
-        rows = order if nhb == 1 else (order // kp) * (nhb * kp) + order % kp
-        rows = rows.to(torch.int32)
+        _slot_order(idx, n_rows, kp, nhb, rows, rowptr)
 
     def ready():
         main.wait_stream(side)
-        rows.record_stream(main)  # made on the side stream, read on this one
-        rowptr.record_stream(main)
         return rows, rowptr
 
     return ready
@@ -1416,7 +1426,7 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
         cdt = _contrib_dtype(cfg)
         red = _get("reduce", target, Dqk, nhb, cdt)
         cdt = getattr(torch, cdt)
-        per_row = nhb * Kp * Dqk * cdt.itemsize
+        per_row = nhb * Kp * (Dqk * cdt.itemsize + (Dqk // 8 if cdt == torch.int16 else 0))  # with the exponents
         chunk = max(1, min(T_, _DET_BUDGET_BYTES // per_row))
         contrib = torch.empty(chunk * nhb * Kp, Dqk, device=dev, dtype=cdt)
         # contrib_i16: each contribution row's exponent byte per block of 8 values (the ws program's Scales)
@@ -1433,17 +1443,19 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
                 part = (torch.zeros if skip else torch.empty)(nhb, tc, Kp, device=dev, dtype=torch.float32)
             # the slots' fixed order depends on the indices only: sorted on a side stream while the main program runs
             order_ready = _slot_order_async(idx[t0:t1], N, Kp, nhb)
-            if kind == "ws":  # "contrib_ws" / "_bf16" / "_i16": the same contribution rows, stored by the ws program
-                sums, fix = _no_fixed_point(dev)
-                main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1], cb, s,
-                     s * _LOG2E, _probs_arg(part, dev), sums, sb if cdt == torch.int16 else fix)
-            else:
-                main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1],
-                     cb.view(tc, nhb, Kp, Dqk), s, s * _LOG2E, _probs_arg(part, dev),
-                     blocks[t0:t1] if skip else blocks)
-            if part is not view:
-                view.copy_(part)
-            rows, rowptr = order_ready()
+            try:
+                if kind == "ws":  # "contrib_ws" / "_bf16" / "_i16": the same contribution rows, from the ws program
+                    sums, fix = _no_fixed_point(dev)
+                    main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1], cb, s,
+                         s * _LOG2E, _probs_arg(part, dev), sums, sb if cdt == torch.int16 else fix)
+                else:
+                    main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1],
+                         cb.view(tc, nhb, Kp, Dqk), s, s * _LOG2E, _probs_arg(part, dev),
+                         blocks[t0:t1] if skip else blocks)
+                if part is not view:
+                    view.copy_(part)
+            finally:
+                rows, rowptr = order_ready()  # the side stream joins even when a launch raised
             red(cb, sb, rows, rowptr, dkv, Kp)
 
     dsink = None

@@ -311,17 +311,28 @@ def test_rounded_contribution_rows_compile_with_their_reduce(mode, ctype, store)
 def test_int16_block_scale_bounds_every_value():
     """dsa_i16_scale (the "contrib_i16" store) mirrored in Python: for a block whose largest magnitude is m the
     scale is a power of two with m * scale < 2^14 <= 2 m * scale (values fit int16, none lose more than one bit
-    of the range), and the stored inverse is exact; e is clamped so both stay normal floats."""
+    of the range) unless e is clamped at -112 (m below 2^-112: both stay normal floats), the stored inverse is
+    exact, and a block that is not finite gets the exponent byte 255 (inf in the reduce, times its zeros: NaN)."""
     src = bwd._WS_PRELUDE
     assert "(m >> 23) - 126, -112), 128)" in src and "(141 - e) << 23" in src and "(113 + e) << 23" in src
-    m = torch.cat([torch.rand(10_000) * torch.logspace(-30, 30, 10_000), torch.tensor([1.0, 2.0**-20, 3.0e38])])
-    e = ((m.view(torch.int32) >> 23) & 0xFF) - 126
-    e = e.clamp(-112, 128)
+    assert "if (m >= 0x7f800000u) return make_float2(0.0f, __int_as_float(0x7fffffff));" in src
+    g = torch.Generator().manual_seed(0)
+    m = torch.rand(10_000, generator=g) * torch.logspace(-37, 38, 10_000)
+    m = torch.cat([m, torch.tensor([0.0, 1e-45, 1e-40, 2.0**-112, 2.0**-113, 1.0, 2.0**-20, 3.0e38])])
+    bits = m.view(torch.int32).to(torch.int64)
+    e = ((bits >> 23) - 126).clamp(-112, 128)
     scale = ((141 - e) << 23).to(torch.int32).view(torch.float32)
     inverse = ((113 + e) << 23).to(torch.int32).view(torch.float32)
     scaled = m.double() * scale.double()
-    assert (scaled < 2**14).all() and (scaled >= 2**13).all()
+    assert (scaled < 2**14).all()
+    assert (scaled[e > -112] >= 2**13).all() and (scaled[e == -112] < 2**14).all()
     assert torch.equal(scale.double() * inverse.double(), torch.ones_like(scaled))
+    # the exponent byte of the inverse, as the ws program stores it, reads back as the inverse
+    byte = (inverse.view(torch.int32) >> 23) & 0xFF
+    assert torch.equal((byte << 23).to(torch.int32).view(torch.float32), inverse)
+    nan_inverse = torch.tensor([0x7FFFFFFF], dtype=torch.int32)
+    assert ((nan_inverse >> 23) & 0xFF).item() == 255
+    assert torch.isinf(torch.tensor([255 << 23], dtype=torch.int32).view(torch.float32)).all()
 
 
 def test_int16_rounding_by_the_magic_constant_matches_round_half_even():
@@ -338,7 +349,10 @@ def test_int16_blocks_written_by_the_ws_program_are_the_ones_the_reduce_reads():
     """The "contrib_i16" block of each column, as the ws program's lanes write it (dsa_red_tile64: lane q, g of
     a quad-row pair holds columns col0 + 16 (2 mp + gb) + 8 odd + 4 (q >> 1) + 0..3, mp = 0, 1, and writes the
     byte col0 / 8 + 4 gb + 2 odd + (q >> 1)) and as the reduce reads it (col // 64 * 8 + col % 32 // 4)."""
+    import inspect
+
     assert "col0 / 8 + 4 * gb + 2 * odd + (q >> 1)" in bwd._WS_PRELUDE
+    assert "col // 64 * 8 + col % 32 // 4" in inspect.getsource(bwd._reduce_body)
     for dqk in (512, 576):
         written = {}
         for col0 in range(0, dqk, 64):
@@ -352,3 +366,22 @@ def test_int16_blocks_written_by_the_ws_program_are_the_ones_the_reduce_reads():
                                col0 // 8 + 4 * gb + 2 * odd + (q >> 1)
         assert sorted(written) == list(range(dqk))
         assert all(written[col] == col // 64 * 8 + col % 32 // 4 for col in range(dqk))
+
+
+@pytest.mark.parametrize("nhb", [1, 2])
+def test_slot_order_gives_each_kv_row_its_slots_in_order(nhb):
+    """The reduce's order (computed on a side stream on a GPU, inline on the CPU): RowPtr[n]:RowPtr[n + 1] of
+    Rows are the contribution rows (head block 0) of the slots naming kv row n, in slot order, duplicates
+    kept; invalid slots (-1) in no range."""
+    g = torch.Generator().manual_seed(1)
+    t, kp, n_rows = 7, 64, 50
+    idx = torch.randint(-1, n_rows, (t, kp), generator=g, dtype=torch.int32)
+    idx[0, :10] = 3  # duplicates in one row
+    idx[1] = -1  # a row without a valid slot
+    rows, rowptr = bwd._slot_order_async(idx, n_rows, kp, nhb)()
+    assert rows.dtype == rowptr.dtype == torch.int32 and rowptr.shape == (n_rows + 1,)
+    for n in range(n_rows):
+        slots = [(ti, k) for ti in range(t) for k in range(kp) if idx[ti, k] == n]
+        want = [ti * nhb * kp + k for ti, k in slots]
+        assert rows[rowptr[n]:rowptr[n + 1]].tolist() == want
+    assert rowptr[-1].item() == int((idx >= 0).sum())
