@@ -3,7 +3,8 @@
 - ``DSA_PLUGINS_BACKEND``: default backend of every op, "auto" | "tilelang" | "torch" (default "auto").
 - ``DSA_PLUGINS_CHECK_INDICES=1``: check every index against its range before running (costs a
   device->host sync per call; for debugging).
-- ``DSA_PLUGINS_DETERMINISTIC=1``: bitwise run-to-run stable backward kernels (slower; see README).
+- ``DSA_PLUGINS_DETERMINISTIC=1``: bitwise run-to-run stable backward kernels (slower; see README); a
+  deterministic mode's name instead of 1 (e.g. ``contrib_i16``) turns it on with that mode.
 - ``DSA_PLUGINS_AUTOLOAD=0``: do not install the framework import hooks at ``import torch``.
 """
 
@@ -45,8 +46,21 @@ def check_indices_enabled() -> bool:
     return _flag("DSA_PLUGINS_CHECK_INDICES")
 
 
+_OFF = ("", "0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
+
+
 def deterministic_enabled() -> bool:
-    return _flag("DSA_PLUGINS_DETERMINISTIC")
+    """DSA_PLUGINS_DETERMINISTIC: 1 / true / yes / on, or a deterministic mode's name (see
+    :func:`deterministic_mode`), turns the bitwise-reproducible backward on."""
+    return os.environ.get("DSA_PLUGINS_DETERMINISTIC", "0").strip().lower() not in _OFF
+
+
+def deterministic_mode() -> str | None:
+    """The backward's deterministic mode named by DSA_PLUGINS_DETERMINISTIC (e.g. "contrib_i16"), or None
+    where it is a plain on / off value (the kernel's default mode). The kernel checks the name."""
+    value = os.environ.get("DSA_PLUGINS_DETERMINISTIC", "0").strip().lower()
+    return None if value in _OFF or value in _ON else value
 
 
 def decode_part_slots() -> int:

@@ -57,6 +57,7 @@ import torch
 from torch import Tensor
 
 from ..common.indices import global_rows, row_blocks
+from ..common.settings import deterministic_mode, warn_once
 from ..common.validation import output_buffer
 from . import announce_compile, zeros_arg
 
@@ -156,6 +157,17 @@ def _normalise_config(config: dict) -> dict:
     # with 64-bit reductions, order-free sums: 4.3-4.8x, L2 takes integer adds ~7x slower per value than
     # fp32 red.v4; its memory is [Skv, dqk] int64, whatever the query count). The default stays "contrib"
     # until the GPU test file has run with "contrib_i16" as the default.
+    env_mode = deterministic_mode()  # DSA_PLUGINS_DETERMINISTIC=<mode>: the default where config names none
+    if not cfg.get("det_mode") and env_mode is not None:
+        if env_mode not in _DET_MODES:
+            raise ValueError(f"DSA_PLUGINS_DETERMINISTIC must be 0, 1 or a deterministic mode of {_DET_MODES}, "
+                             f"got {env_mode!r}")
+        if env_mode != "contrib" and cfg["schedule"] != "ws":
+            warn_once(f"det_mode:{env_mode}:{cfg['dqk']}:{cfg['dv']}",
+                      f"DSA_PLUGINS_DETERMINISTIC={env_mode} needs the ws program's shapes; the backward of dqk="
+                      f"{cfg['dqk']} dv={cfg['dv']} (schedule {cfg['schedule']!r}) uses det_mode 'contrib'")
+            env_mode = "contrib"
+        cfg["det_mode"] = env_mode
     cfg["det_mode"] = str(cfg.get("det_mode") or "contrib")
     if cfg["det_mode"] not in _DET_MODES or (cfg["det_mode"] != "contrib" and cfg["schedule"] != "ws"):
         raise ValueError(f"det_mode must be one of {_DET_MODES} (all but 'contrib' need the ws schedule), got "

@@ -385,3 +385,31 @@ def test_slot_order_gives_each_kv_row_its_slots_in_order(nhb):
         want = [ti * nhb * kp + k for ti, k in slots]
         assert rows[rowptr[n]:rowptr[n + 1]].tolist() == want
     assert rowptr[-1].item() == int((idx >= 0).sum())
+
+
+def test_deterministic_env_names_the_mode(monkeypatch, caplog):
+    """DSA_PLUGINS_DETERMINISTIC=<mode> turns the deterministic backward on with that mode where the config
+    names none; 1 keeps the default; an unknown name is an error naming the variable; a ws-only mode on a
+    shape the ws program does not take falls back to "contrib" with one warning."""
+    from dsa_plugins.common import settings
+
+    ws = {"heads": 64, "dqk": 576, "dv": 512}
+    plain = {"heads": 16, "dqk": 96, "dv": 64}
+    monkeypatch.setenv("DSA_PLUGINS_DETERMINISTIC", "1")
+    assert settings.deterministic_enabled() and settings.deterministic_mode() is None
+    assert bwd._normalise_config(ws)["det_mode"] == "contrib"
+    monkeypatch.setenv("DSA_PLUGINS_DETERMINISTIC", "contrib_i16")
+    assert settings.deterministic_enabled() and settings.deterministic_mode() == "contrib_i16"
+    assert bwd._normalise_config(ws)["det_mode"] == "contrib_i16"
+    assert bwd._normalise_config({**ws, "det_mode": "fixed"})["det_mode"] == "fixed"  # the config wins
+    assert bwd.bwd_program_names(ws)[-1] == "reduce"
+    with caplog.at_level(logging.WARNING, logger="dsa_plugins"):
+        assert bwd._normalise_config(plain)["det_mode"] == "contrib"
+        assert bwd._normalise_config(plain)["det_mode"] == "contrib"
+    assert len([r for r in caplog.records if "DSA_PLUGINS_DETERMINISTIC=contrib_i16" in r.getMessage()]) == 1
+    monkeypatch.setenv("DSA_PLUGINS_DETERMINISTIC", "exact")
+    assert settings.deterministic_enabled()
+    with pytest.raises(ValueError, match="DSA_PLUGINS_DETERMINISTIC must be 0, 1 or a deterministic mode"):
+        bwd._normalise_config(ws)
+    monkeypatch.setenv("DSA_PLUGINS_DETERMINISTIC", "off")
+    assert not settings.deterministic_enabled() and settings.deterministic_mode() is None
