@@ -29,7 +29,7 @@ def doctor(_args=None) -> int:
     import torch
 
     from . import __version__
-    from .common.settings import autoload_enabled, default_backend
+    from .common.settings import autoload_enabled, default_backend, deterministic_enabled, deterministic_mode
     from .adapters import discover_adapters
     from .kernels import device_unavailable_reason, kernel_unavailable_reason
 
@@ -50,6 +50,8 @@ def doctor(_args=None) -> int:
         auto = f"TileLang kernel ({kernels})" if reason is None else f"torch reference ({reason})"
         forced = "TileLang kernel" if reason is None else "error"
         print(f"  {name:<17} auto: {auto}; tilelang: {forced}; torch: torch reference")
+    det = f"on, mode {deterministic_mode() or 'default'}" if deterministic_enabled() else "off"
+    print(f"deterministic backward (DSA_PLUGINS_DETERMINISTIC): {det}")
     print(f"autoload at import torch (DSA_PLUGINS_AUTOLOAD): {'on' if autoload_enabled() else 'off'}")
     eps = [ep for ep in importlib.metadata.entry_points(group="torch.backends") if ep.name == "dsa_plugins"]
     print(f"  torch.backends entry point: {'installed' if eps else 'missing (pip install the package)'}")

@@ -10,6 +10,13 @@ def test_doctor_reports_versions_backends_and_adapters(capsys):
     out = capsys.readouterr().out
     for needle in ("dsa_plugins", "torch", "tilelang", "transformers", "megatron-core", "sparse_attention", "autoload"):
         assert needle in out
+    assert "deterministic backward (DSA_PLUGINS_DETERMINISTIC): off" in out
+
+
+def test_doctor_names_the_deterministic_mode(capsys, monkeypatch):
+    monkeypatch.setenv("DSA_PLUGINS_DETERMINISTIC", "contrib_bf16")
+    assert main(["doctor"]) == 0
+    assert "deterministic backward (DSA_PLUGINS_DETERMINISTIC): on, mode contrib_bf16" in capsys.readouterr().out
 
 
 def test_python_m_entry_point():
