@@ -528,3 +528,30 @@ def test_fixed_point_preprocess_maxima_leave_out_non_finite_entries(heads, dqk):
     want = torch.stack([t.float().abs().nan_to_num(0, 0, 0).amax() for t in (q, o, do)])
     assert torch.equal(got, want) and got[0].item() == 40.0
     assert (maxima >= 0).all()  # every thread wrote its entry
+
+
+@pytest.mark.parametrize("det_mode", ["contrib", "contrib_i16"])
+def test_deterministic_backward_replays_under_a_cuda_graph(det_mode):
+    """The contribution modes fork the slot sort onto a side stream and join it before the reduce: captured
+    in a CUDA graph (as torch.compile's reduce-overhead mode does) and replayed, they give the eager bits."""
+    from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
+
+    cfg, case = CONFIGS[0], (1, 33, 300, 77, "dups", "normal")
+    H, Dqk, Dv, has_sink, dtype = cfg
+    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=13)
+    out64, lse64, *_ = _reference(q, kv, idx, dout, sink, scale, Dv)
+    out, lse = out64.to(dtype), lse64.float()
+    kw = dict(sink=sink, dv=Dv, deterministic=True, config={"det_mode": det_mode})
+    eager = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, **kw)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (compiles, allocator pools)
+        sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, captured):
+        assert (a is None and b is None) or torch.equal(a, b)
