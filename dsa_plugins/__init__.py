@@ -27,6 +27,7 @@ _OPS = (
     "DeepSeekV4SparseAttentionHeadChunked",
     "FusedIndexerLoss",
     "causal_key_windows",
+    "deterministic",
     "indexer_kl_loss",
     "indexer_topk",
     "is_dsa_kernel_available",

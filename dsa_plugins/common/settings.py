@@ -4,12 +4,15 @@
 - ``DSA_PLUGINS_CHECK_INDICES=1``: check every index against its range before running (costs a
   device->host sync per call; for debugging).
 - ``DSA_PLUGINS_DETERMINISTIC=1``: bitwise run-to-run stable backward kernels (slower; see README); a
-  deterministic mode's name instead of 1 (e.g. ``contrib_i16``) turns it on with that mode.
+  deterministic mode's name instead of 1 (e.g. ``contrib_i16``) turns it on with that mode. In code:
+  ``with dsa_plugins.deterministic():`` around the forward.
 - ``DSA_PLUGINS_AUTOLOAD=0``: do not install the framework import hooks at ``import torch``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
 import threading
@@ -50,10 +53,26 @@ _OFF = ("", "0", "false", "no", "off")
 _ON = ("1", "true", "yes", "on")
 
 
+_FORCED_DETERMINISTIC = contextvars.ContextVar("dsa_plugins_deterministic", default=False)
+
+
 def deterministic_enabled() -> bool:
     """DSA_PLUGINS_DETERMINISTIC: 1 / true / yes / on, or a deterministic mode's name (see
-    :func:`deterministic_mode`), turns the bitwise-reproducible backward on."""
-    return os.environ.get("DSA_PLUGINS_DETERMINISTIC", "0").strip().lower() not in _OFF
+    :func:`deterministic_mode`), turns the bitwise-reproducible backward on; so does a
+    :func:`deterministic` block."""
+    return _FORCED_DETERMINISTIC.get() or os.environ.get("DSA_PLUGINS_DETERMINISTIC", "0").strip().lower() not in _OFF
+
+
+@contextlib.contextmanager
+def deterministic():
+    """Ops whose forward runs inside the block take the deterministic backward (as with
+    DSA_PLUGINS_DETERMINISTIC=1; the flag is read in the forward and kept for its backward, which may run
+    after the block). The Megatron adapter enters it for layers whose config sets ``deterministic_mode``."""
+    token = _FORCED_DETERMINISTIC.set(True)
+    try:
+        yield
+    finally:
+        _FORCED_DETERMINISTIC.reset(token)
 
 
 def deterministic_mode() -> str | None:

@@ -1,6 +1,7 @@
 """Public ops: what users call. Every op runs the TileLang kernel or the torch reference by the
 backend rules in :mod:`dsa_plugins.ops.backend`."""
 
+from ..common.settings import deterministic
 from .backend import is_dsa_kernel_available, should_use_tilelang
 from .fused_indexer_loss import FusedIndexerLoss
 from .indexer import (
@@ -27,6 +28,7 @@ __all__ = [
     "DeepSeekV4SparseAttentionHeadChunked",
     "FusedIndexerLoss",
     "causal_key_windows",
+    "deterministic",
     "indexer_kl_loss",
     "indexer_topk",
     "is_dsa_kernel_available",

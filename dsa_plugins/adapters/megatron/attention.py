@@ -48,6 +48,7 @@ from megatron.core.transformer.spec_utils import build_module
 from ... import ops
 from ...common.settings import warn_once
 from .indexer import is_packed, packed_windows
+from .layers import deterministic_for
 
 
 class _ReduceGradOverGroup(torch.autograd.Function):
@@ -216,13 +217,15 @@ class DSAttention(MegatronModule):
         fused_loss = None
         if need_loss and absorbed and self.fuse_indexer_loss and getattr(self.config, "dsa_indexer_use_sparse_loss", False):
             fused_loss = self._fused_indexer_loss(index_q, index_k, weights)
-        if absorbed:
-            kv = _to_rows(key, packed)  # [T, c + r]
-            out = ops.sparse_mla(q, kv, rows, w_vc, self.softmax_scale, backend=self.backend, indexer_loss=fused_loss)
-        else:
-            k = _to_rows(key, packed)
-            v = _to_rows(value, packed)
-            out = self._per_head_attention(q, k, v, rows)
+        with deterministic_for(self.config):  # megatron's deterministic_mode: the ops' deterministic backward
+            if absorbed:
+                kv = _to_rows(key, packed)  # [T, c + r]
+                out = ops.sparse_mla(q, kv, rows, w_vc, self.softmax_scale, backend=self.backend,
+                                     indexer_loss=fused_loss)
+            else:
+                k = _to_rows(key, packed)
+                v = _to_rows(value, packed)
+                out = self._per_head_attention(q, k, v, rows)
 
         if packed:
             output = out.reshape(out.shape[0], -1)

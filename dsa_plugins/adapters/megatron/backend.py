@@ -39,6 +39,7 @@ import torch
 
 from ... import ops
 from ...common.settings import warn_once
+from .layers import deterministic_for
 
 # The DSAttention module whose forward is running (set by the patch in spec_patches / register):
 # the hooks get no layer number, which the loss logging needs.
@@ -46,13 +47,15 @@ CURRENT_LAYER: contextvars.ContextVar = contextvars.ContextVar("dsa_plugins_mega
 
 
 def track_layer(forward):
-    """Wrap ``DSAttention.forward`` so that the hooks know which layer runs (for the loss tracker)."""
+    """Wrap ``DSAttention.forward`` so that the hooks know which layer runs (for the loss tracker), and
+    run it under :func:`dsa_plugins.deterministic` where megatron's config sets ``deterministic_mode``."""
 
     @functools.wraps(forward)
     def wrapper(self, *args, **kwargs):
         token = CURRENT_LAYER.set(self)
         try:
-            return forward(self, *args, **kwargs)
+            with deterministic_for(self.config):
+                return forward(self, *args, **kwargs)
         finally:
             CURRENT_LAYER.reset(token)
 

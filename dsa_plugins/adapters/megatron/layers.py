@@ -12,12 +12,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from typing import Any
 
 import torch
 from megatron.core.transformer.module import MegatronModule
+
+from ...common.settings import deterministic
 
 try:  # optional CUDA kernel; the torch path below gives the same result
     from fast_hadamard_transform import hadamard_transform as _fast_hadamard
@@ -137,3 +140,9 @@ def yarn_mscale(scale: float, mscale: float) -> float:
     if scale <= 1:
         return 1.0
     return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def deterministic_for(config):
+    """:func:`dsa_plugins.deterministic` where megatron's ``config.deterministic_mode`` is set (megatron's
+    switch for reproducible kernels), else nothing: the attention ops' backward is then bitwise reproducible."""
+    return deterministic() if getattr(config, "deterministic_mode", False) else contextlib.nullcontext()

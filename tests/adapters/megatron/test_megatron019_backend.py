@@ -211,3 +211,21 @@ def test_standalone_loss_hook_takes_padding_rows(per_token, monkeypatch):
         results[name] = M.step(model, tokens, labels, position_ids=position_ids, packed_seq_params=packed)
     assert len(served) == 2 and all(r is not None for r in served)
     _assert_same(results["dsa_plugins"], results["none"])
+
+
+@pytest.mark.parametrize("deterministic_mode", [False, True])
+def test_megatron_deterministic_mode_takes_the_deterministic_backward(deterministic_mode, monkeypatch):
+    """megatron's ``config.deterministic_mode`` (its switch for reproducible kernels) puts the layers' attention
+    ops under dsa_plugins.deterministic(): their backward is the bitwise-reproducible one; off, the default."""
+    from dsa_plugins.ops import attention_custom_ops, fused_indexer_loss
+
+    seen = []
+    for mod in (attention_custom_ops, fused_indexer_loss):
+        real = mod.deterministic_enabled
+        monkeypatch.setattr(mod, "deterministic_enabled", lambda real=real: seen.append(real()) or seen[-1])
+    monkeypatch.setenv("DSA_PLUGINS_MEGATRON_TAKEOVER", "1")
+    cfg, model = M.build(backend="dsa_plugins")
+    cfg.deterministic_mode = deterministic_mode
+    tokens, labels = M.batch()
+    M.step(model, tokens, labels)
+    assert seen and all(v == deterministic_mode for v in seen)

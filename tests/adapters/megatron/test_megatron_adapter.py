@@ -301,3 +301,23 @@ def test_shared_topk_layers_train(megatron_env, tiny_config):
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
     with pytest.raises(ValueError):
         get_dsa_decoder_block_spec(config, indexer_types=["full", "shared"])
+
+
+@pytest.mark.parametrize("deterministic_mode", [False, True])
+def test_megatron_deterministic_mode_takes_the_deterministic_backward(megatron_env, tiny_config, monkeypatch,
+                                                                     deterministic_mode):
+    """megatron's ``config.deterministic_mode`` puts DSAttention's attention ops (and the fused indexer loss)
+    under dsa_plugins.deterministic(): their backward is the bitwise-reproducible one."""
+    from dsa_plugins.megatron import get_dsa_layer_spec
+    from dsa_plugins.ops import attention_custom_ops, fused_indexer_loss
+
+    seen = []
+    for mod in (attention_custom_ops, fused_indexer_loss):
+        real = mod.deterministic_enabled
+        monkeypatch.setattr(mod, "deterministic_enabled", lambda real=real: seen.append(real()) or seen[-1])
+    config = tiny_config(dsa_indexer_loss_coeff=0.5, deterministic_mode=deterministic_mode)
+    torch.manual_seed(0)
+    model = _gpt(config, get_dsa_layer_spec(config, model="glm5"))
+    tok, pos = _tokens(3)
+    model(tok, pos, None).float().square().mean().backward()
+    assert seen and all(v == deterministic_mode for v in seen)

@@ -1,0 +1,38 @@
+"""dsa_plugins.deterministic(): the block that turns the deterministic backward on in code."""
+
+import dsa_plugins
+from dsa_plugins.common.settings import deterministic_enabled
+
+
+def test_deterministic_block_turns_the_backward_on_and_restores(monkeypatch):
+    assert not deterministic_enabled()
+    with dsa_plugins.deterministic():
+        assert deterministic_enabled()
+        with dsa_plugins.deterministic():
+            assert deterministic_enabled()
+        assert deterministic_enabled()
+    assert not deterministic_enabled()
+    monkeypatch.setenv("DSA_PLUGINS_DETERMINISTIC", "1")
+    assert deterministic_enabled()  # the variable still counts outside a block
+
+
+def test_the_ops_record_the_block_for_their_backward():
+    """The flag is read in the forward (custom op's context) and kept for the backward, run after the block."""
+    import torch
+
+    from dsa_plugins.ops import attention_custom_ops
+
+    q = torch.randn(1, 5, 2, 16, requires_grad=True)
+    kv = torch.randn(1, 7, 16, requires_grad=True)
+    idx = torch.randint(0, 7, (1, 5, 3), dtype=torch.int32)
+    seen = []
+    real = attention_custom_ops.deterministic_enabled
+    attention_custom_ops.deterministic_enabled = lambda: seen.append(real()) or seen[-1]
+    try:
+        with dsa_plugins.deterministic():
+            out = dsa_plugins.sparse_attention(q, kv, idx, 0.25, backend="torch")
+        out.sum().backward()
+        plain = dsa_plugins.sparse_attention(q, kv, idx, 0.25, backend="torch")
+    finally:
+        attention_custom_ops.deterministic_enabled = real
+    assert seen == [True, False] and plain.shape == out.shape and q.grad is not None
