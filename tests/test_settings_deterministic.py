@@ -36,3 +36,18 @@ def test_the_ops_record_the_block_for_their_backward():
     finally:
         attention_custom_ops.deterministic_enabled = real
     assert seen == [True, False] and plain.shape == out.shape and q.grad is not None
+
+
+def test_torch_deterministic_algorithms_turn_it_on():
+    """torch.use_deterministic_algorithms(True) (transformers' enable_full_determinism sets it) asks every op
+    for a deterministic implementation: ours is the deterministic backward."""
+    import torch
+
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert deterministic_enabled()
+        torch.use_deterministic_algorithms(False)
+        assert not deterministic_enabled()
+    finally:
+        torch.use_deterministic_algorithms(before)

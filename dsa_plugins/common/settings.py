@@ -58,9 +58,16 @@ _FORCED_DETERMINISTIC = contextvars.ContextVar("dsa_plugins_deterministic", defa
 
 def deterministic_enabled() -> bool:
     """DSA_PLUGINS_DETERMINISTIC: 1 / true / yes / on, or a deterministic mode's name (see
-    :func:`deterministic_mode`), turns the bitwise-reproducible backward on; so does a
-    :func:`deterministic` block."""
-    return _FORCED_DETERMINISTIC.get() or os.environ.get("DSA_PLUGINS_DETERMINISTIC", "0").strip().lower() not in _OFF
+    :func:`deterministic_mode`), turns the bitwise-reproducible backward on; so do a :func:`deterministic`
+    block and torch's own switch, ``torch.use_deterministic_algorithms(True)`` (what transformers'
+    ``enable_full_determinism`` sets)."""
+    if _FORCED_DETERMINISTIC.get():
+        return True
+    if os.environ.get("DSA_PLUGINS_DETERMINISTIC", "0").strip().lower() not in _OFF:
+        return True
+    import torch  # not at module level: this module is imported while torch itself imports (autoload)
+
+    return torch.are_deterministic_algorithms_enabled()
 
 
 @contextlib.contextmanager
