@@ -51,3 +51,17 @@ def test_torch_deterministic_algorithms_turn_it_on():
         assert not deterministic_enabled()
     finally:
         torch.use_deterministic_algorithms(before)
+
+
+def test_deterministic_mode_says_once_that_the_indexer_loss_kernel_is_not(caplog):
+    """The indexer KL loss kernel sums d_index_k with fp32 atomics: in deterministic mode that is said once
+    (never silently); the attention gradients are the deterministic ones."""
+    import logging
+
+    from dsa_plugins.ops import fused_indexer_loss
+
+    with caplog.at_level(logging.WARNING, logger="dsa_plugins"):
+        fused_indexer_loss.warn_loss_not_deterministic()
+        fused_indexer_loss.warn_loss_not_deterministic()
+    msgs = [r.getMessage() for r in caplog.records if "d_index_k still sums with fp32 atomics" in r.getMessage()]
+    assert len(msgs) == 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..common.settings import check_indices_enabled, resolve_backend
+from ..common.settings import check_indices_enabled, deterministic_enabled, resolve_backend
 from ..common.indices import as_int32
 from ..common.validation import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_index_range, check_scale, check_tensor
 from ..kernels import load_kernel
@@ -256,6 +256,10 @@ def indexer_kl_loss(
     if row_weights is not None:
         check_tensor("row_weights", row_weights, ndim=1, dtypes=FLOAT_DTYPES, device=device, shape={0: t})
     if choose_kernel(resolve_backend(backend), "indexer_kl_loss", (index_q, index_k, q, kv), reason):
+        if deterministic_enabled() and torch.is_grad_enabled():
+            from .fused_indexer_loss import warn_loss_not_deterministic
+
+            warn_loss_not_deterministic()
         return _IndexerKLLossKernel.apply(
             index_q, index_k, weights.float(), q.detach(), kv.detach(),
             None if attn_lse is None else attn_lse.detach().float(),
