@@ -52,12 +52,9 @@ def _jobs(configs):
     jobs = []
     for c, with_det in configs:
         cfg = m._normalise_config(c)
-        nhb = (cfg["heads"] + 63) // 64
-        for det in ((False, True) if with_det else (False,)):
-            jobs.append(("preprocess", m._preprocess_args(cfg, det and cfg["det_mode"] == "fixed")))
-            jobs.append(m._main_kernel(cfg, det))
-        if with_det and cfg["det_mode"] != "fixed":
-            jobs.append(("reduce", (cfg["dqk"], nhb, m._contrib_dtype(cfg))))
+        for name in m.bwd_program_names(cfg):  # the benchmark times no head-summed P output
+            if not name.endswith("_probs") and (with_det or name in ("preprocess", "main")):
+                jobs.append(m._program_key(cfg, name))
     out = []
     for j in jobs:
         if j not in out:

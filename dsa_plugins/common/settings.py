@@ -25,8 +25,12 @@ _warned: set[str] = set()
 _warned_lock = threading.Lock()
 
 
+_OFF = ("", "0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
+
+
 def _flag(name: str) -> bool:
-    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+    return os.environ.get(name, "0").strip().lower() in _ON
 
 
 def default_backend() -> str:
@@ -47,10 +51,6 @@ def resolve_backend(backend: str | None) -> str:
 
 def check_indices_enabled() -> bool:
     return _flag("DSA_PLUGINS_CHECK_INDICES")
-
-
-_OFF = ("", "0", "false", "no", "off")
-_ON = ("1", "true", "yes", "on")
 
 
 _FORCED_DETERMINISTIC = contextvars.ContextVar("dsa_plugins_deterministic", default=False)

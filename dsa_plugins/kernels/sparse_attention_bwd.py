@@ -92,6 +92,8 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
 _TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep",
                 "schedule", "ws_prefetch", "ws_dq_rs", "det_mode")
 _DET_MODES = ("contrib", "contrib_ws", "contrib_bf16", "contrib_i16", "fixed")
+# the contribution modes whose rows are not fp32 (the same names as the ws program's det_out)
+_CONTRIB_DTYPES = {"contrib_bf16": "bfloat16", "contrib_i16": "int16"}
 _SCHEDULES = ("ws", "plain")
 
 
@@ -782,7 +784,7 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     contrib_modes = {"contrib": 3, "contrib_bf16": 4, "contrib_i16": 5}
     assert det_out is None or det_out == "fixed" or det_out in contrib_modes, det_out
     fixed_point, contrib = det_out == "fixed", det_out in contrib_modes
-    contrib_dt = {"contrib_bf16": T.bfloat16, "contrib_i16": T.int16}.get(det_out, f32)
+    contrib_dt = getattr(T, _CONTRIB_DTYPES.get(det_out, "float32"))
     red_mode = contrib_modes[det_out] if contrib else 2 if fixed_point else 1 if l2_keep else 0
     red_fn = f"dsa_red_tile64<{red_mode}>"
 
@@ -1002,7 +1004,7 @@ def _reduce_body(dqk, nhb, contrib_dtype="float32", warps=4):
 
     @T.prim_func
     def dsa_bwd_reduce(
-        Contrib: T.Tensor([M, dqk], {"float32": f32, "bfloat16": T.bfloat16, "int16": T.int16}[contrib_dtype]),
+        Contrib: T.Tensor([M, dqk], getattr(T, contrib_dtype)),
         Exps: T.Tensor([M, dqk // 8] if scaled else [1], T.uint8),
         Rows: T.Tensor([L], i32),
         RowPtr: T.Tensor([N1], i32),
@@ -1114,7 +1116,7 @@ _WS_DET_OUT = {"fixed": "fixed", "contrib_ws": "contrib", "contrib_bf16": "contr
 
 def _contrib_dtype(cfg: dict) -> str:
     """The contribution buffer's dtype of the contribution modes."""
-    return {"contrib_bf16": "bfloat16", "contrib_i16": "int16"}.get(cfg["det_mode"], "float32")
+    return _CONTRIB_DTYPES.get(cfg["det_mode"], "float32")
 
 
 def _uses_ws(cfg: dict, deterministic: bool) -> bool:
@@ -1141,18 +1143,22 @@ def _main_args(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tupl
 BWD_PROGRAMS = ("preprocess", "preprocess_det", "main", "main_probs", "main_det", "main_det_probs", "reduce")
 
 
-def build_bwd_program(config: dict, name: str, target="auto"):
-    """Compile one program of ``config`` (a name of :data:`BWD_PROGRAMS`): the preprocess (``_det``: with
-    the maxima of the "fixed" deterministic mode), the main kernel (atomic or deterministic ``_det``,
-    with the head-summed P output ``_probs`` or not) or the "contrib" deterministic reduce."""
-    cfg = _normalise_config(config)
+def _program_key(cfg: dict, name: str) -> tuple:
+    """(program kind, compile args) of program ``name`` of :data:`BWD_PROGRAMS` for a normalised config:
+    the preprocess (``_det``: with the maxima of the "fixed" deterministic mode), the main kernel (atomic
+    or deterministic ``_det``, with the head-summed P output ``_probs`` or not) or the contribution reduce."""
     if name in ("preprocess", "preprocess_det"):
-        return _get("preprocess", target, *_preprocess_args(cfg, name == "preprocess_det"))
+        return "preprocess", _preprocess_args(cfg, name == "preprocess_det")
     if name == "reduce":
-        return _get("reduce", target, cfg["dqk"], (cfg["heads"] + _BLOCK_H - 1) // _BLOCK_H, _contrib_dtype(cfg))
+        return "reduce", (cfg["dqk"], (cfg["heads"] + _BLOCK_H - 1) // _BLOCK_H, _contrib_dtype(cfg))
     if name not in BWD_PROGRAMS:
         raise ValueError(f"unknown backward program {name!r}; known: {BWD_PROGRAMS}")
-    kind, args = _main_kernel(cfg, "_det" in name, name.endswith("_probs"))
+    return _main_kernel(cfg, "_det" in name, name.endswith("_probs"))
+
+
+def build_bwd_program(config: dict, name: str, target="auto"):
+    """Compile one program of ``config`` (a name of :data:`BWD_PROGRAMS`, see :func:`_program_key`)."""
+    kind, args = _program_key(_normalise_config(config), name)
     return _get(kind, target, *args)
 
 
@@ -1435,9 +1441,8 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
     elif not deterministic:
         main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), blocks)
     else:  # the contribution modes: "contrib" (the plain program) and "contrib_ws"
-        cdt = _contrib_dtype(cfg)
-        red = _get("reduce", target, Dqk, nhb, cdt)
-        cdt = getattr(torch, cdt)
+        red = _get("reduce", target, *_program_key(cfg, "reduce")[1])
+        cdt = getattr(torch, _contrib_dtype(cfg))
         per_row = nhb * Kp * (Dqk * cdt.itemsize + (Dqk // 8 if cdt == torch.int16 else 0))  # with the exponents
         chunk = max(1, min(T_, _DET_BUDGET_BYTES // per_row))
         contrib = torch.empty(chunk * nhb * Kp, Dqk, device=dev, dtype=cdt)
