@@ -39,7 +39,7 @@ def test_without_a_model_every_shipped_configuration():
     assert sum(j.function == "build_fwd_kernel" for j in jobs) == len(sparse_attention_fwd.SHIPPED_CONFIGS)
     assert sum(j.function == "build_bwd_program" for j in jobs) == sum(
         len(sparse_attention_bwd.bwd_program_names(c)) for c in sparse_attention_bwd.SHIPPED_CONFIGS)
-    # the shipped shapes' deterministic mode ("contrib") needs the reduce, not the fixed-point preprocess
+    # the shipped shapes' deterministic mode ("contrib_i16") needs the reduce, not the fixed-point preprocess
     names = [j.args[1] for j in jobs if j.function == "build_bwd_program"]
     assert "reduce" in names and "preprocess_det" not in names
     assert sum(j.function == "build_indexer" for j in jobs) == len(indexer.SHIPPED_CONFIGS)

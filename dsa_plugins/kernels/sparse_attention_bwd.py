@@ -16,13 +16,12 @@ Programs (all compiled per configuration by :func:`build_bwd_kernels`):
   times a power of two chosen from the inputs' magnitudes, rounded to int64 and added with integer
   reductions, whose sums do not depend on the order of the additions (see :func:`_fixed_point_scale`);
   measured 4.3-4.8x the atomic time on an H100 (L2 adds 64-bit integers ~7x slower per value than
-  fp32 red.v4), so the default deterministic mode is "contrib". The ws program can also store the
-  contribution rows that "contrib" has the plain program write, for the same reduce: ``det_mode``
-  "contrib_ws" (fp32, the same sums; 2.0x the atomic time at MLA H64 where "contrib" takes 2.35x),
-  "contrib_i16" (int16 with a power of two per 8 values: 1.86x, dkv within 5e-5 of the fp32 sums) and
-  "contrib_bf16" (bf16: 1.51x, within 1.7e-3: about a bf16 rounding). H100, B1 S4096 Skv8192
-  (``bwd_ws_h100.md``).
-* ``main`` (the plain program: other head dims, the default "contrib" deterministic mode, tuning experiments): one CTA of
+  fp32 red.v4), so the deterministic mode stores per-slot contribution rows instead, for the reduce
+  to sum: by default (``det_mode`` "contrib_i16") as int16 with a power of two per 8 values (1.86x the
+  atomic time at MLA H64, dkv within 5e-5 of the fp32 sums); "contrib_ws" stores fp32 (the same sums:
+  2.0x), "contrib_bf16" bf16 (1.51x, within 1.7e-3: about a bf16 rounding) and "contrib" has the plain
+  program write fp32 rows (2.35x). H100, B1 S4096 Skv8192 (``bwd_ws_h100.md``).
+* ``main`` (the plain program: other head dims, the "contrib" deterministic mode, tuning experiments): one CTA of
   256 threads per (query row, block of 64 heads); heads beyond H are padded inside the CTA (zero q / dout, lse = +inf: they contribute
   nothing). The CTA walks the top-k slots in blocks of 64: gathers the selected kv rows with
   cp.async (invalid slots zero-filled, never read; the next block's gather overlaps the dkv part),
@@ -157,8 +156,9 @@ def _normalise_config(config: dict) -> dict:
     # the fp32 sums: 1.86 / 1.96, 1.68 / 1.55x), "contrib_bf16" (bf16: 1.51 / 1.53, 1.42 / 1.36x, within
     # 1.7e-3: a bf16 rounding of each contribution) or "fixed" (the ws program adding fixed-point integers
     # with 64-bit reductions, order-free sums: 4.3-4.8x, L2 takes integer adds ~7x slower per value than
-    # fp32 red.v4; its memory is [Skv, dqk] int64, whatever the query count). The default stays "contrib"
-    # until the GPU test file has run with "contrib_i16" as the default.
+    # fp32 red.v4; its memory is [Skv, dqk] int64, whatever the query count). The default is
+    # "contrib_i16" on the ws program's shapes (the fastest mode whose sums stay within 5e-5 of fp32)
+    # and "contrib" elsewhere.
     env_mode = deterministic_mode()  # DSA_PLUGINS_DETERMINISTIC=<mode>: the default where config names none
     if not cfg.get("det_mode") and env_mode is not None:
         if env_mode not in _DET_MODES:
@@ -170,7 +170,7 @@ def _normalise_config(config: dict) -> dict:
                       f"{cfg['dqk']} dv={cfg['dv']} (schedule {cfg['schedule']!r}) uses det_mode 'contrib'")
             env_mode = "contrib"
         cfg["det_mode"] = env_mode
-    cfg["det_mode"] = str(cfg.get("det_mode") or "contrib")
+    cfg["det_mode"] = str(cfg.get("det_mode") or ("contrib_i16" if cfg["schedule"] == "ws" else "contrib"))
     if cfg["det_mode"] not in _DET_MODES or (cfg["det_mode"] != "contrib" and cfg["schedule"] != "ws"):
         raise ValueError(f"det_mode must be one of {_DET_MODES} (all but 'contrib' need the ws schedule), got "
                          f"{cfg['det_mode']!r} with schedule {cfg['schedule']!r}")
@@ -1230,7 +1230,8 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
     defaults to Dqk. Returns dq [B,S,H,Dqk] q.dtype, dkv [B,Skv,Dqk] float32 (zero-initialised
     here unless given, accumulated with fp32 atomics), dsink [H] fp32 or None.
 
-    deterministic=True gives bitwise-reproducible results. By default (``det_mode`` "contrib") the plain
+    deterministic=True gives bitwise-reproducible results. With ``det_mode`` "contrib" (the default for
+    head dims the ws program does not take; on its shapes the default is "contrib_i16", below) the plain
     program writes each slot's kv gradient (per block of 64 heads) into a contribution buffer, a chunk
     of query rows at a time (buffer <= DSA_PLUGINS_BWD_DET_BUDGET_MB, 2 GiB by default); a stable sort
     gives each kv row its contributions in a fixed order and a reduce kernel sums them (H100, B1 S4096
@@ -1244,10 +1245,10 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
     Non-finite values reach dkv as they are; a value beyond the bound (an lse far below the scores')
     makes its element NaN. It needs no buffer
     beyond [Skv, Dqk] int64 but is slower (41.1 / 74.7 / 35.6 ms on the shapes above). On the ws
-    program's shapes the contribution rows can also come from the ws program (``det_mode``
-    "contrib_ws": fp32, 17.0 / 33.9 / 15.0 ms), as int16 with a power of two per 8 values ("contrib_i16":
-    15.6 / 32.5 / 13.8 ms, dkv within 5e-5 of the fp32 sums; a block with a value that is not finite
-    sums to NaN) or as bf16 ("contrib_bf16": 12.7 / 25.3 / 11.6 ms, each contribution rounded to bf16:
+    program's shapes the contribution rows come from the ws program, by default as int16 with a power of
+    two per 8 values ("contrib_i16": 15.6 / 32.5 / 13.8 ms, dkv within 5e-5 of the fp32 sums; a block
+    with a value that is not finite sums to NaN), or as fp32 (``det_mode`` "contrib_ws": 17.0 / 33.9 /
+    15.0 ms) or bf16 ("contrib_bf16": 12.7 / 25.3 / 11.6 ms, each contribution rounded to bf16:
     within 1.7e-3 of the fp32 sums). dq and dsink are deterministic in every mode (no atomics).
 
     return_probs=True adds a fourth result, probs [B,S,K] fp32: sum over heads of the attention

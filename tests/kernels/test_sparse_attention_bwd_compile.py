@@ -60,8 +60,8 @@ def test_bwd_flops_convention():
 def test_shipped_config_compiles_for_sm90a(config, caplog):
     with caplog.at_level(logging.INFO, logger="dsa_plugins"):
         progs = bwd.build_bwd_kernels(config, target=SM90A)
-    # every shipped shape runs the ws program in the atomic mode; the deterministic one ("contrib", the default)
-    # the plain program writing contributions, then the reduce
+    # every shipped shape runs the ws program in both modes: the deterministic one (default "contrib_i16")
+    # stores int16 contribution rows, then the reduce sums them
     assert set(progs) == {"preprocess", "main", "main_det", "main_probs", "main_det_probs", "reduce"}
     assert "Maxima[" not in progs["preprocess"].get_kernel_source()
     probs_src = progs["main_probs"].get_kernel_source()
@@ -72,9 +72,10 @@ def test_shipped_config_compiles_for_sm90a(config, caplog):
     # full-line v4 reductions from the accumulators
     assert "dsa_red_tile64<0>(" in src and "__named_barrier_arrive" in src and "AtomicAdd" not in src
     for name in ("main_det", "main_det_probs"):
-        # deterministic: plain stores of each slot's contribution, no reduction of any kind
+        # deterministic: each slot's contribution stored as int16 rows (mode 5), no reduction of any kind
         det = progs[name].get_kernel_source()
-        assert "wgmma" in det and "AtomicAdd" not in det and "dsa_red_tile64" not in det and "red.global" not in det
+        assert "wgmma" in det and "AtomicAdd" not in det and "dsa_red_tile64<5>(" in det
+        assert "dsa_red_tile64<0>(" not in det and "dsa_red_tile64<2>(" not in det
     # a second build is served from the in-process cache: no new compile log line
     n = len([r for r in caplog.records if "compiled" in r.getMessage()])
     with caplog.at_level(logging.INFO, logger="dsa_plugins"):
@@ -118,10 +119,12 @@ def test_schedule_defaults_to_ws_where_its_shapes_allow():
         bwd._normalise_config({"heads": 16, "dqk": 576, "dv": 512, "schedule": "fast"})
     cfg = bwd._normalise_config({"heads": 64, "dqk": 576, "dv": 512})
     # the ws program serves both modes (with or without the head-summed probabilities): deterministic
-    # with fixed-point sums; det_mode "contrib" (and the plain schedule) runs the plain program
+    # (default det_mode "contrib_i16", or "fixed"); det_mode "contrib" (and the plain schedule) runs the
+    # plain program
     assert bwd._main_kernel(cfg, False)[0] == "ws"
     assert bwd._main_kernel(cfg, False, emit_probs=True)[0] == "ws"
-    assert cfg["det_mode"] == "contrib" and bwd._main_kernel(cfg, True)[0] == "main"
+    assert cfg["det_mode"] == "contrib_i16" and bwd._main_kernel(cfg, True)[1][-1] == "contrib_i16"
+    assert bwd._main_kernel({**cfg, "det_mode": "contrib"}, True)[0] == "main"
     kind, args = bwd._main_kernel({**cfg, "det_mode": "fixed"}, True)
     assert kind == "ws" and args[-1] == "fixed"  # the ws program's deterministic output
     assert bwd._main_kernel({**cfg, "det_mode": "contrib_ws"}, True)[1][-1] == "contrib"
@@ -397,7 +400,7 @@ def test_deterministic_env_names_the_mode(monkeypatch, caplog):
     plain = {"heads": 16, "dqk": 96, "dv": 64}
     monkeypatch.setenv("DSA_PLUGINS_DETERMINISTIC", "1")
     assert settings.deterministic_enabled() and settings.deterministic_mode() is None
-    assert bwd._normalise_config(ws)["det_mode"] == "contrib"
+    assert bwd._normalise_config(ws)["det_mode"] == "contrib_i16"  # the ws shapes' default
     monkeypatch.setenv("DSA_PLUGINS_DETERMINISTIC", "contrib_i16")
     assert settings.deterministic_enabled() and settings.deterministic_mode() == "contrib_i16"
     assert bwd._normalise_config(ws)["det_mode"] == "contrib_i16"
