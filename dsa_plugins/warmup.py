@@ -130,7 +130,7 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
     import torch
 
     from .common.settings import decode_part_slots
-    from .kernels import indexer, indexer_loss, sparse_attention_bwd, sparse_attention_fwd, topk
+    from .kernels import contrib_reduce, indexer, indexer_loss, sparse_attention_bwd, sparse_attention_fwd, topk
 
     fwd, bwd, idx, loss, tk = (m.__name__ for m in (sparse_attention_fwd, sparse_attention_bwd, indexer,
                                                      indexer_loss, topk))
@@ -154,6 +154,7 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
                     for rows in (None, indexer.DECODE_MAX_ROWS)]
         loss_cfgs = [{"kind": "attn_probs", "dim": dims.dim_qk, "lse_pass": p} for p in (False, True)]
         loss_cfgs += [{"kind": "loss", "heads": 64, "dim": dims.index_dim, "grads": g} for g in (True, False)]
+        loss_cfgs += [{"kind": "loss", "heads": 64, "dim": dims.index_dim, "grads": True, "det": True}]
     for dqk, dv, sink in attn:
         cfg = sparse_attention_fwd.config_for(dqk, dv, sink, torch.bfloat16)
         jobs.append(KernelJob(f"attention forward {dqk}/{dv}{' sink' if sink else ''}", fwd, "build_fwd_kernel",
@@ -188,6 +189,10 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
             jobs.append(KernelJob(f"indexer loss {cfg['kind']} " + " ".join(f"{k}={v}" for k, v in cfg.items()
                                                                               if k != "kind"),
                                   loss, "build_config", (cfg,), seconds=15))
+        # the deterministic loss's d_index_k reduce (the attention's reduce is one of its backward programs)
+        for di in sorted({c["dim"] for c in loss_cfgs if c.get("det")}):
+            jobs.append(KernelJob(f"indexer loss d_index_k reduce Di{di} (deterministic mode)", contrib_reduce.__name__,
+                                  "build_reduce", (di, 1, "float32"), seconds=3))
     return jobs
 
 

@@ -53,15 +53,50 @@ def test_torch_deterministic_algorithms_turn_it_on():
         torch.use_deterministic_algorithms(before)
 
 
-def test_deterministic_mode_says_once_that_the_indexer_loss_kernel_is_not(caplog):
-    """The indexer KL loss kernel sums d_index_k with fp32 atomics: in deterministic mode that is said once
-    (never silently); the attention gradients are the deterministic ones."""
-    import logging
+def _fake_loss_kernel(seen):
+    """Stands in for the TileLang loss wrappers on the CPU: records the mode it is given."""
+    import torch
 
+    def run(index_q, index_k, weights, *args, grad_rows=None, deterministic=False):
+        seen.append(deterministic)
+        grads = (torch.zeros_like(index_q), torch.zeros(index_k.shape), torch.zeros(weights.shape))
+        return torch.zeros(index_q.shape[0]), grads
+
+    return run
+
+
+def test_the_indexer_loss_ops_hand_the_mode_to_the_loss_kernel(monkeypatch):
+    """The indexer KL loss kernel sums d_index_k in a fixed order in deterministic mode: the standalone op
+    (sparse and dense stages) and the fused attention + loss both pass the flag read in the forward."""
+    import torch
+
+    from dsa_plugins.kernels import indexer_loss as kernel
     from dsa_plugins.ops import fused_indexer_loss
+    from dsa_plugins.ops import indexer as ops_indexer
 
-    with caplog.at_level(logging.WARNING, logger="dsa_plugins"):
-        fused_indexer_loss.warn_loss_not_deterministic()
-        fused_indexer_loss.warn_loss_not_deterministic()
-    msgs = [r.getMessage() for r in caplog.records if "d_index_k still sums with fp32 atomics" in r.getMessage()]
-    assert len(msgs) == 1
+    seen = []
+    monkeypatch.setattr(ops_indexer, "choose_kernel", lambda *a, **k: True)
+    monkeypatch.setattr(ops_indexer, "load_kernel", lambda name: _fake_loss_kernel(seen))
+    t, tk = 6, 9
+    iq = torch.randn(t, 4, 16, requires_grad=True)
+    ik = torch.randn(tk, 16, requires_grad=True)
+    w = torch.randn(t, 4, requires_grad=True)
+    q, kv = torch.randn(t, 2, 32), torch.randn(tk, 32)
+    idx = torch.randint(0, tk, (t, 3), dtype=torch.int32)
+    ends = torch.arange(1, t + 1, dtype=torch.int32)
+    for det in (True, False):
+        with dsa_plugins.deterministic() if det else torch.enable_grad():
+            sparse = ops_indexer.indexer_kl_loss(iq, ik, w, q, kv, None, 0.2, topk_indices=idx)
+            dense = ops_indexer.indexer_kl_loss(iq, ik, w, q, kv, None, 0.2, key_start=torch.zeros_like(ends),
+                                                key_end=ends)
+        (sparse + dense).backward()
+    assert seen == [True, True, False, False]
+
+    seen.clear()
+    monkeypatch.setattr(fused_indexer_loss, "choose_kernel", lambda *a, **k: True)
+    monkeypatch.setattr(kernel, "indexer_kl_loss_from_probs", _fake_loss_kernel(seen))
+    loss = fused_indexer_loss.FusedIndexerLoss(iq, ik, w)
+    probs = torch.rand(t, 3)
+    for det in (True, False):
+        fused_indexer_loss._loss_and_grads(loss, probs, idx, "tilelang", det)
+    assert seen == [True, False]

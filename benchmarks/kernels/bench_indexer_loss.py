@@ -10,11 +10,13 @@ Rows:
 - indexer_fwd: the indexer + top-k op at the same shape (the issue's yardstick: loss <= 2x this);
 - attn_bwd / attn_bwd+probs: the sparse attention backward without and with the head-summed P
   output; their difference is what the fused loss adds to the attention backward;
-- loss_from_probs: the loss given the target, with and without its gradients (one program);
+- loss_from_probs: the loss given the target, with and without its gradients (one program), and in
+  the deterministic mode (d_index_k stored per slot and summed in a fixed order instead of fp32 atomics);
 - fused loss = (attn_bwd+probs - attn_bwd) + loss_from_probs: the loss's cost on the fused path;
 - standalone loss fwd+bwd with attn_lse given / None: the recompute path (None is what callers
   without the attention's lse pay: the normaliser needs a second gather);
-- step: attention fwd+bwd plus the loss, fused vs standalone (attn_lse None), through the public ops.
+- step: attention fwd+bwd plus the loss, fused vs standalone (attn_lse None), through the public ops;
+  the fused step also inside ``dsa_plugins.deterministic()`` (attention and loss both deterministic).
 """
 
 import argparse
@@ -26,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+import dsa_plugins  # noqa: E402
 from dsa_plugins import ops  # noqa: E402
 from dsa_plugins.bench.runner import median_ms  # noqa: E402
 from dsa_plugins.kernels import indexer_loss as L  # noqa: E402
@@ -90,6 +93,8 @@ def main(argv=None):
     ms_fp = median_ms(lambda: L.indexer_kl_loss_from_probs(iq, ik, w, idx, probs, g))
     add("loss_from_probs (value and gradients)", ms_fp)
     add("loss_from_probs (value only: pass 1)", median_ms(lambda: L.indexer_kl_loss_from_probs(iq, ik, w, idx, probs)))
+    ms_det = median_ms(lambda: L.indexer_kl_loss_from_probs(iq, ik, w, idx, probs, g, deterministic=True))
+    add("loss_from_probs deterministic (value and gradients)", ms_det, f"{ms_det / ms_fp:.2f}x the atomic mode")
 
     # ablation of the program (wrong gradients, timing only): the cost of the d_index_k atomics
     if args.ablations:
@@ -139,6 +144,13 @@ def main(argv=None):
     add("step: attention fwd+bwd, no loss", ms_att)
     add("step: attention + fused loss", ms_sf, f"loss adds {ms_sf - ms_att:.3f} ms")
     add("step: attention + standalone loss (lse None)", ms_ss, f"loss adds {ms_ss - ms_att:.3f} ms")
+
+    def step_fused_det():
+        with dsa_plugins.deterministic():
+            step_fused()
+
+    ms_sfd = median_ms(step_fused_det)
+    add("step: attention + fused loss, deterministic", ms_sfd, f"{ms_sfd / ms_sf:.2f}x the default step")
 
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "indexer_loss.csv"), "w", newline="") as f:

@@ -19,7 +19,9 @@ Two programs, one CTA per query row:
   (:mod:`dsa_plugins.ops.fused_indexer_loss`) P comes from the attention backward instead and this
   program does not run: it is gather-bound (19 GB of kv rows at T 8192, k 2048, Dqk 576: 6 ms).
 - ``loss``: given P, the indexer logits, the row statistics and the loss (pass 1), and with
-  ``grads`` the gradients d_index_q, d_weights and d_index_k (pass 2); see _loss_program.
+  ``grads`` the gradients d_index_q, d_weights and d_index_k (pass 2); see _loss_program. d_index_k is
+  summed with fp32 atomics, or in the deterministic mode (``det``) stored per slot and summed in a fixed
+  order by :mod:`.contrib_reduce`.
 
 Index heads (at most 64) are padded to 64 by the wrapper (zero queries, zero weights); query heads
 below 64 are padded inside the kernel (zero rows with norm = +inf, so they contribute nothing).
@@ -39,7 +41,8 @@ import torch
 
 from ..common.settings import logger
 from ..common.indices import as_int32
-from . import announce_compile
+from . import announce_compile, zeros_arg
+from .contrib_reduce import DET_BUDGET_BYTES, build_reduce, slot_order_async
 
 __all__ = [
     "SHIPPED_CONFIGS",
@@ -72,12 +75,14 @@ SHIPPED_CONFIGS: list = [
     {"kind": "attn_probs", "dim": 512, "lse_pass": True},
     {"kind": "loss", "heads": 64, "dim": 128, "grads": True},
     {"kind": "loss", "heads": 64, "dim": 128, "grads": False},
+    {"kind": "loss", "heads": 64, "dim": 128, "grads": True, "det": True},
 ]
 
 _KEYS = {
     "attn_probs": ("dim", "lse_pass"),
-    "loss": ("heads", "dim", "grads"),
+    "loss": ("heads", "dim", "grads", "det"),
 }
+_OPTIONAL = {"det": False}  # keys a config may leave out
 
 
 # ----------------------------------------------------------------------------- programs
@@ -171,7 +176,7 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS):
     return main
 
 
-def _loss_program(heads: int, dim: int, grads: bool, threads: int = 128, ablate: str = ""):
+def _loss_program(heads: int, dim: int, grads: bool, det: bool = False, threads: int = 128, ablate: str = ""):
     """One CTA per query row, given the attention target P (head sums, unnormalised):
 
     pass 1 over the slot blocks: I_j = sum_h relu(<iq_h, ik_j>) w_h (kept in the workspace Iw)
@@ -184,6 +189,9 @@ def _loss_program(heads: int, dim: int, grads: bool, threads: int = 128, ablate:
     block b + 1 is in flight while block b is computed (an invalid index is never read).
     Without ``grads`` (the loss value only) G, DIQ, DW and DK are not touched.
     ``ablate`` (benchmarks only, wrong gradients): "no_atomics" skips the d_index_k scatter.
+    ``det`` (the deterministic mode, with ``grads``): DK is a contribution buffer [T * kp, D] instead,
+    each valid slot's d_index_k row stored in row t * kp + slot (plain stores; invalid slots store
+    nothing), for :mod:`.contrib_reduce` to sum in a fixed order.
 
     Measured on an H200 (T 8192, k 2048, causal top-k, Hi 64, Di 128): 6.3 ms with gradients, of
     which pass 1 is 1.2 ms and the d_index_k atomics 2.0 ms (2.1 G fp32 adds: about the rate at
@@ -197,6 +205,7 @@ def _loss_program(heads: int, dim: int, grads: bool, threads: int = 128, ablate:
     dtype, acc = "bfloat16", "float32"
     NT, TK, NSTEP = T.dynamic("n_rows, n_keys, slot_steps")
     KP = NSTEP * SLOT_STEP  # padded k (see _slot_steps)
+    DK_ROWS = T.dynamic("n_contrib") if det else TK  # det: one contribution row per (row, slot)
     VEC = 8  # bf16 per 16-byte copy
     COLS = D // VEC  # copies per row
     DC = 64 if D % 64 == 0 else D  # d_index_k columns per MMA + scatter step
@@ -273,7 +282,11 @@ def _loss_program(heads: int, dim: int, grads: bool, threads: int = 128, ablate:
         # d_index_k rows of the block, DC columns at a time (fewer registers: more CTAs per SM)
         for c in T.unroll(D // DC):
             T.gemm(dl_s, iq_s[:, c * DC:(c + 1) * DC], acc_k, clear_accum=True)
-            if ablate != "no_atomics":
+            if det:
+                for j, d in T.Parallel(BK, DC):
+                    if (Idx[bx, blk * BK + j] >= 0) and (Idx[bx, blk * BK + j] < TK):
+                        DK[bx * KP + blk * BK + j, c * DC + d] = acc_k[j, d]
+            elif ablate != "no_atomics":
                 for j, d in T.Parallel(BK, DC):
                     if (Idx[bx, blk * BK + j] >= 0) and (Idx[bx, blk * BK + j] < TK):
                         T.atomic_add(DK[Idx[bx, blk * BK + j], c * DC + d], acc_k[j, d])
@@ -290,7 +303,7 @@ def _loss_program(heads: int, dim: int, grads: bool, threads: int = 128, ablate:
         Loss: T.Tensor([NT], acc),
         DIQ: T.Tensor([NT, HI, D], dtype),
         DW: T.Tensor([NT, HI], acc),
-        DK: T.Tensor([TK, D], acc),
+        DK: T.Tensor([DK_ROWS, D], acc),
     ):
         with T.Kernel(NT, threads=threads) as bx:
             iq_s = T.alloc_shared([HI, D], dtype)
@@ -400,10 +413,13 @@ def _normalise(config: dict) -> tuple:
         raise ValueError(f"config kind must be one of {sorted(_KEYS)}, got {kind!r}")
     out = []
     for k in _KEYS[kind]:
-        if k not in config:
+        if k not in config and k not in _OPTIONAL:
             raise ValueError(f"{kind} config needs {k!r}")
-        out.append((k, bool(config[k]) if k in ("lse_pass", "grads") else int(config[k])))
+        v = config.get(k, _OPTIONAL.get(k))
+        out.append((k, bool(v) if k in ("lse_pass", "grads", "det") else int(v)))
     params = dict(out)
+    if params.get("det") and not params["grads"]:
+        raise ValueError("a deterministic loss program (det) needs grads: it changes how d_index_k is summed")
     if params["dim"] % 16 != 0 or not 16 <= params["dim"] <= 1024:
         raise ValueError(f"dim must be a multiple of 16 in [16, 1024], got {params['dim']}")
     if "heads" in params and params["heads"] != 64:
@@ -457,9 +473,10 @@ def build_attn_probs(dim: int, lse_pass: bool, target="auto"):
     return _build({"kind": "attn_probs", "dim": dim, "lse_pass": lse_pass}, target)
 
 
-def build_loss(dim: int, grads: bool, target="auto"):
-    """Compile the loss program for index head dim ``dim`` (64 padded index heads)."""
-    return _build({"kind": "loss", "heads": 64, "dim": dim, "grads": grads}, target)
+def build_loss(dim: int, grads: bool, target="auto", det: bool = False):
+    """Compile the loss program for index head dim ``dim`` (64 padded index heads); ``det``: d_index_k as
+    contribution rows for the deterministic reduce."""
+    return _build({"kind": "loss", "heads": 64, "dim": dim, "grads": grads, "det": det}, target)
 
 
 def build_config(config: dict, target="auto"):
@@ -541,9 +558,13 @@ def _slots(topk_indices, tk):
     return idx.contiguous(), valid, kp
 
 
-def _run_loss(index_q, index_k, weights, idx, probs, grad_rows):
+_DET_BUDGET_BYTES = DET_BUDGET_BYTES  # the contribution buffer's bytes at most (tests patch it)
+
+
+def _run_loss(index_q, index_k, weights, idx, probs, grad_rows, deterministic=False):
     """The loss program on checked inputs; idx [T, kp] and probs [T, kp] padded. Returns
-    (loss_rows, (d_index_q, d_index_k, d_weights) or None)."""
+    (loss_rows, (d_index_q, d_index_k, d_weights) or None); ``deterministic``: d_index_k summed in a
+    fixed order (:func:`_run_deterministic`) instead of with fp32 atomics."""
     dev = index_q.device
     t, hi, di = index_q.shape
     tk = index_k.shape[0]
@@ -565,8 +586,12 @@ def _run_loss(index_q, index_k, weights, idx, probs, grad_rows):
     else:  # not touched by the value-only program (shapes only)
         d_iq, d_w, g = iq, w, loss
     with torch.cuda.device(dev):
-        build_loss(di, grads, _device_target(dev))(
-            iq, index_k.contiguous(), w, idx, probs.contiguous(), g, logits_ws, loss, d_iq, d_w, d_ik)
+        if grads and deterministic:
+            _run_deterministic(iq, index_k.contiguous(), w, idx, probs.contiguous(), g, logits_ws, loss, d_iq, d_w,
+                               d_ik)
+        else:
+            build_loss(di, grads, _device_target(dev))(
+                iq, index_k.contiguous(), w, idx, probs.contiguous(), g, logits_ws, loss, d_iq, d_w, d_ik)
     if not grads:
         return loss, None
     if hp != hi:
@@ -575,8 +600,36 @@ def _run_loss(index_q, index_k, weights, idx, probs, grad_rows):
     return loss, (d_iq, d_ik, d_w)
 
 
+def _run_deterministic(iq, ik, w, idx, probs, g, logits_ws, loss, d_iq, d_w, d_ik):
+    """The loss program with gradients, d_index_k bitwise reproducible: chunks of rows (a contribution
+    buffer of at most _DET_BUDGET_BYTES) store each valid slot's d_index_k row, the slots' order by
+    index_k row is sorted on a side stream meanwhile, and the reduce adds each index_k row's
+    contributions into ``d_ik`` [Tk, Di] fp32 in that order (chunk after chunk: a fixed order too)."""
+    dev = iq.device
+    t, kp = idx.shape
+    tk, di = ik.shape
+    target = _device_target(dev)
+    prog = build_loss(di, True, target, det=True)
+    red = build_reduce(di, 1, "float32", target)
+    per_row = kp * di
+    # int32 offsets inside the program: a chunk's contribution elements stay below 2**31
+    chunk = max(1, min(t, _DET_BUDGET_BYTES // (4 * per_row), (2**31 - 1) // per_row))
+    contrib = torch.empty(chunk * kp, di, dtype=torch.float32, device=dev)
+    no_exps = zeros_arg(1, torch.uint8, dev)
+    for t0 in range(0, t, chunk):
+        t1 = min(t, t0 + chunk)
+        cb = contrib[: (t1 - t0) * kp]
+        order_ready = slot_order_async(idx[t0:t1], tk, kp, 1)
+        try:
+            prog(iq[t0:t1], ik, w[t0:t1], idx[t0:t1], probs[t0:t1], g[t0:t1], logits_ws[t0:t1], loss[t0:t1],
+                 d_iq[t0:t1], d_w[t0:t1], cb)
+        finally:
+            rows, rowptr = order_ready()  # the side stream joins even when the launch raised
+        red(cb, no_exps, rows, rowptr, d_ik, kp)
+
+
 def indexer_kl_loss_sparse(index_q, index_k, weights, q, kv, attn_lse, topk_indices, scale: float, sink=None,
-                           grad_rows=None):
+                           grad_rows=None, deterministic: bool = False):
     """The standalone loss: the target recomputed from the attention inputs.
 
     index_q [T,Hi,Di] bf16, index_k [Tk,Di] bf16, weights [T,Hi] fp32, q [T,H,Dqk] bf16, kv [Tk,Dqk] bf16,
@@ -585,7 +638,9 @@ def indexer_kl_loss_sparse(index_q, index_k, weights, q, kv, attn_lse, topk_indi
     logaddexp(lse, sink)); grad_rows [T] fp32 (d objective / d loss row) or None (no gradients).
     Returns (loss_rows [T] fp32 = per-row KL(p || softmax_J(I)), and with grad_rows the gradients
     (d_index_q [T,Hi,Di] bf16, d_index_k [Tk,Di] fp32, d_weights [T,Hi] fp32), else None), where
-    p[t,j] = sum_h exp(scale*<q[t,h],kv[idx_j]> - norm[t,h]) L1-normalised over valid slots."""
+    p[t,j] = sum_h exp(scale*<q[t,h],kv[idx_j]> - norm[t,h]) L1-normalised over valid slots.
+    deterministic=True: d_index_k bitwise reproducible (per-slot rows summed in a fixed order, not fp32
+    atomics); the other results are so in either mode."""
     _check_indexer(index_q, index_k, weights, topk_indices, grad_rows)
     dev = index_q.device
     t, hi, di = index_q.shape
@@ -616,7 +671,7 @@ def indexer_kl_loss_sparse(index_q, index_k, weights, q, kv, attn_lse, topk_indi
     if max(q.numel(), kv.numel(), t * kp * nhb) >= 2**31:
         raise ValueError("indexer_kl_loss_sparse: tensors of 2**31 or more elements are not supported (int32 offsets)")
     if t == 0 or tk == 0:
-        return _run_loss(index_q, index_k, weights, idx, torch.zeros(t, kp, device=dev), grad_rows)
+        return _run_loss(index_q, index_k, weights, idx, torch.zeros(t, kp, device=dev), grad_rows, deterministic)
     lse_pass = attn_lse is None
     if lse_pass:
         norm = torch.empty(t, h, dtype=torch.float32, device=dev)  # unused by the program
@@ -630,17 +685,19 @@ def indexer_kl_loss_sparse(index_q, index_k, weights, q, kv, attn_lse, topk_indi
         build_attn_probs(dqk, lse_pass, _device_target(dev))(q.contiguous(), kv.contiguous(), idx, norm, sink_t,
                                                              scale, P)
     P = P[0] if nhb == 1 else P.sum(0)
-    return _run_loss(index_q, index_k, weights, idx, P, grad_rows)
+    return _run_loss(index_q, index_k, weights, idx, P, grad_rows, deterministic)
 
 
-def indexer_kl_loss_from_probs(index_q, index_k, weights, topk_indices, attn_probs, grad_rows=None):
+def indexer_kl_loss_from_probs(index_q, index_k, weights, topk_indices, attn_probs, grad_rows=None,
+                               deterministic: bool = False):
     """The loss given its target (the fused path: the attention backward emits the target).
 
     index_q [T,Hi,Di] bf16, index_k [Tk,Di] bf16, weights [T,Hi] fp32, topk_indices [T,k] int32/int64
     global rows (-1 / out of range = no slot), attn_probs [T,k] fp32 (head sums of the attention
     probabilities of the slots, unnormalised), grad_rows [T] fp32 or None. Returns (loss_rows [T]
     fp32, and with grad_rows (d_index_q [T,Hi,Di] bf16, d_index_k [Tk,Di] fp32, d_weights [T,Hi]
-    fp32), else None).
+    fp32), else None). deterministic=True: d_index_k bitwise reproducible (as in
+    :func:`indexer_kl_loss_sparse`).
     """
     _check_indexer(index_q, index_k, weights, topk_indices, grad_rows)
     dev = index_q.device
@@ -657,4 +714,4 @@ def indexer_kl_loss_from_probs(index_q, index_k, weights, topk_indices, attn_pro
     probs = torch.where(valid, attn_probs, 0.0)  # invalid slots carry nothing, whatever the caller passed
     if kp != k:
         probs = torch.nn.functional.pad(probs, (0, kp - k))
-    return _run_loss(index_q, index_k, weights, idx, probs, grad_rows)
+    return _run_loss(index_q, index_k, weights, idx, probs, grad_rows, deterministic)

@@ -31,7 +31,8 @@ Programs (all compiled per configuration by :func:`build_bwd_kernels`):
   faster) runs the MMAs of the next dkv column chunk while the atomics of the current one issue.
 * ``reduce`` (the deterministic contribution modes): sums each kv row's per-slot contributions in a fixed
   order (one CTA per kv row, its warps taking slots in turn, then combined in warp order); the slot order
-  is sorted on a side stream while the main program runs.
+  is sorted on a side stream while the main program runs. Both live in :mod:`.contrib_reduce` (the indexer
+  loss's deterministic d_index_k uses them too).
 
 Everything is flattened over the batch: query rows t = b * S + s, kv rows n = b * Skv + j; the
 wrapper rewrites the indices once to global rows (invalid -> -1) while padding k with -1.
@@ -59,6 +60,7 @@ from ..common.indices import global_rows, row_blocks
 from ..common.settings import deterministic_mode, warn_once
 from ..common.validation import output_buffer
 from . import announce_compile, zeros_arg
+from .contrib_reduce import DET_BUDGET_BYTES, build_reduce, keys_last_invalid, slot_order_async
 
 __all__ = ["BWD_PROGRAMS", "SHIPPED_CONFIGS", "build_bwd_kernels", "build_bwd_program", "bwd_flops", "bwd_program_names",
            "sparse_attention_bwd"]
@@ -80,7 +82,7 @@ SHIPPED_CONFIGS: list[dict] = [
 ]
 
 # Byte budget of the deterministic contribution buffer (per launch chunk of query rows).
-_DET_BUDGET_BYTES = int(os.environ.get("DSA_PLUGINS_BWD_DET_BUDGET_MB", "2048")) * (1 << 20)
+_DET_BUDGET_BYTES = DET_BUDGET_BYTES  # DSA_PLUGINS_BWD_DET_BUDGET_MB (contrib_reduce), patched by tests
 
 
 def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> float:
@@ -974,88 +976,6 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     return dsa_bwd_ws
 
 
-def _reduce_body(dqk, nhb, contrib_dtype="float32", warps=4):
-    """dKV[n] += sum of the contribution rows of kv row n, in a fixed order: Rows[RowPtr[n]:RowPtr[n + 1]]
-    are the rows (of head block 0; block hb is kp rows further) of the slots naming n, sorted.
-    ``contrib_dtype``: the contribution buffer's ("float32"; "bfloat16" for "contrib_bf16"; "int16" for
-    "contrib_i16", each value times the power of two whose exponent field is its block's byte in Exps:
-    exact); the sums are fp32.
-
-    One CTA per kv row. Warp w sums the row's sorted slots w, w + warps, ... in turn (its lanes read
-    each contribution row as coalesced runs of 8 bytes a lane: 64 fp32 or 128 bf16 columns, so
-    dqk / 64 or dqk / 128 independent loads in flight per slot),
-    then the warps' partial sums are added in warp order through shared memory: the order never
-    depends on timing. (One thread per column walking every slot in turn left each load waiting on
-    the previous slot's index: latency-bound at 1.3-2.7 TB/s.)"""
-    import tilelang.language as T
-
-    f32 = T.float32
-    i32 = T.int32
-    M = T.dynamic("M")  # Tq * NHB * Kp contribution rows
-    L = T.dynamic("L")  # Tq * Kp slots
-    N = T.dynamic("N")
-    N1 = T.dynamic("N1")  # N + 1
-    scaled = contrib_dtype == "int16"
-    vec = 2 if contrib_dtype == "float32" else 4  # columns per lane and run: 8 bytes
-    width = 32 * vec
-    runs = (dqk + width - 1) // width  # runs of `width` columns (the last one partial where dqk is not a multiple)
-    whole = dqk % width == 0
-    threads = 32 * warps
-
-    @T.prim_func
-    def dsa_bwd_reduce(
-        Contrib: T.Tensor([M, dqk], getattr(T, contrib_dtype)),
-        Exps: T.Tensor([M, dqk // 8] if scaled else [1], T.uint8),
-        Rows: T.Tensor([L], i32),
-        RowPtr: T.Tensor([N1], i32),
-        dKV: T.Tensor([N, dqk], f32),
-        kp: i32,
-    ):
-        with T.Kernel(N, threads=threads) as n:
-            tx = T.get_thread_binding()
-            w = tx // 32
-            lane = tx % 32
-            acc = T.alloc_local([runs * vec], f32)
-            part = T.alloc_shared([warps, dqk], f32)
-            for r in T.serial(runs * vec):
-                acc[r] = 0.0
-            start = RowPtr[n]
-            count = RowPtr[n + 1] - start
-            for it in T.serial(T.ceildiv(count, warps)):
-                if it * warps + w < count:
-                    base = T.alloc_var(i32, init=Rows[start + it * warps + w])
-                    for hb in T.unroll(nhb):
-                        for r in T.unroll(runs):
-                            if scaled:  # the lane's 4 columns lie in one block: 64-column chunk, 4-column group
-                                col = r * width + lane * vec
-                                blk = T.min(col // 64 * 8 + col % 32 // 4, dqk // 8 - 1)
-                                sc = T.alloc_var(f32, init=T.reinterpret(
-                                    T.shift_left(T.cast(Exps[base + hb * kp, blk], T.uint32), T.uint32(23)), f32))
-                                for c in T.vectorized(vec):
-                                    if whole or r * width + lane * vec + c < dqk:
-                                        acc[r * vec + c] += T.cast(Contrib[base + hb * kp, r * width + lane * vec + c],
-                                                                   f32) * sc
-                            else:
-                                for c in T.vectorized(vec):
-                                    if whole or r * width + lane * vec + c < dqk:
-                                        acc[r * vec + c] += T.cast(Contrib[base + hb * kp, r * width + lane * vec + c],
-                                                                   f32)
-            for r in T.unroll(runs):
-                for c in T.vectorized(vec):
-                    if whole or r * width + lane * vec + c < dqk:
-                        part[w, r * width + lane * vec + c] = acc[r * vec + c]
-            T.sync_threads()
-            for k in T.serial(T.ceildiv(dqk, threads)):
-                col = k * threads + tx
-                if col < dqk:
-                    total = T.alloc_var(f32, init=0.0)
-                    for ww in T.unroll(warps):
-                        total += part[ww, col]
-                    dKV[n, col] += total
-
-    return dsa_bwd_reduce
-
-
 # ----------------------------------------------------------------------------------------------
 # Building and caching
 # ----------------------------------------------------------------------------------------------
@@ -1074,8 +994,7 @@ def _jit_factories(target_key):
     main = tilelang.jit(target=target, pass_configs=_PASS_CONFIGS_MAIN)(_main_body)
     ws = tilelang.jit(target=target, pass_configs=_PASS_CONFIGS_MAIN)(_ws_body)
     pre = tilelang.jit(target=target)(_preprocess_body)
-    red = tilelang.jit(target=target)(_reduce_body)
-    return {"preprocess": pre, "main": main, "ws": ws, "reduce": red}
+    return {"preprocess": pre, "main": main, "ws": ws}
 
 
 def _target_key(target):
@@ -1095,6 +1014,8 @@ _LOCK = threading.Lock()
 
 
 def _get(kind: str, target, *args):
+    if kind == "reduce":  # shared with the indexer loss's deterministic d_index_k
+        return build_reduce(*args, target=target)
     key = (kind, _target_key(target), args)
     prog = _COMPILED.get(key)
     if prog is not None:
@@ -1328,51 +1249,6 @@ def _finite_abs_max(t: Tensor) -> Tensor:
     return t.abs().nan_to_num_(0.0, 0.0, 0.0).amax().double()
 
 
-def _keys_last_invalid(idx: Tensor, n_rows: int) -> Tensor:
-    """The flattened kv rows of ``idx`` [T, Kp] int32 with invalid slots (-1) as ``n_rows``: one past the
-    last row, so they count (and sort) after every real one."""
-    return torch.where(idx >= 0, idx, n_rows).reshape(-1)
-
-
-_SIDE_STREAMS: dict = {}
-
-
-def _slot_order(idx: Tensor, n_rows: int, kp: int, nhb: int, rows: Tensor, rowptr: Tensor) -> None:
-    """The reduce's slot order, written into ``rows`` [T * Kp] int32 (each slot's contribution row of head
-    block 0, sorted by kv row, ties in slot order) and ``rowptr`` [n_rows + 1] int32 (where each kv row's
-    slots start). Invalid slots sort last and no RowPtr range reaches them."""
-    sorted_keys, order = torch.sort(_keys_last_invalid(idx, n_rows), stable=True)
-    torch.searchsorted(sorted_keys, torch.arange(n_rows + 1, device=idx.device, dtype=torch.int32),
-                       out_int32=True, out=rowptr)
-    rows.copy_(order if nhb == 1 else (order // kp) * (nhb * kp) + order % kp)
-
-
-def _slot_order_async(idx: Tensor, n_rows: int, kp: int, nhb: int):
-    """:func:`_slot_order` on a side stream (it needs only the indices, so it overlaps the main program);
-    returns a function that makes the current stream wait and gives (Rows, RowPtr). Both are allocated on
-    the current stream before the fork and only filled on the side one (whose own temporaries never leave
-    it), so no tensor changes streams and CUDA-graph capture sees a plain fork and join. The caller must
-    call the function (a try / finally) so the side stream always joins."""
-    rows = torch.empty(idx.numel(), device=idx.device, dtype=torch.int32)
-    rowptr = torch.empty(n_rows + 1, device=idx.device, dtype=torch.int32)
-    if idx.device.type != "cuda":
-        _slot_order(idx, n_rows, kp, nhb, rows, rowptr)
-        return lambda: (rows, rowptr)
-    main = torch.cuda.current_stream(idx.device)
-    side = _SIDE_STREAMS.get(idx.device)
-    if side is None:
-        side = _SIDE_STREAMS[idx.device] = torch.cuda.Stream(idx.device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        _slot_order(idx, n_rows, kp, nhb, rows, rowptr)
-
-    def ready():
-        main.wait_stream(side)
-        return rows, rowptr
-
-    return ready
-
-
 def _no_fixed_point(device):
     """The ws program's FixedSums and FixScale arguments where it adds no fixed-point values."""
     return zeros_arg(1, torch.int64, device), zeros_arg(2, torch.float32, device)
@@ -1394,7 +1270,7 @@ def _fixed_point_scale(maxima, kv2, idx, n_rows, heads, dv, scale):
     catches a value beyond the bound (an lse far below the scores'): it goes to dkv as NaN."""
     q_max, out_max, dout_max = maxima.view(-1, 3).amax(0).double().unbind()
     kv_max = _finite_abs_max(kv2)
-    keys = _keys_last_invalid(idx, n_rows)
+    keys = keys_last_invalid(idx, n_rows)
     counts = torch.zeros(n_rows + 1, device=idx.device, dtype=torch.int32)
     counts.index_add_(0, keys, torch.ones_like(keys))
     per_row = counts[:n_rows].amax().double().clamp(min=1) * ((heads + _BLOCK_H - 1) // _BLOCK_H)
@@ -1460,7 +1336,7 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
             if view is not None and not view.is_contiguous():
                 part = (torch.zeros if skip else torch.empty)(nhb, tc, Kp, device=dev, dtype=torch.float32)
             # the slots' fixed order depends on the indices only: sorted on a side stream while the main program runs
-            order_ready = _slot_order_async(idx[t0:t1], N, Kp, nhb)
+            order_ready = slot_order_async(idx[t0:t1], N, Kp, nhb)
             try:
                 if kind == "ws":  # "contrib_ws" / "_bf16" / "_i16": the same contribution rows, from the ws program
                     sums, fix = _no_fixed_point(dev)

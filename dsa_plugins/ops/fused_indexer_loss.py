@@ -94,14 +94,6 @@ class FusedIndexerLoss:
             fn(value)
 
 
-def warn_loss_not_deterministic() -> None:
-    """Deterministic mode covers the attention's gradients; the indexer loss kernel still adds d_index_k
-    with fp32 atomics: say so once (a deterministic d_index_k is future work)."""
-    warn_once("indexer-loss:atomics", "dsa_plugins: deterministic mode makes the attention's gradients bitwise "
-              "reproducible; the indexer KL loss kernel's d_index_k still sums with fp32 atomics, so the "
-              "indexer's gradients (and the loss value's last bits) may differ from run to run")
-
-
 def _loss_and_grads(loss: FusedIndexerLoss, probs: Tensor, rows: Tensor, backend: str, deterministic: bool = False):
     """(value, d_index_q, d_index_k, d_weights) of the loss whose attention target is ``probs``
     [T, K] (head sums, unnormalised). TileLang kernels by the backend rules, else the reference."""
@@ -116,11 +108,10 @@ def _loss_and_grads(loss: FusedIndexerLoss, probs: Tensor, rows: Tensor, backend
     if choose_kernel(backend, "indexer_kl_loss", (iq, ik), reason):
         from ..kernels.indexer_loss import indexer_kl_loss_from_probs
 
-        if deterministic:
-            warn_loss_not_deterministic()
         grad_rows = (weight * rows_w).float().contiguous()
         loss_rows, (d_iq, d_ik, d_w) = indexer_kl_loss_from_probs(
-            iq.contiguous(), ik.contiguous(), w.float().contiguous(), rows, probs.float().contiguous(), grad_rows)
+            iq.contiguous(), ik.contiguous(), w.float().contiguous(), rows, probs.float().contiguous(), grad_rows,
+            deterministic=deterministic)
         return (loss_rows * rows_w).sum(), d_iq, d_ik, d_w
     with torch.enable_grad():
         leaves = [x.requires_grad_() for x in (iq.clone(), ik.clone(), w.clone())]

@@ -256,16 +256,12 @@ def indexer_kl_loss(
     if row_weights is not None:
         check_tensor("row_weights", row_weights, ndim=1, dtypes=FLOAT_DTYPES, device=device, shape={0: t})
     if choose_kernel(resolve_backend(backend), "indexer_kl_loss", (index_q, index_k, q, kv), reason):
-        if deterministic_enabled() and torch.is_grad_enabled():
-            from .fused_indexer_loss import warn_loss_not_deterministic
-
-            warn_loss_not_deterministic()
         return _IndexerKLLossKernel.apply(
             index_q, index_k, weights.float(), q.detach(), kv.detach(),
             None if attn_lse is None else attn_lse.detach().float(),
             None if topk_indices is None else topk_indices.contiguous(), key_start, key_end,
             scale, None if sink is None else sink.detach().float(),
-            None if row_weights is None else row_weights.detach().float(),
+            None if row_weights is None else row_weights.detach().float(), deterministic_enabled(),
         )
     return indexer_kl_loss_reference(
         index_q, index_k, weights, q, kv, attn_lse, scale, topk_indices, key_start, key_end, sink,
@@ -314,7 +310,7 @@ class _IndexerKLLossKernel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, index_q, index_k, weights, q, kv, attn_lse, topk_indices, key_start, key_end, scale, sink,
-                row_weights):
+                row_weights, deterministic):
         t = index_q.shape[0]
         wants_grad = any(ctx.needs_input_grad[:3])
         factor = row_weights if row_weights is not None else torch.full((t,), 1.0 / max(t, 1), device=index_q.device)
@@ -323,11 +319,12 @@ class _IndexerKLLossKernel(torch.autograd.Function):
             rows, grads = loss_rows(
                 index_q.contiguous(), index_k.contiguous(), weights.contiguous(), q.contiguous(), kv.contiguous(),
                 attn_lse, topk_indices, scale, sink, grad_rows=factor if wants_grad else None,
+                deterministic=deterministic,
             )
         else:
             rows, grads = _dense_loss_rows(loss_rows, index_q.contiguous(), index_k.contiguous(),
                                            weights.contiguous(), q.contiguous(), kv.contiguous(), attn_lse, key_start,
-                                           key_end, scale, sink, factor if wants_grad else None)
+                                           key_end, scale, sink, factor if wants_grad else None, deterministic)
         ctx.grads = grads
         ctx.dtypes = (index_q.dtype, index_k.dtype, weights.dtype)
         return (rows * factor).sum()
@@ -338,11 +335,11 @@ class _IndexerKLLossKernel(torch.autograd.Function):
         ctx.grads = None
         g = grad.float()
         dt_q, dt_k, dt_w = ctx.dtypes
-        return ((d_iq.float() * g).to(dt_q), (d_ik * g).to(dt_k), (d_w * g).to(dt_w)) + (None,) * 9
+        return ((d_iq.float() * g).to(dt_q), (d_ik * g).to(dt_k), (d_w * g).to(dt_w)) + (None,) * 10
 
 
 def _dense_loss_rows(loss_rows, index_q, index_k, weights, q, kv, attn_lse, key_start, key_end, scale, sink,
-                     grad_rows):
+                     grad_rows, deterministic=False):
     """(loss rows [T], (d_index_q, d_index_k, d_weights) or None) of the dense loss, chunk by chunk."""
     t = index_q.shape[0]
     rows = torch.zeros(t, dtype=torch.float32, device=index_q.device)
@@ -354,7 +351,8 @@ def _dense_loss_rows(loss_rows, index_q, index_k, weights, q, kv, attn_lse, key_
         slots = dense_loss_slots(key_start, key_end, t0, t1, n)
         r, g = loss_rows(index_q[t0:t1], index_k, weights[t0:t1], q[t0:t1], kv,
                          None if attn_lse is None else attn_lse[t0:t1].contiguous(), slots, scale, sink,
-                         grad_rows=None if grad_rows is None else grad_rows[t0:t1].contiguous())
+                         grad_rows=None if grad_rows is None else grad_rows[t0:t1].contiguous(),
+                         deterministic=deterministic)
         rows[t0:t1] = r
         if grads is not None:
             grads[0][t0:t1] = g[0]

@@ -18,7 +18,7 @@ HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
 
 def _cfg_id(cfg):
     extra = f"-lse{int(cfg['lse_pass'])}" if "lse_pass" in cfg else f"-h{cfg['heads']}-grads{int(cfg['grads'])}"
-    return f"{cfg['kind']}-d{cfg['dim']}{extra}"
+    return f"{cfg['kind']}-d{cfg['dim']}{extra}" + ("-det" if cfg.get("det") else "")
 
 
 def test_module_imports_without_tilelang_side_effects():
@@ -52,6 +52,11 @@ def test_config_validation():
         mod._normalise({"kind": "loss", "heads": 48, "dim": 128, "grads": True})
     with pytest.raises(ValueError, match="needs 'grads'"):
         mod._normalise({"kind": "loss", "heads": 64, "dim": 128})
+    with pytest.raises(ValueError, match="det.*needs grads"):
+        mod._normalise({"kind": "loss", "heads": 64, "dim": 128, "grads": False, "det": True})
+    # det is optional (off): an older config names the same program
+    assert mod._normalise({"kind": "loss", "heads": 64, "dim": 128, "grads": True}) == \
+        mod._normalise({"kind": "loss", "heads": 64, "dim": 128, "grads": True, "det": False})
     # float/bool noise normalises to one key
     a = mod._normalise({"kind": "attn_probs", "dim": 576, "lse_pass": 1})
     b = mod._normalise({"kind": "attn_probs", "dim": 576.0, "lse_pass": True, "unused": 1})
@@ -118,7 +123,9 @@ def test_shipped_config_compiles_for_sm90a(compiled, i, caplog):
     for name in ("n_rows", "n_keys", "slot_steps"):
         assert name in src, f"{name} is not a runtime parameter"
     if cfg["kind"] == "loss":
-        assert ("AtomicAdd" in src) == cfg["grads"]  # d_index_k scatter only with the gradients
+        # d_index_k scatter only with the gradients; the deterministic program stores contribution rows instead
+        assert ("AtomicAdd" in src) == (cfg["grads"] and not cfg.get("det", False))
+        assert ("n_contrib" in src) == cfg.get("det", False)
     # a second request is served from the cache, without compiling (nor logging) again
     with caplog.at_level(logging.INFO, logger="dsa_plugins"):
         again = mod.build_config(dict(cfg), target=SM90A)

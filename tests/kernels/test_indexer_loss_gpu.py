@@ -27,6 +27,7 @@ if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9:
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from dsa_plugins.kernels import indexer_loss as K
+from dsa_plugins.kernels.contrib_reduce import build_reduce
 from dsa_plugins.reference.indexer_loss import indexer_kl_loss_reference
 from tests.helpers import random_indices, rel_err
 
@@ -53,10 +54,14 @@ def _precompile():
         return
     target = K._device_target(torch.device("cuda"))
     cfgs = [{"kind": "attn_probs", "dim": d, "lse_pass": lp} for d, lp in {(c[5], not c[6]) for c in CASES}]
-    cfgs += [{"kind": "loss", "heads": 64, "dim": di, "grads": g}
-             for di in {128} | {c[4] for c in FROM_PROBS_CASES} for g in (True, False)]
-    with ThreadPoolExecutor(len(cfgs)) as ex:
-        list(ex.map(lambda c: K.build_config(c, target=target), cfgs))
+    dims = {128} | {c[4] for c in FROM_PROBS_CASES}
+    cfgs += [{"kind": "loss", "heads": 64, "dim": di, "grads": g, "det": det}
+             for di in dims for g, det in ((True, False), (False, False), (True, True))]
+    with ThreadPoolExecutor(len(cfgs) + len(dims)) as ex:
+        done = [ex.submit(K.build_config, c, target) for c in cfgs]
+        done += [ex.submit(build_reduce, di, 1, "float32", target) for di in dims]
+        for f in done:
+            f.result()
 
 
 def make_inputs(t, k, tk, h, hi, dqk, lse_given, with_sink, gen, di=128, device="cuda"):
@@ -233,3 +238,67 @@ def test_loss_from_probs_matches_oracle(case):
         tol = 2e-3 if name == "d_weights" else 2e-2
         assert rel_err(got, want) < tol, f"{name} rel err {rel_err(got, want):.3e}"
     assert d_w[:, 0].abs().sum() > 0  # zero weight, nonzero gradient
+
+
+# the deterministic mode's d_index_k (per-slot rows summed in a fixed order): index dims 128 / 64 / 32, k past
+# 4096, Tk < k (many slots naming one row)
+DET_CASES = [FROM_PROBS_CASES[i] for i in (0, 3, 4, 5)]
+
+
+def _kp(k):
+    return -(-k // K.SLOT_STEP) * K.SLOT_STEP
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+@pytest.mark.parametrize("case", DET_CASES, ids=lambda c: f"T{c[0]}-k{c[1]}-Tk{c[2]}-Hi{c[3]}-Di{c[4]}-{c[5]}")
+def test_deterministic_d_index_k_repeats_bitwise_and_matches(case, chunks, monkeypatch):
+    """deterministic=True: d_index_k bitwise equal over repeated calls, within 1e-5 of the atomic mode's (the
+    same values added in another order) and of float64; the loss rows, d_index_q and d_weights bitwise the
+    atomic mode's; index_k rows no slot names exactly 0. ``chunks`` 3: the rows in three launches (a small
+    contribution budget), each reduce adding onto the last."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()) % (2**31) + 1)
+    t, k, tk, hi, di = case[:5]
+    iq, ik, w, idx, probs, g = _from_probs_inputs(*case, gen)
+    loss0, (d_iq0, d_ik0, d_w0) = K.indexer_kl_loss_from_probs(iq, ik, w, idx, probs, g)
+    if chunks > 1:
+        monkeypatch.setattr(K, "_DET_BUDGET_BYTES", -(-t // chunks) * _kp(k) * di * 4)
+    runs = [K.indexer_kl_loss_from_probs(iq, ik, w, idx, probs, g, deterministic=True) for _ in range(5)]
+    loss, (d_iq, d_ik, d_w) = runs[0]
+    for other, (o_iq, o_ik, o_w) in runs[1:]:
+        assert torch.equal(other, loss) and torch.equal(o_iq, d_iq) and torch.equal(o_w, d_w)
+        assert torch.equal(o_ik, d_ik), "d_index_k differs between two deterministic runs"
+    _finite("d_index_k", d_ik)
+    assert torch.equal(loss, loss0) and torch.equal(d_iq, d_iq0) and torch.equal(d_w, d_w0)
+    assert rel_err(d_ik, d_ik0) < 1e-5, f"d_index_k vs the atomic mode: rel err {rel_err(d_ik, d_ik0):.3e}"
+    named = torch.zeros(tk, dtype=torch.bool, device="cuda")
+    valid = (idx >= 0) & (idx < tk)
+    named[idx[valid].long()] = True
+    assert bool((d_ik[~named] == 0).all()) and bool(named.any())
+    leaves = [x.double().requires_grad_() for x in (iq, ik, w)]
+    rows_idx = torch.where(valid, idx.long(), -1)
+    total = 0
+    for r in range(t):
+        v = indexer_kl_loss_reference(leaves[0][r:r + 1], leaves[1], leaves[2][r:r + 1], None, None, None, None,
+                                      topk_indices=rows_idx[r:r + 1], attn_probs=probs[r:r + 1].double())
+        total = total + v * g[r].double()
+    total.backward()
+    assert rel_err(d_ik, leaves[1].grad) < 2e-2, f"d_index_k vs float64: {rel_err(d_ik, leaves[1].grad):.3e}"
+
+
+def test_deterministic_d_index_k_standalone_and_nan():
+    """The standalone loss (target recomputed from the attention inputs) takes the same deterministic path;
+    a NaN index_q row makes the same d_index_k entries NaN as the atomic mode (never hidden)."""
+    case = CASES[2]
+    gen = torch.Generator().manual_seed(5)
+    inp = make_inputs(*case, gen)
+    t = case[0]
+    g = (torch.rand(t, generator=gen) + 0.5).cuda() / t
+    _, (_, d_ik0, _) = K.indexer_kl_loss_sparse(**inp, grad_rows=g)
+    a = K.indexer_kl_loss_sparse(**inp, grad_rows=g, deterministic=True)
+    b = K.indexer_kl_loss_sparse(**inp, grad_rows=g, deterministic=True)
+    assert torch.equal(a[1][1], b[1][1]) and rel_err(a[1][1], d_ik0) < 1e-5
+    row = int(((inp["topk_indices"] >= 0) & (inp["topk_indices"] < case[2])).sum(1).argmax())
+    inp["index_q"][row, 0, 0] = float("nan")
+    _, (_, nan0, _) = K.indexer_kl_loss_sparse(**inp, grad_rows=g)
+    _, (_, nan1, _) = K.indexer_kl_loss_sparse(**inp, grad_rows=g, deterministic=True)
+    assert bool(nan0.isnan().any()) and torch.equal(nan0.isnan(), nan1.isnan())

@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 
+from dsa_plugins.kernels import contrib_reduce
 from dsa_plugins.kernels import sparse_attention_bwd as bwd
 
 HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
@@ -355,7 +356,7 @@ def test_int16_blocks_written_by_the_ws_program_are_the_ones_the_reduce_reads():
     import inspect
 
     assert "col0 / 8 + 4 * gb + 2 * odd + (q >> 1)" in bwd._WS_PRELUDE
-    assert "col // 64 * 8 + col % 32 // 4" in inspect.getsource(bwd._reduce_body)
+    assert "col // 64 * 8 + col % 32 // 4" in inspect.getsource(contrib_reduce.reduce_body)
     for dqk in (512, 576):
         written = {}
         for col0 in range(0, dqk, 64):
@@ -381,7 +382,7 @@ def test_slot_order_gives_each_kv_row_its_slots_in_order(nhb):
     idx = torch.randint(-1, n_rows, (t, kp), generator=g, dtype=torch.int32)
     idx[0, :10] = 3  # duplicates in one row
     idx[1] = -1  # a row without a valid slot
-    rows, rowptr = bwd._slot_order_async(idx, n_rows, kp, nhb)()
+    rows, rowptr = contrib_reduce.slot_order_async(idx, n_rows, kp, nhb)()
     assert rows.dtype == rowptr.dtype == torch.int32 and rowptr.shape == (n_rows + 1,)
     for n in range(n_rows):
         slots = [(ti, k) for ti in range(t) for k in range(kp) if idx[ti, k] == n]

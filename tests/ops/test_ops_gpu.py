@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import torch
 
+import dsa_plugins
 from dsa_plugins import ops
 from dsa_plugins.reference import sparse_attention_dense
 
@@ -144,6 +145,31 @@ def test_deterministic_mode_is_bitwise_stable(monkeypatch):
             first = grads
         else:
             assert all(torch.equal(a, b) for a, b in zip(grads, first))
+
+
+def test_deterministic_mode_covers_the_fused_indexer_loss():
+    """Inside dsa_plugins.deterministic(): the attention + fused indexer loss step gives bitwise equal
+    gradients over repeats, index_k's included (its d_index_k summed in a fixed order), and the same loss value."""
+    t, h, hi, di = 256, 64, 32, 128
+    q, kv, idx, _ = _fresh(1, t, 64, h, 576, 512, False)  # many queries share few keys
+    g = torch.Generator().manual_seed(3)
+    iq = torch.randn(t, hi, di, generator=g).cuda().bfloat16()
+    ik = torch.randn(64, di, generator=g).cuda().bfloat16()
+    w = (torch.randn(t, hi, generator=g) * 0.02).cuda()
+    dout = torch.randn(1, t, h, 512, device="cuda").bfloat16()
+    first = None
+    for _ in range(10):
+        leaves = [x.clone().requires_grad_() for x in (q, kv, iq, ik, w)]
+        with dsa_plugins.deterministic():
+            loss = ops.FusedIndexerLoss(leaves[2], leaves[3], leaves[4], weight=1.0)
+            out = ops.sparse_attention(leaves[0], leaves[1], idx, 0.04, dv=512, backend="tilelang", indexer_loss=loss)
+            grads = torch.autograd.grad(out, leaves, dout)
+        got = (*grads, loss.value)
+        assert all(torch.isfinite(x).all() for x in got)
+        if first is None:
+            first = got
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(got, first))
 
 
 def test_no_quadratic_allocation_at_long_sequence():

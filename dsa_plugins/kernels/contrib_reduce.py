@@ -1,0 +1,187 @@
+"""Deterministic sums of per-slot contribution rows (DSA.md 3, deterministic mode): the slot order and the
+reduce program that the kernels' deterministic paths share.
+
+A deterministic backward cannot let the slots that name one row (a kv row of the attention, an index_k row
+of the indexer loss) add into it with atomics: the order of fp32 additions would follow the timing. Instead
+the program stores each slot's contribution in a row of its own; :func:`slot_order` sorts the slots by the
+row they name (stable: ties in slot order), and the reduce program sums each row's contributions in that
+order. The sort depends on the indices only, so :func:`slot_order_async` runs it on a side stream while the
+program that writes the contributions runs.
+
+Users: the attention backward (``sparse_attention_bwd``: dkv, 576 / 512 columns, fp32 / bf16 / int16 rows)
+and the indexer loss (``indexer_loss``: d_index_k, 128 columns, fp32 rows).
+
+TileLang is imported lazily: the module imports without TileLang or a GPU.
+"""
+
+# no "from __future__ import annotations": TileLang evaluates the prim_func annotations
+
+import logging
+import os
+import threading
+
+import torch
+from torch import Tensor
+
+from . import announce_compile
+
+__all__ = ["DET_BUDGET_BYTES", "build_reduce", "keys_last_invalid", "reduce_body", "slot_order", "slot_order_async"]
+
+logger = logging.getLogger("dsa_plugins")
+
+#: Byte budget of one contribution buffer: callers run their query rows in chunks that fit it.
+DET_BUDGET_BYTES = int(os.environ.get("DSA_PLUGINS_BWD_DET_BUDGET_MB", "2048")) * (1 << 20)
+
+
+def keys_last_invalid(idx: Tensor, n_rows: int) -> Tensor:
+    """The flattened kv rows of ``idx`` [T, Kp] int32 with invalid slots (-1) as ``n_rows``: one past the
+    last row, so they count (and sort) after every real one."""
+    return torch.where(idx >= 0, idx, n_rows).reshape(-1)
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def slot_order(idx: Tensor, n_rows: int, kp: int, nhb: int, rows: Tensor, rowptr: Tensor) -> None:
+    """The reduce's slot order (:func:`reduce_body`), written into ``rows`` [T * Kp] int32 (each slot's contribution row of head
+    block 0, sorted by kv row, ties in slot order) and ``rowptr`` [n_rows + 1] int32 (where each kv row's
+    slots start). Invalid slots sort last and no RowPtr range reaches them."""
+    sorted_keys, order = torch.sort(keys_last_invalid(idx, n_rows), stable=True)
+    torch.searchsorted(sorted_keys, torch.arange(n_rows + 1, device=idx.device, dtype=torch.int32),
+                       out_int32=True, out=rowptr)
+    rows.copy_(order if nhb == 1 else (order // kp) * (nhb * kp) + order % kp)
+
+
+def slot_order_async(idx: Tensor, n_rows: int, kp: int, nhb: int):
+    """:func:`slot_order` on a side stream (it needs only the indices, so it overlaps the main program);
+    returns a function that makes the current stream wait and gives (Rows, RowPtr). Both are allocated on
+    the current stream before the fork and only filled on the side one (whose own temporaries never leave
+    it), so no tensor changes streams and CUDA-graph capture sees a plain fork and join. The caller must
+    call the function (a try / finally) so the side stream always joins."""
+    rows = torch.empty(idx.numel(), device=idx.device, dtype=torch.int32)
+    rowptr = torch.empty(n_rows + 1, device=idx.device, dtype=torch.int32)
+    if idx.device.type != "cuda":
+        slot_order(idx, n_rows, kp, nhb, rows, rowptr)
+        return lambda: (rows, rowptr)
+    main = torch.cuda.current_stream(idx.device)
+    side = _SIDE_STREAMS.get(idx.device)
+    if side is None:
+        side = _SIDE_STREAMS[idx.device] = torch.cuda.Stream(idx.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        slot_order(idx, n_rows, kp, nhb, rows, rowptr)
+
+    def ready():
+        main.wait_stream(side)
+        return rows, rowptr
+
+    return ready
+
+
+def reduce_body(dqk, nhb, contrib_dtype="float32", warps=4):
+    """dKV[n] += sum of the contribution rows of kv row n, in a fixed order: Rows[RowPtr[n]:RowPtr[n + 1]]
+    are the rows (of head block 0; block hb is kp rows further) of the slots naming n, sorted.
+    ``contrib_dtype``: the contribution buffer's ("float32"; "bfloat16" for "contrib_bf16"; "int16" for
+    "contrib_i16", each value times the power of two whose exponent field is its block's byte in Exps:
+    exact); the sums are fp32.
+
+    One CTA per kv row. Warp w sums the row's sorted slots w, w + warps, ... in turn (its lanes read
+    each contribution row as coalesced runs of 8 bytes a lane: 64 fp32 or 128 bf16 columns, so
+    dqk / 64 or dqk / 128 independent loads in flight per slot),
+    then the warps' partial sums are added in warp order through shared memory: the order never
+    depends on timing. (One thread per column walking every slot in turn left each load waiting on
+    the previous slot's index: latency-bound at 1.3-2.7 TB/s.)"""
+    import tilelang.language as T
+
+    f32 = T.float32
+    i32 = T.int32
+    M = T.dynamic("M")  # Tq * NHB * Kp contribution rows
+    L = T.dynamic("L")  # Tq * Kp slots
+    N = T.dynamic("N")
+    N1 = T.dynamic("N1")  # N + 1
+    scaled = contrib_dtype == "int16"
+    vec = 2 if contrib_dtype == "float32" else 4  # columns per lane and run: 8 bytes
+    width = 32 * vec
+    runs = (dqk + width - 1) // width  # runs of `width` columns (the last one partial where dqk is not a multiple)
+    whole = dqk % width == 0
+    threads = 32 * warps
+
+    @T.prim_func
+    def dsa_bwd_reduce(
+        Contrib: T.Tensor([M, dqk], getattr(T, contrib_dtype)),
+        Exps: T.Tensor([M, dqk // 8] if scaled else [1], T.uint8),
+        Rows: T.Tensor([L], i32),
+        RowPtr: T.Tensor([N1], i32),
+        dKV: T.Tensor([N, dqk], f32),
+        kp: i32,
+    ):
+        with T.Kernel(N, threads=threads) as n:
+            tx = T.get_thread_binding()
+            w = tx // 32
+            lane = tx % 32
+            acc = T.alloc_local([runs * vec], f32)
+            part = T.alloc_shared([warps, dqk], f32)
+            for r in T.serial(runs * vec):
+                acc[r] = 0.0
+            start = RowPtr[n]
+            count = RowPtr[n + 1] - start
+            for it in T.serial(T.ceildiv(count, warps)):
+                if it * warps + w < count:
+                    base = T.alloc_var(i32, init=Rows[start + it * warps + w])
+                    for hb in T.unroll(nhb):
+                        for r in T.unroll(runs):
+                            if scaled:  # the lane's 4 columns lie in one block: 64-column chunk, 4-column group
+                                col = r * width + lane * vec
+                                blk = T.min(col // 64 * 8 + col % 32 // 4, dqk // 8 - 1)
+                                sc = T.alloc_var(f32, init=T.reinterpret(
+                                    T.shift_left(T.cast(Exps[base + hb * kp, blk], T.uint32), T.uint32(23)), f32))
+                                for c in T.vectorized(vec):
+                                    if whole or r * width + lane * vec + c < dqk:
+                                        acc[r * vec + c] += T.cast(Contrib[base + hb * kp, r * width + lane * vec + c],
+                                                                   f32) * sc
+                            else:
+                                for c in T.vectorized(vec):
+                                    if whole or r * width + lane * vec + c < dqk:
+                                        acc[r * vec + c] += T.cast(Contrib[base + hb * kp, r * width + lane * vec + c],
+                                                                   f32)
+            for r in T.unroll(runs):
+                for c in T.vectorized(vec):
+                    if whole or r * width + lane * vec + c < dqk:
+                        part[w, r * width + lane * vec + c] = acc[r * vec + c]
+            T.sync_threads()
+            for k in T.serial(T.ceildiv(dqk, threads)):
+                col = k * threads + tx
+                if col < dqk:
+                    total = T.alloc_var(f32, init=0.0)
+                    for ww in T.unroll(warps):
+                        total += part[ww, col]
+                    dKV[n, col] += total
+
+    return dsa_bwd_reduce
+
+
+_COMPILED: dict = {}
+_LOCK = threading.Lock()
+
+
+def _target_key(target):
+    return tuple(sorted(target.items())) if isinstance(target, dict) else target
+
+
+def build_reduce(dqk: int, nhb: int, contrib_dtype: str = "float32", target="auto"):
+    """The compiled reduce program (:func:`reduce_body`) for rows of ``dqk`` columns, ``nhb`` contribution
+    rows per slot and ``contrib_dtype`` ("float32", "bfloat16" or "int16"); cached per process."""
+    import tilelang
+
+    key = (_target_key(target), int(dqk), int(nhb), str(contrib_dtype))
+    prog = _COMPILED.get(key)
+    if prog is not None:
+        return prog
+    with _LOCK:  # TIR construction is not thread-safe
+        prog = _COMPILED.get(key)
+        if prog is None:
+            announce_compile("deterministic contribution reduce")
+            prog = tilelang.jit(target=target)(reduce_body)(*key[1:])
+            logger.info("dsa_plugins: compiled the contribution reduce %s for %s", key[1:], target)
+            _COMPILED[key] = prog
+    return prog
