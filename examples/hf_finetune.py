@@ -2,7 +2,7 @@
 
     python examples/hf_finetune.py --model tiny:glm_moe_dsa --steps 50             # CPU, seconds
     python examples/hf_finetune.py --model PATH_OR_HUB_ID --seq-len 32768 --bf16   # one GPU
-    accelerate launch --num_processes 2 --use_fsdp --fsdp_version 2 \\
+    accelerate launch --num_processes 2 --use_fsdp --fsdp_version 2 --fsdp_cpu_ram_efficient_loading false \\
         --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP --fsdp_transformer_layer_cls_to_wrap GlmMoeDsaDecoderLayer \\
         examples/hf_finetune.py --model PATH --bf16                                 # FSDP2, 2 GPUs
     python examples/hf_finetune.py --model tiny:glm_moe_dsa --lora                 # LoRA (needs peft)
@@ -10,7 +10,10 @@
 
 The model loads with ``attn_implementation="dsa_tilelang"`` (installing the package registered it) and
 trains as any transformers model: ``accelerate`` places it (one device, DDP or FSDP2 from its launch
-config), mixed precision with ``--bf16``. ``--indexer-loss W`` adds the indexer KL loss with weight W,
+config), mixed precision with ``--bf16`` (fp32 weights under autocast: the ops take the autocast dtype, so the
+bf16 kernels run). FSDP2 needs ``--fsdp_cpu_ram_efficient_loading false`` for the MoE models: that loading
+path of accelerate 1.15 expects every state-dict entry to be a sharded parameter, and their router bias
+(``e_score_correction_bias``) is a buffer. ``--indexer-loss W`` adds the indexer KL loss with weight W,
 fused into the attention backward (``dsa_plugins.hf.enable_indexer_loss``): transformers' indexers get no
 gradient otherwise. ``--attn eager`` runs the same loop on transformers' eager attention, to compare.
 

@@ -15,6 +15,18 @@ from ..common.settings import resolve_backend, warn_once
 from ..kernels import KERNEL_GROUPS, KERNELS, kernel_unavailable_reason, load_kernel
 
 
+def autocast_floats(*tensors):
+    """The tensors as an op under torch.autocast takes them: inside an autocast region of their device type,
+    float32 ones cast to that region's dtype (as autocast does for SDPA and matmuls: the attention and
+    indexer are matmul-like), the rest (and None) as they are; outside a region, unchanged. So a model
+    trained with fp32 weights under bf16 mixed precision (accelerate, HF Trainer) runs the kernels."""
+    first = next((t for t in tensors if t is not None), None)
+    if first is None or not torch.is_autocast_enabled(first.device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(first.device.type)
+    return tuple(t.to(dtype) if t is not None and t.dtype == torch.float32 else t for t in tensors)
+
+
 def is_dsa_kernel_available(name: str) -> bool:
     """True when TileLang, the kernel code and a supported GPU are all present.
 

@@ -32,7 +32,7 @@ from ..common.indices import global_rows
 from ..common.validation import FLOAT_DTYPES, check_tensor
 from ..reference.indexer_loss import indexer_kl_loss_reference
 from .attention_custom_ops import attention_backward
-from .backend import choose_kernel, kernel_shape_reason
+from .backend import autocast_floats, choose_kernel, kernel_shape_reason
 
 __all__ = ["FusedIndexerLoss"]
 
@@ -49,6 +49,8 @@ class FusedIndexerLoss:
     target_group (optional): a process group whose ranks hold the other heads of the same rows
     (tensor parallelism): the head-summed probabilities are all-reduced over it before they are
     normalised, so every rank computes the loss of all heads.
+    Made inside torch.autocast, float32 index_q and index_k are kept in the autocast dtype (the dtype the
+    indexer scored them in), so the loss runs on the kernels as the attention does.
     """
 
     def __init__(self, index_q: Tensor, index_k: Tensor, weights: Tensor,
@@ -56,6 +58,7 @@ class FusedIndexerLoss:
                  on_value: Union[Callable[[Tensor], None], None] = None,
                  row_weights: Union[Tensor, None] = None, target_group=None):
         check_tensor("index_q", index_q, ndim=3, dtypes=FLOAT_DTYPES)
+        index_q, index_k = autocast_floats(index_q, index_k)
         t, hi, di = index_q.shape
         check_tensor("index_k", index_k, ndim=2, dtypes=FLOAT_DTYPES, device=index_q.device, shape={1: di})
         check_tensor("weights", weights, ndim=2, dtypes=FLOAT_DTYPES, device=index_q.device, shape={0: t, 1: hi})

@@ -17,7 +17,7 @@ from ..common.validation import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_in
 from ..kernels import load_kernel
 from ..reference.indexer import causal_key_windows, indexer_topk_reference, quantize_fp8_rows, topk_rows_reference
 from ..reference.indexer_loss import indexer_kl_loss_reference
-from .backend import choose_kernel, kernel_shape_reason
+from .backend import autocast_floats, choose_kernel, kernel_shape_reason
 
 __all__ = [
     "causal_key_windows",
@@ -95,8 +95,10 @@ def indexer_topk(
     Returns [T, topk] int32 global rows of index_k; -1 where the window has fewer than topk keys.
     Among equal scores the lowest row wins (-0.0 ties with +0.0), on every backend, so a row's
     selection does not depend on batching, padding, chunking or context-parallel shards. The order
-    of the selected keys inside a row is unspecified (compare as sets).
+    of the selected keys inside a row is unspecified (compare as sets). Inside torch.autocast, float32
+    index_q and index_k are scored in the autocast dtype (weights stay float32).
     """
+    index_q, index_k = autocast_floats(index_q, index_k)
     check_tensor("index_q", index_q, ndim=(3, 4), dtypes=FLOAT_DTYPES + FP8_DTYPES)
     if index_q.dim() == 4:
         return _batched_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, backend, index_k_scale)
@@ -222,7 +224,9 @@ def indexer_kl_loss(
     Both stages run on the TileLang kernels (bf16, Hopper) by the backend rules, else on the torch
     reference; the dense warm-up loss goes through the kernels in chunks of rows whose windows
     become left-aligned slot lists (:func:`dense_loss_chunks`), never [T, T] at once.
+    Inside torch.autocast, float32 index_q, index_k, q and kv run in the autocast dtype.
     """
+    index_q, index_k, q, kv = autocast_floats(index_q, index_k, q, kv)
     check_tensor("index_q", index_q, ndim=3, dtypes=FLOAT_DTYPES)
     device = index_q.device
     t, hi, di = index_q.shape

@@ -24,6 +24,7 @@ from ..common.settings import deterministic_enabled, resolve_backend
 from ..common.validation import FLOAT_DTYPES, check_tensor
 from ..reference.mla import project_values
 from .attention_custom_ops import attention_backward, attention_forward, normalise_inputs
+from .backend import autocast_floats
 from .fused_indexer_loss import attention_with_indexer_loss
 
 
@@ -48,7 +49,9 @@ def sparse_attention(
     (None: env DSA_PLUGINS_BACKEND, default "auto"). Differentiable in q, kv and sink.
     indexer_loss: a :class:`~dsa_plugins.ops.FusedIndexerLoss`; the sparse-stage indexer KL loss
     over these slots is then computed inside this op's backward (its value lands in the handle).
+    Inside torch.autocast, float32 q and kv run in the autocast dtype (as SDPA does); sink stays float32.
     """
+    q, kv = autocast_floats(q, kv)
     q4, kv3, idx3, sink, scale, dv, packed = normalise_inputs(q, kv, indices, scale, sink, dv)
     if indexer_loss is not None:
         if return_lse:
@@ -70,8 +73,9 @@ def sparse_mla(
     q [.., H, kv_lora_rank + rope] = cat(q_nope @ W_kc, q_pe); kv_latent [.., Skv, kv_lora_rank + rope];
     w_vc [H, v_head_dim, kv_lora_rank]; sink [H] fp32 or None (per-head attention sink, e.g. hy_v4).
     indexer_loss: a FusedIndexerLoss computed in the backward (see sparse_attention).
-    Returns [.., H, v_head_dim] in q.dtype.
+    Returns [.., H, v_head_dim] in q.dtype (the autocast dtype inside torch.autocast, see sparse_attention).
     """
+    q, kv_latent, w_vc = autocast_floats(q, kv_latent, w_vc)
     check_tensor("w_vc", w_vc, ndim=3, dtypes=FLOAT_DTYPES)
     if not isinstance(q, Tensor) or q.dim() not in (3, 4):
         check_tensor("q", q, ndim=(3, 4))

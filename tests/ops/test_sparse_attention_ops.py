@@ -221,3 +221,42 @@ def test_batch_chunking_for_int32_kernels_is_exact(monkeypatch):
     inputs = _batched(b=3, s=4, skv=40, h=4, d=16, k=6, seed=9)
     fwd_calls = _run_in_chunks(monkeypatch, inputs, 2 * 40 * 16 + 20)  # two caches of 40 x 16 per chunk
     assert [c[1:] for c in fwd_calls] == [(2, 4), (1, 4)]
+
+
+def test_autocast_runs_the_ops_in_its_dtype(monkeypatch):
+    """Inside torch.autocast (fp32 weights, bf16 mixed precision: accelerate, HF Trainer) float32 inputs reach
+    the ops in the autocast dtype, as with SDPA, so the kernels (bf16 / fp16 only) serve them; gradients go back
+    to the float32 leaves; outside a region float32 stays float32."""
+    import importlib
+
+    attention_module = importlib.import_module("dsa_plugins.ops.sparse_attention")  # the package exports the op
+    seen = []
+    real = attention_module.normalise_inputs
+    monkeypatch.setattr(attention_module, "normalise_inputs", lambda q, kv, *a: seen.append((q.dtype, kv.dtype))
+                        or real(q, kv, *a))
+    q, kv, idx, sink = _batched(dtype=torch.float32)
+    leaves = [x.clone().requires_grad_() for x in (q, kv)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ops.sparse_attention(leaves[0], leaves[1], idx, 0.25, sink=sink, dv=12)
+    want = ops.sparse_attention(q.bfloat16(), kv.bfloat16(), idx, 0.25, sink=sink, dv=12)
+    assert seen[0] == (torch.bfloat16, torch.bfloat16) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)  # the reference's bf16 matmuls
+    out.float().sum().backward()
+    assert all(x.grad is not None and x.grad.dtype == torch.float32 and x.grad.abs().sum() > 0 for x in leaves)
+    seen.clear()
+    assert ops.sparse_attention(q, kv, idx, 0.25, sink=sink, dv=12).dtype == torch.float32
+    assert seen == [(torch.float32, torch.float32)]
+    # absorbed MLA: q, the latent and w_vc all in the autocast dtype
+    w_vc = torch.randn(q.shape[2], 5, 12)
+    seen.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mla = ops.sparse_mla(q, kv, idx, w_vc, 0.25)
+    assert mla.dtype == torch.bfloat16 and seen == [(torch.bfloat16, torch.bfloat16)]
+    # the indexer's scores and the fused loss's inputs follow the same rule (weights stay float32)
+    iq, ik, w = torch.randn(5, 4, 16), torch.randn(9, 16), torch.rand(5, 4)
+    ends = torch.arange(1, 6, dtype=torch.int32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sel = ops.indexer_topk(iq, ik, w, 3, torch.zeros_like(ends), ends)
+        loss = ops.FusedIndexerLoss(iq, ik, w)
+    assert sel.shape == (5, 3)
+    assert loss.index_q.dtype == loss.index_k.dtype == torch.bfloat16 and loss.weights.dtype == torch.float32

@@ -149,6 +149,37 @@ def test_gpu_bf16_indexer_loss_through_the_kernels(registered, make_batch, monke
     assert kls[1.0][-1] < 0.8 * kls[1e-12][-1], kls
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_autocast_mixed_precision_runs_the_kernels(registered, make_batch, monkeypatch):
+    """fp32 weights under torch.autocast bf16 (what accelerate's and the Trainer's bf16 mixed precision do):
+    with the kernels forced (an fp32 input would raise), the attention, indexer and fused loss run in bf16; the
+    loss is eager attention's under the same autocast, the fp32 parameters get finite gradients."""
+    monkeypatch.setenv("DSA_PLUGINS_BACKEND", "tilelang")
+    overrides = dict(num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=512, qk_rope_head_dim=64,
+                     qk_nope_head_dim=128, v_head_dim=128, index_n_heads=32, index_head_dim=128, index_topk=64)
+    ids, mask = make_batch(seq_len=512, pad=40)
+    ids, mask = ids.cuda(), mask.cuda()
+    losses = {}
+    for attn in ("dsa_tilelang", "eager"):
+        torch.manual_seed(0)
+        model = tiny.tiny_model("glm_moe_dsa", **overrides).to("cuda")
+        model.set_attn_implementation(attn)
+        model.train()
+        handle = dsa_plugins.hf.enable_indexer_loss(model, weight=0.1) if attn == "dsa_tilelang" else None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(ids, attention_mask=mask, labels=ids, use_cache=False).loss
+        loss.backward()
+        losses[attn] = float(loss)
+        assert all(p.grad is None or (p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all())
+                   for p in model.parameters())
+        if handle is not None:
+            assert len(handle.values) == 2 and all(torch.isfinite(v) for v in handle.values)
+            assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters()
+                       if ".indexer." in n)
+    assert losses["dsa_tilelang"] == pytest.approx(losses["eager"], rel=2e-2), losses
+
+
 def test_indexer_loss_with_transformers_default_cache(registered, make_batch):
     """A plain training forward (use_cache left to the config: transformers makes an empty cache) still
     trains the indexers (a wrapper that skipped every call with a cache left the loss silently off)."""
