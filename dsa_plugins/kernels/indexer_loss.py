@@ -11,10 +11,11 @@ log-sum-exp of the scores over the selected slots (logaddexp'ed with the sink).
 
 Two programs, one CTA per query row:
 
-- ``attn_probs`` (the standalone loss only): the target's head sums P[t, j] = sum_h exp(S - norm)
-  over blocks of 32 slots: the 64 query heads of a CTA (grid (T, ceil(H / 64))) stay in shared
-  memory, the kv rows are gathered (an invalid index is never read), S = Q KV_blk^T on wgmma and
-  the head sum is a cross-warp reduction. With ``lse_pass`` (attn_lse None) a first sweep computes
+- ``attn_probs`` (the standalone loss only): the target's head sums P[t, j] = sum_h exp(S - norm):
+  the 64 query heads of a CTA (grid (T, ceil(H / 64))) stay in shared memory, the kv rows are
+  gathered (an invalid index is never read) and scored on wgmma, S^T = KV_blk Q^T over blocks of 64
+  slots whose rows arrive in column chunks through a cp.async pipeline (the head sum a row sum), or
+  (with the lse pass) S = Q KV_blk^T over blocks of 32 slots, the head sum a cross-warp reduction. With ``lse_pass`` (attn_lse None) a first sweep computes
   the per-head log-sum-exp online (a second gather of every kv row). On the fused path
   (:mod:`dsa_plugins.ops.fused_indexer_loss`) P comes from the attention backward instead and this
   program does not run: it is gather-bound (19 GB of kv rows at T 8192, k 2048, Dqk 576: 6 ms).
@@ -35,6 +36,7 @@ config table and the Python wrapper), so that a change to the loss is read and c
 # no "from __future__ import annotations": TileLang evaluates the prim_func annotations
 
 import math
+import os
 import threading
 
 import torch
@@ -62,7 +64,10 @@ BLOCK_K = 64  # slots per block of the loss program (it walks them in pairs: k i
 # arithmetic; with a symbolic topk_padded // 128 its simplifier took 45 of the loss program's 50 s of
 # compiling (17 s now).
 SLOT_STEP = 2 * BLOCK_K
-ATTN_BLOCK_K = 32  # slots per block of attn_probs (heads as MMA rows; 110 KB, two CTAs per SM)
+ATTN_BLOCK_K = 32  # slots per block of attn_probs "sync" (heads as MMA rows; 110 KB, two CTAs per SM)
+# attn_probs' layout and gather, "sync" or "chunked" (see _attn_probs_program); by default "chunked" where the
+# normaliser is given and "sync" for the lse_pass program (measured faster each); the variable is for A/B runs
+ATTN_GATHER = os.environ.get("DSA_PLUGINS_ATTN_PROBS_GATHER") or None
 BLOCK_H = 64  # query heads per attention CTA
 THREADS = 128
 
@@ -86,17 +91,36 @@ _OPTIONAL = {"det": False}  # keys a config may leave out
 
 
 # ----------------------------------------------------------------------------- programs
-def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS):
+def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather: str | None = None):
+    """P[hb, t, j] = sum over the heads of block hb of exp(S - norm) (see the module docstring).
+
+    ``gather`` "chunked" (:func:`_attn_probs_chunked`): slots as MMA rows, the kv rows gathered in column
+    chunks through a multi-stage cp.async pipeline. "sync": heads as MMA rows, blocks of 32 slots copied
+    through registers, P's head sums reduced across warps (the first version; two CTAs per SM). Measured
+    on an H100 (T 8192 / 32768, H 64, Dqk 576, k 2048, benchmarks/kernels/ab_indexer_attn_probs.py):
+    attn_lse given, "chunked" 6.57 / 26.1 ms, "sync" 8.84 / 33.2 (a double-buffered cp.async version of
+    "sync": 8.54 / 33.8 with 16-slot blocks, 12.0-12.7 / 48-54 with 32 or 64 slots, one CTA per SM);
+    lse_pass, "chunked" 12.8 / 56.8, "sync" 14.1 / 53.5. Default: "chunked" with attn_lse, "sync" with
+    the lse pass (its per-element running statistics take "chunked" to 255 registers with spills)."""
+    gather = gather or ATTN_GATHER or ("sync" if lse_pass else "chunked")
+    if gather == "chunked":
+        return _attn_probs_chunked(dim, lse_pass, threads)
+    if gather != "sync":
+        raise ValueError(f"gather must be 'chunked' or 'sync', got {gather!r}")
     import tilelang.language as T
 
     BK, HB, D = ATTN_BLOCK_K, BLOCK_H, dim
     dtype, acc = "bfloat16", "float32"
     NT, TK, NSTEP, H, NHB = T.dynamic("n_rows, n_keys, slot_steps, heads, head_blocks")
     KP = NSTEP * SLOT_STEP  # padded k (see _slot_steps)
+    NB = NSTEP * (SLOT_STEP // BK)  # slot blocks
     neg_big = -1.0e30
 
+    def slot_ok(Idx, bx, j):
+        return T.And(Idx[bx, j] >= 0, Idx[bx, j] < TK)
+
     @T.macro
-    def gather(KV, Idx, bx, i, kv_s):
+    def gather_rows(KV, Idx, bx, i, kv_s):
         for j, d in T.Parallel(BK, D):
             kv_s[j, d] = KV[T.if_then_else((Idx[bx, i * BK + j] >= 0) and (Idx[bx, i * BK + j] < TK),
                                            Idx[bx, i * BK + j], 0), d]
@@ -106,8 +130,7 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS):
         # s [heads, slots] = scale * log2(e) * Q KV_blk^T, -inf on invalid slots
         T.gemm(q_s, kv_s, s, transpose_B=True, clear_accum=True)
         for h, j in T.Parallel(HB, BK):
-            s[h, j] = T.if_then_else((Idx[bx, i * BK + j] >= 0) and (Idx[bx, i * BK + j] < TK), s[h, j] * c,
-                                     -T.infinity(acc))
+            s[h, j] = T.if_then_else(slot_ok(Idx, bx, i * BK + j), s[h, j] * c, -T.infinity(acc))
 
     @T.prim_func
     def main(
@@ -137,8 +160,8 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS):
                 rs = T.alloc_fragment([HB], acc)
                 T.fill(m_i, neg_big)
                 T.fill(l_i, 0)
-                for i in T.Pipelined(NSTEP * (SLOT_STEP // BK), num_stages=1):
-                    gather(KV, Idx, bx, i, kv_s)
+                for i in T.Pipelined(NB, num_stages=1):
+                    gather_rows(KV, Idx, bx, i, kv_s)
                     masked_scores(Idx, bx, i, c, q_s, kv_s, s)
                     T.reduce_max(s, m_new, dim=1, clear=True)
                     for h in T.Parallel(HB):
@@ -149,29 +172,159 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS):
                     for h in T.Parallel(HB):
                         l_i[h] = l_i[h] * T.exp2(m_i[h] - m_new[h]) + rs[h]
                         m_i[h] = m_new[h]
-                # norm (base 2) = log2(exp2(lse2) + exp2(sink2)); +inf for padded heads. A row is empty
-                # when l_i == 0 (tested so, not l_i > 0: NaN scores keep a NaN normaliser)
                 for h in T.Parallel(HB):
-                    sk = Sink[T.min(h0 + h, H - 1)] * _LOG2E
-                    lse2 = T.if_then_else(l_i[h] == 0, -T.infinity(acc), m_i[h] + T.log2(l_i[h]))
-                    mx = T.max(lse2, sk)
-                    nrm = T.if_then_else(
-                        sk == -T.infinity(acc), lse2,
-                        T.if_then_else(lse2 == -T.infinity(acc), sk,
-                                       mx + T.log2(T.exp2(lse2 - mx) + T.exp2(sk - mx))))
-                    norm_s[h] = T.if_then_else(h0 + h < H, nrm, T.infinity(acc))
+                    norm_s[h] = T.if_then_else(h0 + h < H, _norm_with_sink(T, m_i[h], l_i[h], Sink[T.min(h0 + h, H - 1)]),
+                                               T.infinity(acc))
             else:
                 for h in T.Parallel(HB):
                     norm_s[h] = T.if_then_else(h0 + h < H, Norm[bx, T.min(h0 + h, H - 1)] * _LOG2E, T.infinity(acc))
-            for i in T.Pipelined(NSTEP * (SLOT_STEP // BK), num_stages=1):
-                gather(KV, Idx, bx, i, kv_s)
+            for i in T.Pipelined(NB, num_stages=1):
+                gather_rows(KV, Idx, bx, i, kv_s)
                 masked_scores(Idx, bx, i, c, q_s, kv_s, s)
                 for h, j in T.Parallel(HB, BK):  # exactly 0 on invalid slots, 0 on padded heads (norm +inf)
-                    s[h, j] = T.if_then_else((Idx[bx, i * BK + j] >= 0) and (Idx[bx, i * BK + j] < TK),
-                                             T.exp2(s[h, j] - norm_s[h]), 0.0)
+                    s[h, j] = T.if_then_else(slot_ok(Idx, bx, i * BK + j), T.exp2(s[h, j] - norm_s[h]), 0.0)
                 T.reduce_sum(s, pj, dim=0, clear=True)
                 for j in T.Parallel(BK):
                     P[by, bx, i * BK + j] = pj[j]
+
+    return main
+
+
+def _norm_with_sink(T, m2, l, sink):
+    """The normaliser in base 2 from a head's running max m2 and sum l (of exp2(s - m2)) over its slots:
+    log2(exp2(lse2) + exp2(sink * log2 e)). A head is empty when l == 0 (tested so, not l > 0: NaN scores
+    keep a NaN normaliser); an empty head without a sink gets -inf."""
+    acc = "float32"
+    sk = sink * _LOG2E
+    lse2 = T.if_then_else(l == 0, -T.infinity(acc), m2 + T.log2(l))
+    mx = T.max(lse2, sk)
+    return T.if_then_else(sk == -T.infinity(acc), lse2,
+                          T.if_then_else(lse2 == -T.infinity(acc), sk,
+                                         mx + T.log2(T.exp2(lse2 - mx) + T.exp2(sk - mx))))
+
+
+def _attn_probs_chunked(dim: int, lse_pass: bool, threads: int = THREADS):
+    """attn_probs with the slots as MMA rows: S^T [64 slots, 64 heads] = KV_blk Q^T, so P's head sum is a
+    row sum inside each thread's quad (no cross-warp reduction), and the 64 gathered kv rows of a block
+    arrive in NC column chunks of DC columns, one cp.async group each, NC stages deep: chunk u + NC - 1
+    is in flight while chunk u is multiplied (q 72 KB + NC x 24 KB of rows for dim 576). With ``lse_pass``
+    a first sweep keeps each (slot, head) position's running max and sum in registers and combines them
+    over the slots once at the end."""
+    import tilelang.language as T
+
+    BK, HB, D = 64, BLOCK_H, dim
+    DC = 192 if D % 192 == 0 else 128  # columns per chunk
+    assert D % DC == 0, "dim must be a multiple of 128 or 192"
+    NC = D // DC  # chunks per block = pipeline stages
+    dtype, acc = "bfloat16", "float32"
+    NT, TK, NSTEP, H, NHB = T.dynamic("n_rows, n_keys, slot_steps, heads, head_blocks")
+    KP = NSTEP * SLOT_STEP  # padded k (see _slot_steps)
+    NB = NSTEP * (SLOT_STEP // BK)  # slot blocks of 64
+    neg_big = -1.0e30
+    VEC = 8  # bf16 per 16-byte copy
+    CCOLS = DC // VEC  # copies per chunk row
+    assert (BK * CCOLS) % threads == 0
+    pass_ids = tuple(range(BK * CCOLS // threads))
+
+    def slot_ok(Idx, bx, j):
+        return T.And(Idx[bx, j] >= 0, Idx[bx, j] < TK)
+
+    @T.macro
+    def issue(KV, Idx, bx, blk, ch, buf, tx):
+        # columns ch * DC .. of the kv rows of slot block blk into buf (zeros for invalid / past-the-end
+        # slots: never read), one commit group
+        for p in pass_ids:
+            row = (tx + p * threads) // CCOLS
+            col = ((tx + p * threads) % CCOLS) * VEC
+            pos = blk * BK + row
+            idx = Idx[bx, T.min(pos, KP - 1)]
+            ok = (pos < KP) and (idx >= 0) and (idx < TK)
+            T.ptx_cp_async(T.access_ptr(buf[row, col], "w", VEC),
+                           T.access_ptr(KV[T.if_then_else(ok, idx, 0), ch * DC + col], "r", VEC), VEC, ok)
+        T.ptx_commit_group()
+
+    @T.macro
+    def block_scores(KV, Idx, bx, b, c, q_s, bufs, s, tx):
+        # s [slots, heads] = scale * log2(e) * KV_blk Q^T for slot block b, -inf on invalid slots; chunk
+        # (b, ch) lives in bufs[ch], the chunk NC - 1 ahead goes into the buffer freed by the last one
+        for ch in tuple(range(NC)):  # static: each chunk has its own buffer
+            if ch == 0:
+                issue(KV, Idx, bx, b, NC - 1, bufs[NC - 1], tx)
+            else:
+                issue(KV, Idx, bx, b + 1, ch - 1, bufs[ch - 1], tx)
+            T.ptx_wait_group(NC - 1)  # chunk (b, ch) has landed; the NC - 1 issued after it may not have
+            T.sync_threads()
+            T.fence_proxy_async()
+            T.gemm(bufs[ch], q_s[:, ch * DC:(ch + 1) * DC], s, transpose_B=True, clear_accum=ch == 0)
+            T.sync_threads()  # bufs[ch] is free for the next issue
+        for j, h in T.Parallel(BK, HB):
+            s[j, h] = T.if_then_else(slot_ok(Idx, bx, b * BK + j), s[j, h] * c, -T.infinity(acc))
+
+    @T.macro
+    def prologue(KV, Idx, bx, bufs, tx):
+        for ch in tuple(range(NC - 1)):  # static (a tuple, not range: TileLang makes range a loop)
+            issue(KV, Idx, bx, 0, ch, bufs[ch], tx)
+
+    @T.prim_func
+    def main(
+        Q: T.Tensor([NT, H, D], dtype),
+        KV: T.Tensor([TK, D], dtype),
+        Idx: T.Tensor([NT, KP], "int32"),
+        Norm: T.Tensor([NT, H], acc),
+        Sink: T.Tensor([H], acc),
+        scale: T.float32,
+        P: T.Tensor([NHB, NT, KP], acc),
+    ):
+        with T.Kernel(NT, NHB, threads=threads) as (bx, by):
+            q_s = T.alloc_shared([HB, D], dtype)
+            bufs = tuple(T.alloc_shared([BK, DC], dtype) for _ in range(NC))
+            norm_s = T.alloc_shared([HB], acc)
+            s = T.alloc_fragment([BK, HB], acc)  # slots x heads
+            pj = T.alloc_fragment([BK], acc)
+            tx = T.get_thread_binding()
+            c = scale * _LOG2E
+            h0 = by * HB
+            for h, d in T.Parallel(HB, D):
+                q_s[h, d] = T.if_then_else(h0 + h < H, Q[bx, T.min(h0 + h, H - 1), d], T.cast(0, dtype))
+            if lse_pass:
+                m_e = T.alloc_fragment([BK, HB], acc)  # running max and sum per (slot position, head)
+                l_e = T.alloc_fragment([BK, HB], acc)
+                m_h = T.alloc_fragment([HB], acc)
+                l_h = T.alloc_fragment([HB], acc)
+                T.fill(m_e, neg_big)
+                T.fill(l_e, 0)
+                prologue(KV, Idx, bx, bufs, tx)
+                for b in T.serial(NB):
+                    block_scores(KV, Idx, bx, b, c, q_s, bufs, s, tx)
+                    for j, h in T.Parallel(BK, HB):
+                        # one exp2 per element: a new max rescales the sum by exp2(-d), else adds exp2(d)
+                        # (a NaN score makes d NaN: the sum, and so the normaliser, NaN)
+                        d = s[j, h] - m_e[j, h]
+                        e = T.exp2(T.if_then_else(d > 0, -d, d))
+                        l_e[j, h] = T.if_then_else(d > 0, l_e[j, h] * e + 1.0, l_e[j, h] + e)
+                        m_e[j, h] = T.if_then_else(d > 0, s[j, h], m_e[j, h])
+                T.ptx_wait_group(0)  # the (empty) prefetches past the end
+                T.sync_threads()
+                T.reduce_max(m_e, m_h, dim=0, clear=True)
+                for j, h in T.Parallel(BK, HB):
+                    l_e[j, h] = l_e[j, h] * T.exp2(m_e[j, h] - m_h[h])
+                T.reduce_sum(l_e, l_h, dim=0, clear=True)
+                for h in T.Parallel(HB):
+                    norm_s[h] = T.if_then_else(h0 + h < H, _norm_with_sink(T, m_h[h], l_h[h], Sink[T.min(h0 + h, H - 1)]),
+                                               T.infinity(acc))
+            else:
+                for h in T.Parallel(HB):
+                    norm_s[h] = T.if_then_else(h0 + h < H, Norm[bx, T.min(h0 + h, H - 1)] * _LOG2E, T.infinity(acc))
+            T.sync_threads()  # norm_s written
+            prologue(KV, Idx, bx, bufs, tx)
+            for b in T.serial(NB):
+                block_scores(KV, Idx, bx, b, c, q_s, bufs, s, tx)
+                for j, h in T.Parallel(BK, HB):  # exactly 0 on invalid slots, 0 on padded heads (norm +inf)
+                    s[j, h] = T.if_then_else(slot_ok(Idx, bx, b * BK + j), T.exp2(s[j, h] - norm_s[h]), 0.0)
+                T.reduce_sum(s, pj, dim=1, clear=True)
+                for j in T.Parallel(BK):
+                    P[by, bx, b * BK + j] = pj[j]
+            T.ptx_wait_group(0)
 
     return main
 
