@@ -3,7 +3,8 @@ probabilities of the selected slots), variants compiled side by side and timed o
 
     python benchmarks/kernels/ab_indexer_attn_probs.py [--t 8192,32768] [--variants JSON] [--csv FILE]
 
-Variants: JSON list of {"gather": "sync" | "chunked", "threads": int}; each is checked
+Variants: JSON list of {"gather": "sync" | "chunked", "threads": int, "chunk": int, "stages": int} (chunk
+and stages: the chunked layout's column chunk and buffers); each is checked
 against the first (max abs difference of P) and timed (triton do_bench median, L2 flushed). Inputs:
 H 64, Dqk 576, k 2048, causal rows (slots past a row's prefix are -1), attn_lse given and not.
 """
@@ -28,7 +29,8 @@ DEFAULT = [{"gather": "sync"}, {"gather": "chunked"}]
 def compile_variant(v, dim, lse_pass, target):
     import tilelang
 
-    prog = L._attn_probs_program(dim, lse_pass, threads=v.get("threads", L.THREADS), gather=v["gather"])
+    prog = L._attn_probs_program(dim, lse_pass, threads=v.get("threads", L.THREADS), gather=v["gather"],
+                                 chunk=v.get("chunk"), stages=v.get("stages"))
     return tilelang.compile(prog, target=target, pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False},
                             compile_flags=["-O3", "-DNDEBUG"])
 
@@ -41,11 +43,13 @@ def main(argv=None):
     ap.add_argument("--dim", type=int, default=576)
     ap.add_argument("--variants", default=json.dumps(DEFAULT))
     ap.add_argument("--csv", default=None)
+    ap.add_argument("--lse-pass", default="0,1", help="which programs: 0 (attn_lse given), 1 (lse pass)")
     args = ap.parse_args(argv)
     variants = json.loads(args.variants)
     dev = torch.device("cuda")
     target = L._device_target(dev)
-    jobs = [(i, lp) for i in range(len(variants)) for lp in (False, True)]
+    passes = [bool(int(x)) for x in args.lse_pass.split(",")]
+    jobs = [(i, lp) for i in range(len(variants)) for lp in passes]
     with ThreadPoolExecutor(len(jobs)) as ex:
         progs = dict(zip(jobs, ex.map(lambda j: compile_variant(variants[j[0]], args.dim, j[1], target), jobs)))
     name = torch.cuda.get_device_name()
@@ -62,7 +66,7 @@ def main(argv=None):
         lse = torch.randn(t, args.h, device=dev, generator=g) + 8.0
         sink = torch.full((args.h,), float("-inf"), device=dev)
         nhb = -(-args.h // L.BLOCK_H)
-        for lp in (False, True):
+        for lp in passes:
             ref = None
             for i, v in enumerate(variants):
                 P = torch.empty(nhb, t, kp, device=dev)

@@ -14,8 +14,9 @@ Two programs, one CTA per query row:
 - ``attn_probs`` (the standalone loss only): the target's head sums P[t, j] = sum_h exp(S - norm):
   the 64 query heads of a CTA (grid (T, ceil(H / 64))) stay in shared memory, the kv rows are
   gathered (an invalid index is never read) and scored on wgmma, S^T = KV_blk Q^T over blocks of 64
-  slots whose rows arrive in column chunks through a cp.async pipeline (the head sum a row sum), or
-  (with the lse pass) S = Q KV_blk^T over blocks of 32 slots, the head sum a cross-warp reduction. With ``lse_pass`` (attn_lse None) a first sweep computes
+  slots whose rows arrive in 64-column chunks through a 3-buffer cp.async pipeline (the head sum a row
+  sum; two CTAs per SM), or (with the lse pass) S = Q KV_blk^T over blocks of 32 slots, the head sum a
+  cross-warp reduction. With ``lse_pass`` (attn_lse None) a first sweep computes
   the per-head log-sum-exp online (a second gather of every kv row). On the fused path
   (:mod:`dsa_plugins.ops.fused_indexer_loss`) P comes from the attention backward instead and this
   program does not run: it is gather-bound (19 GB of kv rows at T 8192, k 2048, Dqk 576: 6 ms).
@@ -91,20 +92,22 @@ _OPTIONAL = {"det": False}  # keys a config may leave out
 
 
 # ----------------------------------------------------------------------------- programs
-def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather: str | None = None):
+def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather: str | None = None,
+                        chunk: int | None = None, stages: int | None = None):
     """P[hb, t, j] = sum over the heads of block hb of exp(S - norm) (see the module docstring).
 
     ``gather`` "chunked" (:func:`_attn_probs_chunked`): slots as MMA rows, the kv rows gathered in column
     chunks through a multi-stage cp.async pipeline. "sync": heads as MMA rows, blocks of 32 slots copied
     through registers, P's head sums reduced across warps (the first version; two CTAs per SM). Measured
     on an H100 (T 8192 / 32768, H 64, Dqk 576, k 2048, benchmarks/kernels/ab_indexer_attn_probs.py):
-    attn_lse given, "chunked" 6.57 / 26.1 ms, "sync" 8.84 / 33.2 (a double-buffered cp.async version of
-    "sync": 8.54 / 33.8 with 16-slot blocks, 12.0-12.7 / 48-54 with 32 or 64 slots, one CTA per SM);
-    lse_pass, "chunked" 12.8 / 56.8, "sync" 14.1 / 53.5. Default: "chunked" with attn_lse, "sync" with
-    the lse pass (its per-element running statistics take "chunked" to 255 registers with spills)."""
+    attn_lse given, "chunked" with 64-column chunks through 3 buffers (two CTAs per SM) 3.90 / 15.9 ms,
+    96 x 3 4.62 / 18.3, 192 x 3 (one CTA per SM) 6.51 / 26.3, 96 x 6 7.38 / 30.0; "sync" 8.83 / 33.2 (a
+    double-buffered cp.async version of it: 8.54 / 33.8 with 16-slot blocks, 12.0-12.7 / 48-54 with 32 or
+    64). With the lse pass (192 x 3 then) "chunked" 12.8 / 56.8, "sync" 14.1 / 53.5: its per-element
+    running statistics take the registers. Default: "chunked" 64 x 3 with attn_lse, "sync" with the lse pass."""
     gather = gather or ATTN_GATHER or ("sync" if lse_pass else "chunked")
     if gather == "chunked":
-        return _attn_probs_chunked(dim, lse_pass, threads)
+        return _attn_probs_chunked(dim, lse_pass, threads, chunk, stages)
     if gather != "sync":
         raise ValueError(f"gather must be 'chunked' or 'sync', got {gather!r}")
     import tilelang.language as T
@@ -203,19 +206,25 @@ def _norm_with_sink(T, m2, l, sink):
                                          mx + T.log2(T.exp2(lse2 - mx) + T.exp2(sk - mx))))
 
 
-def _attn_probs_chunked(dim: int, lse_pass: bool, threads: int = THREADS):
+def _attn_probs_chunked(dim: int, lse_pass: bool, threads: int = THREADS, chunk: int | None = None,
+                        stages: int | None = None):
     """attn_probs with the slots as MMA rows: S^T [64 slots, 64 heads] = KV_blk Q^T, so P's head sum is a
     row sum inside each thread's quad (no cross-warp reduction), and the 64 gathered kv rows of a block
-    arrive in NC column chunks of DC columns, one cp.async group each, NC stages deep: chunk u + NC - 1
-    is in flight while chunk u is multiplied (q 72 KB + NC x 24 KB of rows for dim 576). With ``lse_pass``
+    arrive in NC column chunks of ``chunk`` columns, one cp.async group each, through ``stages`` buffers
+    (NC a multiple of it): chunk u + stages - 1 is in flight while chunk u is multiplied (by default 192
+    columns x 3 stages for dim 576, 128 x 4 for 512: q 72 KB + 72 KB of rows, one CTA per SM). With ``lse_pass``
     a first sweep keeps each (slot, head) position's running max and sum in registers and combines them
     over the slots once at the end."""
     import tilelang.language as T
 
     BK, HB, D = 64, BLOCK_H, dim
-    DC = 192 if D % 192 == 0 else 128  # columns per chunk
-    assert D % DC == 0, "dim must be a multiple of 128 or 192"
-    NC = D // DC  # chunks per block = pipeline stages
+    DC = chunk or 64  # columns per chunk
+    assert D % DC == 0 and DC % 16 == 0, "dim must be a multiple of the chunk, the chunk of 16"
+    NC = D // DC  # chunks per block
+    # buffers; chunk u of the flat order (block, chunk) lives in bufs[u % S]. 64 x 3 (dim 576; 64 x 4 for 512):
+    # q 72 KB + 24 KB of rows, two CTAs per SM
+    S = stages or next(n for n in (3, 4, 2) if NC % n == 0)
+    assert NC % S == 0 and S >= 2, "the chunks per block must be a multiple of the stages"
     dtype, acc = "bfloat16", "float32"
     NT, TK, NSTEP, H, NHB = T.dynamic("n_rows, n_keys, slot_steps, heads, head_blocks")
     KP = NSTEP * SLOT_STEP  # padded k (see _slot_steps)
@@ -246,24 +255,23 @@ def _attn_probs_chunked(dim: int, lse_pass: bool, threads: int = THREADS):
     @T.macro
     def block_scores(KV, Idx, bx, b, c, q_s, bufs, s, tx):
         # s [slots, heads] = scale * log2(e) * KV_blk Q^T for slot block b, -inf on invalid slots; chunk
-        # (b, ch) lives in bufs[ch], the chunk NC - 1 ahead goes into the buffer freed by the last one
-        for ch in tuple(range(NC)):  # static: each chunk has its own buffer
-            if ch == 0:
-                issue(KV, Idx, bx, b, NC - 1, bufs[NC - 1], tx)
-            else:
-                issue(KV, Idx, bx, b + 1, ch - 1, bufs[ch - 1], tx)
-            T.ptx_wait_group(NC - 1)  # chunk (b, ch) has landed; the NC - 1 issued after it may not have
+        # (b, ch) lives in bufs[ch % S] (NC a multiple of S: static), the chunk S - 1 ahead in the flat order
+        # goes into the buffer the previous chunk freed
+        for ch in tuple(range(NC)):  # static (a tuple, not range: TileLang makes range a loop)
+            ahead = ch + S - 1  # the chunk to issue, counted from block b's first
+            issue(KV, Idx, bx, b + ahead // NC, ahead % NC, bufs[ahead % S], tx)
+            T.ptx_wait_group(S - 1)  # chunk (b, ch) has landed; the S - 1 issued after it may not have
             T.sync_threads()
             T.fence_proxy_async()
-            T.gemm(bufs[ch], q_s[:, ch * DC:(ch + 1) * DC], s, transpose_B=True, clear_accum=ch == 0)
-            T.sync_threads()  # bufs[ch] is free for the next issue
+            T.gemm(bufs[ch % S], q_s[:, ch * DC:(ch + 1) * DC], s, transpose_B=True, clear_accum=ch == 0)
+            T.sync_threads()  # bufs[ch % S] is free for the next issue
         for j, h in T.Parallel(BK, HB):
             s[j, h] = T.if_then_else(slot_ok(Idx, bx, b * BK + j), s[j, h] * c, -T.infinity(acc))
 
     @T.macro
     def prologue(KV, Idx, bx, bufs, tx):
-        for ch in tuple(range(NC - 1)):  # static (a tuple, not range: TileLang makes range a loop)
-            issue(KV, Idx, bx, 0, ch, bufs[ch], tx)
+        for u in tuple(range(S - 1)):  # the first S - 1 chunks of the flat order
+            issue(KV, Idx, bx, u // NC, u % NC, bufs[u], tx)
 
     @T.prim_func
     def main(
@@ -277,7 +285,7 @@ def _attn_probs_chunked(dim: int, lse_pass: bool, threads: int = THREADS):
     ):
         with T.Kernel(NT, NHB, threads=threads) as (bx, by):
             q_s = T.alloc_shared([HB, D], dtype)
-            bufs = tuple(T.alloc_shared([BK, DC], dtype) for _ in range(NC))
+            bufs = tuple(T.alloc_shared([BK, DC], dtype) for _ in range(S))
             norm_s = T.alloc_shared([HB], acc)
             s = T.alloc_fragment([BK, HB], acc)  # slots x heads
             pj = T.alloc_fragment([BK], acc)

@@ -123,10 +123,10 @@ def test_shipped_config_compiles_for_sm90a(compiled, i, caplog):
     for name in ("n_rows", "n_keys", "slot_steps"):
         assert name in src, f"{name} is not a runtime parameter"
     if cfg["kind"] == "attn_probs" and not cfg["lse_pass"]:
-        # attn_lse given: slots as MMA rows, the gathered rows in column chunks of 192 (576) or 128 (512),
-        # as many cp.async stages as chunks, the next chunks in flight while one is multiplied
-        chunks = cfg["dim"] // (192 if cfg["dim"] % 192 == 0 else 128)
-        assert f"cp_async_wait<{chunks - 1}>" in src
+        # attn_lse given: slots as MMA rows, the gathered rows in 64-column chunks through 3 cp.async buffers
+        # (576: 9 chunks a block) or 4 (512: 8 chunks), the next ones in flight while one is multiplied
+        stages = 3 if cfg["dim"] == 576 else 4
+        assert f"cp_async_wait<{stages - 1}>" in src
     if cfg["kind"] == "loss":
         # d_index_k scatter only with the gradients; the deterministic program stores contribution rows instead
         assert ("AtomicAdd" in src) == (cfg["grads"] and not cfg.get("det", False))
