@@ -127,6 +127,8 @@ def test_shipped_config_compiles_for_sm90a(compiled, i, caplog):
         # (576: 9 chunks a block) or 4 (512: 8 chunks), the next ones in flight while one is multiplied
         stages = 3 if cfg["dim"] == 576 else 4
         assert f"cp_async_wait<{stages - 1}>" in src
+        # one commit group per chunk: the prologue's stages - 1, then a block's dim / 64
+        assert src.count("tl::cp_async_commit()") == stages - 1 + cfg["dim"] // 64
     if cfg["kind"] == "loss":
         # d_index_k scatter only with the gradients; the deterministic program stores contribution rows instead
         assert ("AtomicAdd" in src) == (cfg["grads"] and not cfg.get("det", False))
