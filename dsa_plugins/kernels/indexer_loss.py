@@ -105,7 +105,8 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
     double-buffered cp.async version of it: 8.54 / 33.8 with 16-slot blocks, 12.0-12.7 / 48-54 with 32 or
     64). With the lse pass (192 x 3 then) "chunked" 12.8 / 56.8, "sync" 14.1 / 53.5: its per-element
     running statistics take the registers. Default: "chunked" 64 x 3 with attn_lse, "sync" with the lse pass."""
-    gather = gather or ATTN_GATHER or ("sync" if lse_pass else "chunked")
+    # "chunked" by default where it was measured and tested: the model dims 576 and 512 with attn_lse given
+    gather = gather or ATTN_GATHER or ("chunked" if not lse_pass and dim in (512, 576) else "sync")
     if gather == "chunked":
         return _attn_probs_chunked(dim, lse_pass, threads, chunk, stages)
     if gather != "sync":
@@ -223,8 +224,10 @@ def _attn_probs_chunked(dim: int, lse_pass: bool, threads: int = THREADS, chunk:
     NC = D // DC  # chunks per block
     # buffers; chunk u of the flat order (block, chunk) lives in bufs[u % S]. 64 x 3 (dim 576; 64 x 4 for 512):
     # q 72 KB + 24 KB of rows, two CTAs per SM
-    S = stages or next(n for n in (3, 4, 2) if NC % n == 0)
-    assert NC % S == 0 and S >= 2, "the chunks per block must be a multiple of the stages"
+    S = stages or next((n for n in (3, 4, 2) if NC % n == 0), None)
+    if S is None or NC % S != 0 or S < 2:
+        raise ValueError(f"attn_probs 'chunked' needs the {NC} chunks of {DC} columns per block (dim {D}) to be a "
+                         f"multiple of its stages (2, 3 or 4), got stages={stages}")
     dtype, acc = "bfloat16", "float32"
     NT, TK, NSTEP, H, NHB = T.dynamic("n_rows, n_keys, slot_steps, heads, head_blocks")
     KP = NSTEP * SLOT_STEP  # padded k (see _slot_steps)

@@ -20,11 +20,17 @@ def autocast_floats(*tensors):
     float32 ones cast to that region's dtype (as autocast does for SDPA and matmuls: the attention and
     indexer are matmul-like), the rest (and None) as they are; outside a region, unchanged. So a model
     trained with fp32 weights under bf16 mixed precision (accelerate, HF Trainer) runs the kernels."""
-    first = next((t for t in tensors if t is not None), None)
-    if first is None or not torch.is_autocast_enabled(first.device.type):
+    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)  # the ops' checks name bad inputs
+    if first is None:
+        return tensors
+    try:
+        enabled = torch.is_autocast_enabled(first.device.type)
+    except RuntimeError:  # a device type without autocast (meta): nothing to cast
+        return tensors
+    if not enabled:
         return tensors
     dtype = torch.get_autocast_dtype(first.device.type)
-    return tuple(t.to(dtype) if t is not None and t.dtype == torch.float32 else t for t in tensors)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t for t in tensors)
 
 
 def is_dsa_kernel_available(name: str) -> bool:

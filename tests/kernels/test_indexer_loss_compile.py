@@ -63,6 +63,19 @@ def test_config_validation():
     assert a == b
 
 
+@pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
+def test_attn_probs_layout_for_every_accepted_dim():
+    """Every Dqk the loss accepts (multiples of 64 up to 576) gets a program: "chunked" for the model dims 576
+    and 512 with attn_lse given, "sync" otherwise (dims 64, 320, 448 have no stage count that divides their
+    64-column chunks); asking "chunked" for such a dim is a clear error, not a StopIteration."""
+    for dim in range(64, 577, 64):
+        for lse_pass in (False, True):
+            mod._attn_probs_program(dim, lse_pass)  # builds the TIR (no compile)
+    for dim in (64, 320, 448):
+        with pytest.raises(ValueError, match="multiple of its stages"):
+            mod._attn_probs_program(dim, False, gather="chunked")
+
+
 def _inputs(**over):
     t, tk, h, hi = 3, 5, 16, 32
     d = {

@@ -260,3 +260,14 @@ def test_autocast_runs_the_ops_in_its_dtype(monkeypatch):
         loss = ops.FusedIndexerLoss(iq, ik, w)
     assert sel.shape == (5, 3)
     assert loss.index_q.dtype == loss.index_k.dtype == torch.bfloat16 and loss.weights.dtype == torch.float32
+
+
+def test_autocast_cast_leaves_validation_to_the_ops():
+    """The autocast cast runs before the ops' checks: a non-tensor input still gets the op's own message, and
+    tensors of a device type without autocast (meta) pass through untouched."""
+    from dsa_plugins.ops.backend import autocast_floats
+
+    with pytest.raises(ValueError, match="q must be a torch.Tensor"):
+        ops.sparse_attention([1.0], torch.zeros(2, 4), torch.zeros(1, 2, dtype=torch.int32), 0.25)
+    q, kv = torch.zeros(1, 2, 4, device="meta"), torch.zeros(2, 4, device="meta")
+    assert all(a is b for a, b in zip(autocast_floats(q, None, kv), (q, None, kv)))
