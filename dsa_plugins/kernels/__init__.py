@@ -63,6 +63,11 @@ def zeros_arg(n: int, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.zeros(n, dtype=dtype, device=device)
 
 
+def target_key(target):
+    """A hashable cache key for a compile target (a dict such as CPU_COMPILE_TARGET, or a string)."""
+    return tuple(sorted(target.items())) if isinstance(target, dict) else target
+
+
 def announce_compile(what: str) -> None:
     """Say once per process that kernels are being built (the first calls would otherwise be
     silent for up to a minute per configuration), and how to do it ahead."""

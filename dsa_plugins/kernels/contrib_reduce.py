@@ -23,7 +23,7 @@ import threading
 import torch
 from torch import Tensor
 
-from . import announce_compile
+from . import announce_compile, target_key
 
 __all__ = ["DET_BUDGET_BYTES", "build_reduce", "keys_last_invalid", "reduce_body", "slot_order", "slot_order_async"]
 
@@ -164,16 +164,12 @@ _COMPILED: dict = {}
 _LOCK = threading.Lock()
 
 
-def _target_key(target):
-    return tuple(sorted(target.items())) if isinstance(target, dict) else target
-
-
 def build_reduce(dqk: int, nhb: int, contrib_dtype: str = "float32", target="auto"):
     """The compiled reduce program (:func:`reduce_body`) for rows of ``dqk`` columns, ``nhb`` contribution
     rows per slot and ``contrib_dtype`` ("float32", "bfloat16" or "int16"); cached per process."""
     import tilelang
 
-    key = (_target_key(target), int(dqk), int(nhb), str(contrib_dtype))
+    key = (target_key(target), int(dqk), int(nhb), str(contrib_dtype))
     prog = _COMPILED.get(key)
     if prog is not None:
         return prog

@@ -66,8 +66,8 @@ BLOCK_K = 64  # slots per block of the loss program (it walks them in pairs: k i
 # compiling (17 s now).
 SLOT_STEP = 2 * BLOCK_K
 ATTN_BLOCK_K = 32  # slots per block of attn_probs "sync" (heads as MMA rows; 110 KB, two CTAs per SM)
-# attn_probs' layout and gather, "sync" or "chunked" (see _attn_probs_program); by default "chunked" where the
-# normaliser is given and "sync" for the lse_pass program (measured faster each); the variable is for A/B runs
+# attn_probs' layout and gather where the normaliser is given, "sync" or "chunked" (see _attn_probs_program;
+# the lse pass is "sync" only); the variable is for A/B runs
 ATTN_GATHER = os.environ.get("DSA_PLUGINS_ATTN_PROBS_GATHER") or None
 BLOCK_H = 64  # query heads per attention CTA
 THREADS = 128
@@ -92,6 +92,12 @@ _OPTIONAL = {"det": False}  # keys a config may leave out
 
 
 # ----------------------------------------------------------------------------- programs
+def _slot_ok(T, Idx, n_keys, row, j):
+    """Slot j of query row ``row`` names a key (0 <= index < n_keys). A plain function, not a macro: no
+    `and` on TIR expressions."""
+    return T.And(Idx[row, j] >= 0, Idx[row, j] < n_keys)
+
+
 def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather: str | None = None,
                         chunk: int | None = None, stages: int | None = None):
     """P[hb, t, j] = sum over the heads of block hb of exp(S - norm) (see the module docstring).
@@ -103,12 +109,16 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
     attn_lse given, "chunked" with 64-column chunks through 3 buffers (two CTAs per SM) 3.90 / 15.9 ms,
     96 x 3 4.62 / 18.3, 192 x 3 (one CTA per SM) 6.51 / 26.3, 96 x 6 7.38 / 30.0; "sync" 8.83 / 33.2 (a
     double-buffered cp.async version of it: 8.54 / 33.8 with 16-slot blocks, 12.0-12.7 / 48-54 with 32 or
-    64). With the lse pass (192 x 3 then) "chunked" 12.8 / 56.8, "sync" 14.1 / 53.5: its per-element
-    running statistics take the registers. Default: "chunked" 64 x 3 with attn_lse, "sync" with the lse pass."""
-    # "chunked" by default where it was measured and tested: the model dims 576 and 512 with attn_lse given
-    gather = gather or ATTN_GATHER or ("chunked" if not lse_pass and dim in (512, 576) else "sync")
+    64). With the lse pass a chunked version (192 x 3, running statistics per slot position and head) took
+    12.8 / 56.8, "sync" 14.1 / 53.5: the lse pass is "sync" only. Default: "chunked" 64 x 3 with attn_lse."""
+    if lse_pass:
+        if gather not in (None, "sync"):
+            raise ValueError(f"the lse pass of attn_probs has the 'sync' layout only, got gather {gather!r}")
+        gather = "sync"
+    # "chunked" by default where it was measured and tested: the model dims 576 and 512
+    gather = gather or ATTN_GATHER or ("chunked" if dim in (512, 576) else "sync")
     if gather == "chunked":
-        return _attn_probs_chunked(dim, lse_pass, threads, chunk, stages)
+        return _attn_probs_chunked(dim, threads, chunk, stages)
     if gather != "sync":
         raise ValueError(f"gather must be 'chunked' or 'sync', got {gather!r}")
     import tilelang.language as T
@@ -119,9 +129,6 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
     KP = NSTEP * SLOT_STEP  # padded k (see _slot_steps)
     NB = NSTEP * (SLOT_STEP // BK)  # slot blocks
     neg_big = -1.0e30
-
-    def slot_ok(Idx, bx, j):
-        return T.And(Idx[bx, j] >= 0, Idx[bx, j] < TK)
 
     @T.macro
     def gather_rows(KV, Idx, bx, i, kv_s):
@@ -134,7 +141,7 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
         # s [heads, slots] = scale * log2(e) * Q KV_blk^T, -inf on invalid slots
         T.gemm(q_s, kv_s, s, transpose_B=True, clear_accum=True)
         for h, j in T.Parallel(HB, BK):
-            s[h, j] = T.if_then_else(slot_ok(Idx, bx, i * BK + j), s[h, j] * c, -T.infinity(acc))
+            s[h, j] = T.if_then_else(_slot_ok(T, Idx, TK, bx, i * BK + j), s[h, j] * c, -T.infinity(acc))
 
     @T.prim_func
     def main(
@@ -176,9 +183,17 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
                     for h in T.Parallel(HB):
                         l_i[h] = l_i[h] * T.exp2(m_i[h] - m_new[h]) + rs[h]
                         m_i[h] = m_new[h]
+                # norm (base 2) = log2(exp2(lse2) + exp2(sink2)); +inf for padded heads. A row is empty
+                # when l_i == 0 (tested so, not l_i > 0: NaN scores keep a NaN normaliser)
                 for h in T.Parallel(HB):
-                    norm_s[h] = T.if_then_else(h0 + h < H, _norm_with_sink(T, m_i[h], l_i[h], Sink[T.min(h0 + h, H - 1)]),
-                                               T.infinity(acc))
+                    sk = Sink[T.min(h0 + h, H - 1)] * _LOG2E
+                    lse2 = T.if_then_else(l_i[h] == 0, -T.infinity(acc), m_i[h] + T.log2(l_i[h]))
+                    mx = T.max(lse2, sk)
+                    nrm = T.if_then_else(
+                        sk == -T.infinity(acc), lse2,
+                        T.if_then_else(lse2 == -T.infinity(acc), sk,
+                                       mx + T.log2(T.exp2(lse2 - mx) + T.exp2(sk - mx))))
+                    norm_s[h] = T.if_then_else(h0 + h < H, nrm, T.infinity(acc))
             else:
                 for h in T.Parallel(HB):
                     norm_s[h] = T.if_then_else(h0 + h < H, Norm[bx, T.min(h0 + h, H - 1)] * _LOG2E, T.infinity(acc))
@@ -186,7 +201,7 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
                 gather_rows(KV, Idx, bx, i, kv_s)
                 masked_scores(Idx, bx, i, c, q_s, kv_s, s)
                 for h, j in T.Parallel(HB, BK):  # exactly 0 on invalid slots, 0 on padded heads (norm +inf)
-                    s[h, j] = T.if_then_else(slot_ok(Idx, bx, i * BK + j), T.exp2(s[h, j] - norm_s[h]), 0.0)
+                    s[h, j] = T.if_then_else(_slot_ok(T, Idx, TK, bx, i * BK + j), T.exp2(s[h, j] - norm_s[h]), 0.0)
                 T.reduce_sum(s, pj, dim=0, clear=True)
                 for j in T.Parallel(BK):
                     P[by, bx, i * BK + j] = pj[j]
@@ -194,28 +209,13 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
     return main
 
 
-def _norm_with_sink(T, m2, l, sink):
-    """The normaliser in base 2 from a head's running max m2 and sum l (of exp2(s - m2)) over its slots:
-    log2(exp2(lse2) + exp2(sink * log2 e)). A head is empty when l == 0 (tested so, not l > 0: NaN scores
-    keep a NaN normaliser); an empty head without a sink gets -inf."""
-    acc = "float32"
-    sk = sink * _LOG2E
-    lse2 = T.if_then_else(l == 0, -T.infinity(acc), m2 + T.log2(l))
-    mx = T.max(lse2, sk)
-    return T.if_then_else(sk == -T.infinity(acc), lse2,
-                          T.if_then_else(lse2 == -T.infinity(acc), sk,
-                                         mx + T.log2(T.exp2(lse2 - mx) + T.exp2(sk - mx))))
-
-
-def _attn_probs_chunked(dim: int, lse_pass: bool, threads: int = THREADS, chunk: int | None = None,
-                        stages: int | None = None):
-    """attn_probs with the slots as MMA rows: S^T [64 slots, 64 heads] = KV_blk Q^T, so P's head sum is a
-    row sum inside each thread's quad (no cross-warp reduction), and the 64 gathered kv rows of a block
-    arrive in NC column chunks of ``chunk`` columns, one cp.async group each, through ``stages`` buffers
-    (NC a multiple of it): chunk u + stages - 1 is in flight while chunk u is multiplied (by default 192
-    columns x 3 stages for dim 576, 128 x 4 for 512: q 72 KB + 72 KB of rows, one CTA per SM). With ``lse_pass``
-    a first sweep keeps each (slot, head) position's running max and sum in registers and combines them
-    over the slots once at the end."""
+def _attn_probs_chunked(dim: int, threads: int = THREADS, chunk: int | None = None, stages: int | None = None):
+    """attn_probs with the normaliser given, the slots as MMA rows: S^T [64 slots, 64 heads] = KV_blk Q^T, so
+    P's head sum is a row sum inside each thread's quad (no cross-warp reduction), and the 64 gathered kv rows
+    of a block arrive in NC column chunks of ``chunk`` columns, one cp.async group each, through ``stages``
+    buffers (NC a multiple of it): chunk u + stages - 1 is in flight while chunk u is multiplied (by default
+    64 columns x 3 stages for dim 576, 64 x 4 for 512: q 72 KB + 24 KB of rows, two CTAs per SM). No lse
+    pass: one that kept a running max and sum per (slot, head) position measured slower than "sync"'s."""
     import tilelang.language as T
 
     BK, HB, D = 64, BLOCK_H, dim
@@ -232,14 +232,10 @@ def _attn_probs_chunked(dim: int, lse_pass: bool, threads: int = THREADS, chunk:
     NT, TK, NSTEP, H, NHB = T.dynamic("n_rows, n_keys, slot_steps, heads, head_blocks")
     KP = NSTEP * SLOT_STEP  # padded k (see _slot_steps)
     NB = NSTEP * (SLOT_STEP // BK)  # slot blocks of 64
-    neg_big = -1.0e30
     VEC = 8  # bf16 per 16-byte copy
     CCOLS = DC // VEC  # copies per chunk row
     assert (BK * CCOLS) % threads == 0
     pass_ids = tuple(range(BK * CCOLS // threads))
-
-    def slot_ok(Idx, bx, j):
-        return T.And(Idx[bx, j] >= 0, Idx[bx, j] < TK)
 
     @T.macro
     def issue(KV, Idx, bx, blk, ch, buf, tx):
@@ -269,7 +265,7 @@ def _attn_probs_chunked(dim: int, lse_pass: bool, threads: int = THREADS, chunk:
             T.gemm(bufs[ch % S], q_s[:, ch * DC:(ch + 1) * DC], s, transpose_B=True, clear_accum=ch == 0)
             T.sync_threads()  # bufs[ch % S] is free for the next issue
         for j, h in T.Parallel(BK, HB):
-            s[j, h] = T.if_then_else(slot_ok(Idx, bx, b * BK + j), s[j, h] * c, -T.infinity(acc))
+            s[j, h] = T.if_then_else(_slot_ok(T, Idx, TK, bx, b * BK + j), s[j, h] * c, -T.infinity(acc))
 
     @T.macro
     def prologue(KV, Idx, bx, bufs, tx):
@@ -297,41 +293,14 @@ def _attn_probs_chunked(dim: int, lse_pass: bool, threads: int = THREADS, chunk:
             h0 = by * HB
             for h, d in T.Parallel(HB, D):
                 q_s[h, d] = T.if_then_else(h0 + h < H, Q[bx, T.min(h0 + h, H - 1), d], T.cast(0, dtype))
-            if lse_pass:
-                m_e = T.alloc_fragment([BK, HB], acc)  # running max and sum per (slot position, head)
-                l_e = T.alloc_fragment([BK, HB], acc)
-                m_h = T.alloc_fragment([HB], acc)
-                l_h = T.alloc_fragment([HB], acc)
-                T.fill(m_e, neg_big)
-                T.fill(l_e, 0)
-                prologue(KV, Idx, bx, bufs, tx)
-                for b in T.serial(NB):
-                    block_scores(KV, Idx, bx, b, c, q_s, bufs, s, tx)
-                    for j, h in T.Parallel(BK, HB):
-                        # one exp2 per element: a new max rescales the sum by exp2(-d), else adds exp2(d)
-                        # (a NaN score makes d NaN: the sum, and so the normaliser, NaN)
-                        d = s[j, h] - m_e[j, h]
-                        e = T.exp2(T.if_then_else(d > 0, -d, d))
-                        l_e[j, h] = T.if_then_else(d > 0, l_e[j, h] * e + 1.0, l_e[j, h] + e)
-                        m_e[j, h] = T.if_then_else(d > 0, s[j, h], m_e[j, h])
-                T.ptx_wait_group(0)  # the (empty) prefetches past the end
-                T.sync_threads()
-                T.reduce_max(m_e, m_h, dim=0, clear=True)
-                for j, h in T.Parallel(BK, HB):
-                    l_e[j, h] = l_e[j, h] * T.exp2(m_e[j, h] - m_h[h])
-                T.reduce_sum(l_e, l_h, dim=0, clear=True)
-                for h in T.Parallel(HB):
-                    norm_s[h] = T.if_then_else(h0 + h < H, _norm_with_sink(T, m_h[h], l_h[h], Sink[T.min(h0 + h, H - 1)]),
-                                               T.infinity(acc))
-            else:
-                for h in T.Parallel(HB):
-                    norm_s[h] = T.if_then_else(h0 + h < H, Norm[bx, T.min(h0 + h, H - 1)] * _LOG2E, T.infinity(acc))
+            for h in T.Parallel(HB):
+                norm_s[h] = T.if_then_else(h0 + h < H, Norm[bx, T.min(h0 + h, H - 1)] * _LOG2E, T.infinity(acc))
             T.sync_threads()  # norm_s written
             prologue(KV, Idx, bx, bufs, tx)
             for b in T.serial(NB):
                 block_scores(KV, Idx, bx, b, c, q_s, bufs, s, tx)
                 for j, h in T.Parallel(BK, HB):  # exactly 0 on invalid slots, 0 on padded heads (norm +inf)
-                    s[j, h] = T.if_then_else(slot_ok(Idx, bx, b * BK + j), T.exp2(s[j, h] - norm_s[h]), 0.0)
+                    s[j, h] = T.if_then_else(_slot_ok(T, Idx, TK, bx, b * BK + j), T.exp2(s[j, h] - norm_s[h]), 0.0)
                 T.reduce_sum(s, pj, dim=1, clear=True)
                 for j in T.Parallel(BK):
                     P[by, bx, b * BK + j] = pj[j]
@@ -401,9 +370,6 @@ def _loss_program(heads: int, dim: int, grads: bool, det: bool = False, threads:
         # not T.max(x, 0): fmaxf would turn a NaN logit into 0
         return T.if_then_else(x < 0, T.cast(0, acc), x)
 
-    def slot_ok(Idx, bx, j):
-        return T.And(Idx[bx, j] >= 0, Idx[bx, j] < TK)  # a plain function: no `and` on TIR expressions
-
     @T.macro
     def logits(Idx, bx, blk, buf, iq_s, w_s, lt, ival):
         # lt = relu(IK_blk IQ^T) (slots x heads) and ival[j] = I_j (-inf for invalid slots)
@@ -421,7 +387,7 @@ def _loss_program(heads: int, dim: int, grads: bool, det: bool = False, threads:
         # slots are decided by their index, terms by pj == 0 (not by value tests that a NaN fails)
         for j in T.Parallel(BK):
             Iw[bx, blk * BK + j] = ival[j]
-            pj = T.if_then_else(slot_ok(Idx, bx, blk * BK + j), P[bx, blk * BK + j], 0.0)
+            pj = T.if_then_else(_slot_ok(T, Idx, TK, bx, blk * BK + j), P[bx, blk * BK + j], 0.0)
             m_new = T.max(m_l[j], ival[j])
             s_l[j] = T.if_then_else(
                 m_new > neg_inf, s_l[j] * T.exp(m_l[j] - m_new) + T.exp(ival[j] - m_new), 0.0)
@@ -435,12 +401,12 @@ def _loss_program(heads: int, dim: int, grads: bool, det: bool = False, threads:
         # dI_j = G (softmax_j - p_j), with I_j from pass 1 (-inf for invalid slots)
         for j in T.Parallel(BK):
             d_s[j] = T.if_then_else(
-                slot_ok(Idx, bx, blk * BK + j),
+                _slot_ok(T, Idx, TK, bx, blk * BK + j),
                 row_s[4] * (T.exp(Iw[bx, blk * BK + j] - row_s[0]) - P[bx, blk * BK + j] * row_s[1]), 0.0)
         T.gemm(buf, iq_s, lt, transpose_B=True, clear_accum=True)  # L (slots x heads)
         for j, h in T.Parallel(BK, HI):
             # relu's gradient as torch takes it: zero where L <= 0 (a NaN logit passes d on)
-            gacc[j, h] += T.if_then_else(slot_ok(Idx, bx, blk * BK + j), d_s[j] * relu(lt[j, h]), 0.0)
+            gacc[j, h] += T.if_then_else(_slot_ok(T, Idx, TK, bx, blk * BK + j), d_s[j] * relu(lt[j, h]), 0.0)
             dl_s[j, h] = T.cast(T.if_then_else(lt[j, h] <= 0, 0.0, d_s[j] * w_s[h]), dtype)
         T.gemm(dl_s, buf, acc_q, transpose_A=True)
         # d_index_k rows of the block, DC columns at a time (fewer registers: more CTAs per SM)

@@ -59,7 +59,7 @@ from torch import Tensor
 from ..common.indices import global_rows, row_blocks
 from ..common.settings import deterministic_mode, warn_once
 from ..common.validation import output_buffer
-from . import announce_compile, zeros_arg
+from . import announce_compile, target_key, zeros_arg
 from .contrib_reduce import DET_BUDGET_BYTES, build_reduce, keys_last_invalid, slot_order_async
 
 __all__ = ["BWD_PROGRAMS", "SHIPPED_CONFIGS", "build_bwd_kernels", "build_bwd_program", "bwd_flops", "bwd_program_names",
@@ -987,20 +987,14 @@ _PASS_CONFIGS_MAIN = {
 
 
 @functools.cache
-def _jit_factories(target_key):
+def _jit_factories(key):
     import tilelang
 
-    target = _target_from_key(target_key)
+    target = _target_from_key(key)
     main = tilelang.jit(target=target, pass_configs=_PASS_CONFIGS_MAIN)(_main_body)
     ws = tilelang.jit(target=target, pass_configs=_PASS_CONFIGS_MAIN)(_ws_body)
     pre = tilelang.jit(target=target)(_preprocess_body)
     return {"preprocess": pre, "main": main, "ws": ws}
-
-
-def _target_key(target):
-    if isinstance(target, dict):
-        return tuple(sorted(target.items()))
-    return target
 
 
 def _target_from_key(key):
@@ -1016,7 +1010,7 @@ _LOCK = threading.Lock()
 def _get(kind: str, target, *args):
     if kind == "reduce":  # shared with the indexer loss's deterministic d_index_k
         return build_reduce(*args, target=target)
-    key = (kind, _target_key(target), args)
+    key = (kind, target_key(target), args)
     prog = _COMPILED.get(key)
     if prog is not None:
         return prog
@@ -1024,7 +1018,7 @@ def _get(kind: str, target, *args):
         prog = _COMPILED.get(key)
         if prog is None:
             announce_compile(f"sparse attention backward {kind}")
-            fac = _jit_factories(_target_key(target))[kind]
+            fac = _jit_factories(target_key(target))[kind]
             prog = fac(*args)
             logger.info("dsa_plugins: compiled sparse attention bwd %s kernel %s for %s", kind, args, target)
             _COMPILED[key] = prog
