@@ -27,9 +27,9 @@ __all__ = ["KernelJob", "ModelDims", "jobs_for", "main", "model_dims"]
 
 # The DSA dims of the presets (the real models' configs), so warmup needs no download.
 PRESETS: dict[str, dict] = {
-    "glm5": dict(heads=64, dim_qk=576, dim_v=512, sink=False, index_heads=32, index_dim=128),
-    "deepseek_v32": dict(heads=128, dim_qk=576, dim_v=512, sink=False, index_heads=64, index_dim=128),
-    "deepseek_v4": dict(heads=128, dim_qk=512, dim_v=512, sink=True, index_heads=64, index_dim=128),
+    "glm5": dict(heads=64, dim_qk=576, dim_v=512, sink=False, index_heads=32, index_dim=128, topk=2048),
+    "deepseek_v32": dict(heads=128, dim_qk=576, dim_v=512, sink=False, index_heads=64, index_dim=128, topk=2048),
+    "deepseek_v4": dict(heads=128, dim_qk=512, dim_v=512, sink=True, index_heads=64, index_dim=128, topk=1024),
 }
 # Model types whose attention has per-head sinks (the others have none).
 _SINK_MODEL_TYPES = ("hy_v4", "deepseek_v4")
@@ -38,7 +38,7 @@ _SINK_MODEL_TYPES = ("hy_v4", "deepseek_v4")
 @dataclass(frozen=True)
 class ModelDims:
     """What selects a model's kernel configurations: attention heads and head dims, sinks, the
-    indexer's heads and head dim."""
+    indexer's heads and head dim, and its top-k (how many parts a generation step's row is cut into)."""
 
     heads: int
     dim_qk: int
@@ -46,6 +46,7 @@ class ModelDims:
     sink: bool
     index_heads: int
     index_dim: int
+    topk: int = 2048
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,8 @@ def _dims_of(cfg, model_type: str) -> ModelDims | None:
     if None in (heads, index_heads, index_dim, dim_qk):
         return None
     sink = model_type in _SINK_MODEL_TYPES or bool(getattr(cfg, "attention_sink", False))
-    return ModelDims(int(heads), int(dim_qk), int(dim_v), sink, int(index_heads), int(index_dim))
+    topk = int(_attr(cfg, "index_topk", "indexer_topk", default=2048))
+    return ModelDims(int(heads), int(dim_qk), int(dim_v), sink, int(index_heads), int(index_dim), topk)
 
 
 def model_dims(config) -> list[ModelDims]:
@@ -129,7 +131,7 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
     (those layers run the torch reference): a line in ``notes`` says so."""
     import torch
 
-    from .common.settings import decode_part_slots
+    from .common.settings import decode_cluster_parts, decode_part_slots
     from .kernels import contrib_reduce, indexer, indexer_loss, sparse_attention_bwd, sparse_attention_fwd, topk
 
     fwd, bwd, idx, loss, tk = (m.__name__ for m in (sparse_attention_fwd, sparse_attention_bwd, indexer,
@@ -159,6 +161,16 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
         cfg = sparse_attention_fwd.config_for(dqk, dv, sink, torch.bfloat16)
         jobs.append(KernelJob(f"attention forward {dqk}/{dv}{' sink' if sink else ''}", fwd, "build_fwd_kernel",
                               (cfg,), seconds=35))
+    # generation steps: the row's parts merged inside a cluster (for every shipped model's top-k, or this one's)
+    if dims is None:
+        decode_cfgs = [dict(c) for c in sparse_attention_fwd.DECODE_CLUSTER_CONFIGS]
+    else:
+        parts = 0 if decode_part_slots() else decode_cluster_parts(dims.topk)
+        decode_cfgs = [{**sparse_attention_fwd.config_for(dqk, dv, sink, torch.bfloat16), "cluster_parts": parts}
+                       for dqk, dv, sink in attn] if parts else []
+    for cfg in decode_cfgs:
+        jobs.append(KernelJob(f"attention forward {cfg['dim_qk']}/{cfg['dim_v']}{' sink' if cfg['has_sink'] else ''}"
+                              f" decode, {cfg['cluster_parts']} parts", fwd, "build_fwd_kernel", (cfg,), seconds=35))
     if decode_part_slots():  # the decode split's programs (DSA_PLUGINS_DECODE_PART_SLOTS)
         for dqk, dv, sink in attn:
             cfg = {**sparse_attention_fwd.config_for(dqk, dv, False, torch.bfloat16), "partial": True}

@@ -6,7 +6,8 @@
 Times CUDA-graph replay of ``sparse_attention_fwd`` (what a captured decode step runs): the default
 one-CTA-per-row walk (variant ``one_part``) beside the split that DSA_PLUGINS_DECODE_PART_SLOTS turns
 on (one-query rows cut into parts of ``--part-slots`` slots, scored by CTAs of their own and merged
-by the combine program; variant ``split<n>``). Bandwidth is counted on the bytes a step must read:
+by the combine program; variant ``split<n>``) and the split whose parts merge inside one cluster through
+distributed shared memory (``--cluster-parts``; variant ``cluster<n>``). Bandwidth is counted on the bytes a step must read:
 the selected kv rows (Dqk bf16 each), q and out. Rows go to ``benchmarks/results/attention_decode.csv``.
 Shapes whose cache has 2**31 elements or more (a single launch's limit) are skipped.
 
@@ -102,6 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", default="32768")
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--part-slots", default="512,1024")
+    ap.add_argument("--cluster-parts", default="2,4,8", help="decode parts merged inside a cluster (variant cluster<n>)")
     ap.add_argument("--dims", default="576/512", help="Dqk/Dv (512/512 adds a sink, as DeepSeek-V4)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -131,12 +133,24 @@ def main(argv=None) -> int:
                 peer = None
                 if flash_mla is not None:
                     peer, kv = flashmla_decode(flash_mla, q, kv, idx, scale, sink)
-                splits = [(f"split{n}", int(n)) for n in args.part_slots.split(",")]
-                for variant, slots in [("one_part", 0)] + splits:
-                    fn = lambda: _launch(q, kv, idx, scale, sink, dv, out, lse, part_slots=slots)  # noqa: E731
+                variants = [("one_part", 0, 0)]
+                variants += [(f"split{n}", int(n), 0) for n in args.part_slots.split(",") if n]
+                variants += [(f"cluster{n}", 0, int(n)) for n in args.cluster_parts.split(",") if n]
+                first = None
+                for variant, slots, parts in variants:
+                    fn = lambda: _launch(q, kv, idx, scale, sink, dv, out, lse, part_slots=slots,  # noqa: E731
+                                         cluster_parts=parts)
+                    fn()
+                    if first is None:
+                        first = (out.clone(), lse.clone())
+                    else:  # every split agrees with the one-CTA walk before it is timed
+                        d_out, d_lse = rel_diff(out, first[0]), rel_diff(lse, first[1])
+                        if max(d_out, d_lse) > AGREE:
+                            print(f"  {variant} disagrees with one_part: out {d_out:.2e}, lse {d_lse:.2e}", flush=True)
+                            continue
                     add_row(rows, shape, "tilelang", variant, graph_us(fn), need, flops, peak)
                 if peer is not None:
-                    _launch(q, kv, idx, scale, sink, dv, out, lse, part_slots=0)
+                    _launch(q, kv, idx, scale, sink, dv, out, lse, part_slots=0, cluster_parts=0)
                     peer_need = b * args.k * FP8_ROW_BYTES + b * h * (dqk + dv) * 2
                     try:
                         p_out, p_lse = peer()

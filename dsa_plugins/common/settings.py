@@ -94,14 +94,36 @@ def decode_part_slots() -> int:
     into parts of this many slots, each on a CTA of its own, merged by a combine program (0, the
     default: one CTA per row). A function of k only, never of the batch, so rows stay batch
     invariant; it speeds up small batches and slows large ones (benchmarks/results/attention_decode.md)."""
-    raw = os.environ.get("DSA_PLUGINS_DECODE_PART_SLOTS", "0").strip() or "0"
+    return _slot_count("DSA_PLUGINS_DECODE_PART_SLOTS", "0")
+
+
+def _slot_count(name: str, default: str) -> int:
+    raw = os.environ.get(name, default).strip() or "0"
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"DSA_PLUGINS_DECODE_PART_SLOTS must be a whole number of slots, got {raw!r}") from None
+        raise ValueError(f"{name} must be a whole number of slots, got {raw!r}") from None
     if value < 0 or value % 128:
-        raise ValueError(f"DSA_PLUGINS_DECODE_PART_SLOTS must be 0 or a positive multiple of 128, got {value}")
+        raise ValueError(f"{name} must be 0 or a positive multiple of 128, got {value}")
     return value
+
+
+#: parts of one decode row's slots that one cluster merges at most (the portable cluster size)
+DECODE_CLUSTER_MAX_PARTS = 8
+
+
+def decode_cluster_parts(k: int) -> int:
+    """How many parts (CTAs of one cluster, merged through distributed shared memory) a one-query (decode)
+    row of k slots is cut into: DSA_PLUGINS_DECODE_CLUSTER_SLOTS (default 256) slots a part at most, the part
+    count rounded up to a power of two and at most 8; 0 (one CTA per row) for k within one part or when the
+    variable is 0. A function of k only, never of the batch: rows stay batch invariant."""
+    slots = _slot_count("DSA_PLUGINS_DECODE_CLUSTER_SLOTS", "256")
+    if not slots or k <= slots:
+        return 0
+    parts = 2
+    while parts < DECODE_CLUSTER_MAX_PARTS and parts * slots < k:
+        parts *= 2
+    return parts
 
 
 def autoload_enabled() -> bool:

@@ -41,12 +41,13 @@ import threading
 
 import torch
 
-from ..common.settings import decode_part_slots, logger
+from ..common.settings import decode_cluster_parts, decode_part_slots, logger
 from ..common.indices import as_int32, row_blocks
 from ..common.validation import check_scale, check_tensor, output_buffer
 from . import announce_compile, zeros_arg
 
 __all__ = [
+    "DECODE_CLUSTER_CONFIGS",
     "DEFAULT_CONFIG",
     "SHIPPED_CONFIGS",
     "build_fwd_kernel",
@@ -115,6 +116,11 @@ DEFAULT_CONFIG: dict = {
     # the forward measured no faster under CUDA graphs on an H100 ("heads" 0.99-1.00x at H128, "rows"
     # 0.98-1.00x; fwd_fixed_cost_h100.md)
     "cluster": None,
+    # decode (one query per row): the row's slots cut into this many parts (2, 4 or 8; 0: off), one CTA
+    # each, launched as one cluster; each part leaves its normalised output (bf16 hi + lo) and log-sum-exp
+    # in its own shared memory, and the cluster merges them through distributed shared memory (no fp32
+    # partials in HBM, no second launch). The wrapper picks the count from k only (batch invariant)
+    "cluster_parts": 0,
 }
 
 # Every configuration the package ships. Heads, batch, lengths and K are runtime values, so one
@@ -127,6 +133,14 @@ SHIPPED_CONFIGS: list[dict] = [
      "covers": "absorbed MLA (V3.2 / GLM-5) 576/512, H 16/32/64/128"},
 ]
 
+# The decode programs whose parts merge inside a cluster, for the models' top-k (decode_cluster_parts(k):
+# k 2048 -> 8 parts, 1024 -> 4, 512 -> 2); other (dims, k) combinations compile on first use.
+DECODE_CLUSTER_CONFIGS: list[dict] = [
+    {**SHIPPED_CONFIGS[1], "cluster_parts": 8, "covers": "GLM-5 / DeepSeek-V3.2 generation steps, k 2048"},
+    {**SHIPPED_CONFIGS[0], "cluster_parts": 4, "covers": "DeepSeek-V4 generation steps, k 1024"},
+    {**SHIPPED_CONFIGS[0], "cluster_parts": 2, "covers": "DeepSeek-V4 generation steps, k 512"},
+]
+
 _SCHEDULES = ("qk_one", "qk_one_async", "split", "seesaw")
 # setmaxnreg budgets (producer, (consumer 0, consumer 1)) of each schedule: qk_one's consumer 0
 # does more than consumer 1; seesaw's two consumers do the same work
@@ -137,7 +151,8 @@ _SCHEDULE_REGS = {
     "seesaw": (56, (224, 224)),
 }
 _COMPILE_KEYS = ("dim_qk", "dim_v", "has_sink", "dtype", "block_h", "block_k", "schedule", "producer_regs",
-                 "consumer_regs", "skip_tail", "load_hint", "partial", "persistent_ctas", "tma_io", "cluster")
+                 "consumer_regs", "skip_tail", "load_hint", "partial", "persistent_ctas", "tma_io", "cluster",
+                 "cluster_parts")
 _LOAD_HINTS = {None: 0, "l2_256": 1, "l2_256_keep": 2}
 _CLUSTER_DIMS = {None: None, "heads": (2, 1, 1), "rows": (1, 2, 1)}
 
@@ -154,6 +169,57 @@ __device__ __forceinline__ void dsa_cp_async16(const void* smem, const void* gme
                  :: "r"(dst), "l"(gmem), "r"(n), "l"(policy) : "memory");
   } else {
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" :: "r"(dst), "l"(gmem), "r"(n) : "memory");
+  }
+}
+"""
+
+# decode parts merged inside a cluster (cluster_parts): the cluster barrier and loads from a peer CTA's shared
+# memory (mapa + ld.shared::cluster). The asm is volatile so that no load moves across the barrier.
+_CLUSTER_PRELUDE = r"""
+__device__ __forceinline__ void dsa_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ unsigned dsa_peer_addr(const void* p, int rank) {
+  unsigned r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+               : "=r"(r) : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))), "r"(rank));
+  return r;
+}
+
+__device__ __forceinline__ float dsa_peer_f32(const void* p, int rank) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(dsa_peer_addr(p, rank)) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint4 dsa_peer_u128(const void* p, int rank) {
+  uint4 v;
+  asm volatile("ld.shared::cluster.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(dsa_peer_addr(p, rank)) : "memory");
+  return v;
+}
+
+template <bool kBf16>
+__device__ __forceinline__ float dsa_half_bits(unsigned bits) {
+  if constexpr (kBf16) {
+    return __uint_as_float(bits << 16);
+  } else {
+    float f;  // the prelude precedes cuda_fp16.h: convert with PTX
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(static_cast<unsigned short>(bits)));
+    return f;
+  }
+}
+
+// acc[j] += w * (hi[j] + lo[j]), j < 8: the 16-bit floats at hi and lo (16 bytes each) of CTA `rank`
+template <bool kBf16>
+__device__ __forceinline__ void dsa_peer_axpy8(float* acc, float w, const void* hi, const void* lo, int rank) {
+  const uint4 a = dsa_peer_u128(hi, rank), b = dsa_peer_u128(lo, rank);
+  const unsigned ha[4] = {a.x, a.y, a.z, a.w}, la[4] = {b.x, b.y, b.z, b.w};
+  #pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    acc[2 * i] += w * (dsa_half_bits<kBf16>(ha[i] & 0xffffu) + dsa_half_bits<kBf16>(la[i] & 0xffffu));
+    acc[2 * i + 1] += w * (dsa_half_bits<kBf16>(ha[i] >> 16) + dsa_half_bits<kBf16>(la[i] >> 16));
   }
 }
 """
@@ -217,11 +283,20 @@ def _normalise_config(config: dict) -> dict:
         raise ValueError(f"cluster must be one of {sorted(_CLUSTER_DIMS, key=str)}, got {cfg['cluster']!r}")
     if cfg["cluster"] and cfg["persistent_ctas"]:
         raise ValueError("cluster takes the plain grid (persistent_ctas=0)")
+    parts = int(cfg["cluster_parts"] or 0)
+    cfg["cluster_parts"] = 0 if parts == 1 else parts
+    if parts not in (0, 1, 2, 4, 8):
+        raise ValueError(f"cluster_parts must be 0, 2, 4 or 8, got {cfg['cluster_parts']}")
+    if cfg["cluster_parts"] and (cfg["schedule"] != "qk_one" or cfg["partial"] or cfg["persistent_ctas"]
+                                 or cfg["cluster"]):
+        raise ValueError("cluster_parts takes the qk_one schedule on the plain grid (no partial, persistent_ctas "
+                         "or cluster)")
     return cfg
 
 
 def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, producer_regs, consumer_regs,
-             skip_tail=False, load_hint=None, partial=False, persistent_ctas=0, tma_io=False, cluster=None):
+             skip_tail=False, load_hint=None, partial=False, persistent_ctas=0, tma_io=False, cluster=None,
+             cluster_parts=0):
     """The TileLang prim_func of one configuration (imported lazily)."""
     import tilelang.language as T
 
@@ -252,7 +327,9 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
     # partial: each query row's slots come as `parts` consecutive rows of Indices (SO = S * parts
     # rows), each scored by a CTA of its own into an fp32 partial output and its lse (no sink:
     # the combine applies it); the decode shape, where the batch alone leaves most SMs idle
-    SO = T.dynamic("rows_out") if partial else S
+    # cluster_parts: part p of query row s is row s * parts + p as well (the parts of a row form a cluster)
+    SO = T.dynamic("rows_out") if partial or cluster_parts else S
+    P = cluster_parts
     out_dtype = accum if partial else dtype
 
     hint = _LOAD_HINTS[load_hint]
@@ -402,46 +479,106 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
             T.named_barrier_arrive(_BAR_B, 256)
 
     @T.macro
-    def finish(g, c, l_tot, m_i, inv, acc_o, O_s, Sinks, Output, Lse, bz, by, h0, m_scaled=False):
+    def cluster_merge(g, mc, l_tot, m_i, inv, acc_o, stages, cl, Sinks, Output, Lse, bz, by, h0):
+        # consumer g of part p = by % P of a decode row: (1) its output half, normalised by its own row sums,
+        # goes to stage g's value buffers as bf16 hi + lo (a 16-bit mantissa: the stages are free once
+        # both consumers passed _BAR_FIN) and consumer 0 posts each head's log2-sum-exp (-inf: no valid
+        # slot); (2) cluster barrier; (3) part p merges heads [p HB / P, (p + 1) HB / P) of column half g
+        # from all P parts in part order, weights 2^(lse_q - max) (sink in the normaliser), and writes the
+        # output and lse; (4) a second barrier keeps every CTA's shared memory alive until all have read it.
+        lp_s, lq, acc8, sc = cl
+        hi_s, lo_s = stages[g][0][0], stages[g][1][0]
+        for h in T.Parallel(HB):
+            inv[h] = T.if_then_else(l_tot[h] != 0, 1.0 / l_tot[h], 0.0)
+        for h, d in T.Parallel(HB, D_half):
+            hi_s[h, d] = T.cast(acc_o[h, d] * inv[h], dtype)
+            lo_s[h, d] = T.cast(acc_o[h, d] * inv[h] - T.cast(T.cast(acc_o[h, d] * inv[h], dtype), accum), dtype)
+        if g == 0:
+            for h in T.Parallel(HB):
+                lp_s[h] = T.if_then_else(l_tot[h] != 0, T.log2(l_tot[h]) + m_i[h] * mc, -T.infinity(accum))
+        T.call_extern("handle", "dsa_cluster_sync")
+        part = by % P
+        ct = T.get_thread_binding() % 128
+        heads_per_part = HB // P
+        n_chunks = D_half // 8  # 8 columns (16 bytes) per load
+        n_items = heads_per_part * n_chunks
+        for it in T.serial((n_items + 127) // 128):
+            item = it * 128 + ct
+            if item < n_items:
+                h = part * heads_per_part + item // n_chunks
+                col = (item % n_chunks) * 8
+                sc[0] = -T.infinity(accum)
+                for q in T.unroll(P):
+                    lq[q] = T.call_extern(accum, "dsa_peer_f32", T.access_ptr(lp_s[h], "r", 1), q)
+                    sc[0] = T.max(sc[0], lq[q])  # fmaxf: a NaN part is skipped here, its weight is NaN below
+                sc[1] = 0.0
+                for j in T.unroll(8):
+                    acc8[j] = 0.0
+                for q in T.unroll(P):
+                    sc[2] = T.if_then_else(lq[q] == -T.infinity(accum), 0.0, T.exp2(lq[q] - sc[0]))
+                    sc[1] = sc[1] + sc[2]
+                    T.call_extern("handle", f"dsa_peer_axpy8<{'true' if dtype == 'bfloat16' else 'false'}>",
+                                  T.address_of(acc8[0]), sc[2], T.access_ptr(hi_s[h, col], "r", 8),
+                                  T.access_ptr(lo_s[h, col], "r", 8), q)
+                if has_sink:
+                    sc[2] = T.if_then_else(
+                        sc[1] != 0, 1.0 / (sc[1] + T.exp2(Sinks[T.min(h0 + h, H - 1)] * _LOG2E - sc[0])), 0.0)
+                else:
+                    sc[2] = T.if_then_else(sc[1] != 0, 1.0 / sc[1], 0.0)
+                if h0 + h < H:
+                    for j in T.unroll(8):
+                        Output[bz, by // P, h0 + h, g * D_half + col + j] = T.cast(acc8[j] * sc[2], dtype)
+                    if g == 0 and col == 0:
+                        Lse[bz, by // P, h0 + h] = T.if_then_else(
+                            sc[1] != 0, (T.log2(sc[1]) + sc[0]) * _LN2, T.infinity(accum))
+        T.call_extern("handle", "dsa_cluster_sync")
+
+    @T.macro
+    def finish(g, c, l_tot, m_i, inv, acc_o, O_s, Sinks, Output, Lse, bz, by, h0, m_scaled=False, stages=None,
+               cl=None):
         # l_tot: row sums of the whole row; m_i: the row maximum of the scores (times c when
         # m_scaled); writes lse (consumer 0) and the output half g. A row is
         # empty when l_tot == 0 (every slot masked): tested with != 0, not > 0, so that a row whose
-        # inputs carry NaN keeps NaN in its output and lse instead of passing for empty (+inf)
+        # inputs carry NaN keeps NaN in its output and lse instead of passing for empty (+inf).
+        # cluster_parts: the row's parts merge through distributed shared memory (cluster_merge)
         mc = 1.0 if m_scaled else c
-        for h in T.Parallel(HB):
-            if has_sink:
-                inv[h] = T.if_then_else(
-                    l_tot[h] != 0,
-                    1.0 / (l_tot[h] + T.exp2(Sinks[T.min(h0 + h, H - 1)] * _LOG2E - m_i[h] * mc)),
-                    0.0,
-                )
-            else:
-                inv[h] = T.if_then_else(l_tot[h] != 0, 1.0 / l_tot[h], 0.0)
-        if not partial:
-            for h, d in T.Parallel(HB, D_half):
-                O_s[h, d] = T.cast(acc_o[h, d] * inv[h], dtype)
-        if g == 0:
-            for h in T.Parallel(HB):
-                if h0 + h < H:
-                    Lse[bz, by, h0 + h] = T.if_then_else(
-                        l_tot[h] != 0, (T.log2(l_tot[h]) + m_i[h] * mc) * _LN2, T.infinity(accum)
-                    )
-        if partial:
-            # fp32 partials straight from the registers (a decode step writes few of them)
-            for h, d in T.Parallel(HB, D_half):
-                if h0 + h < H:
-                    Output[bz, by, h0 + h, g * D_half + d] = acc_o[h, d] * inv[h]
-        elif tma_io:
-            # rows past H fall outside the tensor and are not written
-            T.fence_proxy_async()
-            T.sync_threads(_BAR_OUT, 256)
-            T.tma_copy(O_s, Output[bz, by, h0 : h0 + HB, g * D_half : (g + 1) * D_half])
-            T.tma_store_wait()
+        if P:
+            cluster_merge(g, mc, l_tot, m_i, inv, acc_o, stages, cl, Sinks, Output, Lse, bz, by, h0)
         else:
-            T.sync_threads(_BAR_OUT, 256)
-            for h, d in T.Parallel(HB, D_half):
-                if h0 + h < H:
-                    Output[bz, by, h0 + h, g * D_half + d] = O_s[h, d]
+            for h in T.Parallel(HB):
+                if has_sink:
+                    inv[h] = T.if_then_else(
+                        l_tot[h] != 0,
+                        1.0 / (l_tot[h] + T.exp2(Sinks[T.min(h0 + h, H - 1)] * _LOG2E - m_i[h] * mc)),
+                        0.0,
+                    )
+                else:
+                    inv[h] = T.if_then_else(l_tot[h] != 0, 1.0 / l_tot[h], 0.0)
+            if not partial:
+                for h, d in T.Parallel(HB, D_half):
+                    O_s[h, d] = T.cast(acc_o[h, d] * inv[h], dtype)
+            if g == 0:
+                for h in T.Parallel(HB):
+                    if h0 + h < H:
+                        Lse[bz, by, h0 + h] = T.if_then_else(
+                            l_tot[h] != 0, (T.log2(l_tot[h]) + m_i[h] * mc) * _LN2, T.infinity(accum)
+                        )
+            if partial:
+                # fp32 partials straight from the registers (a decode step writes few of them)
+                for h, d in T.Parallel(HB, D_half):
+                    if h0 + h < H:
+                        Output[bz, by, h0 + h, g * D_half + d] = acc_o[h, d] * inv[h]
+            elif tma_io:
+                # rows past H fall outside the tensor and are not written
+                T.fence_proxy_async()
+                T.sync_threads(_BAR_OUT, 256)
+                T.tma_copy(O_s, Output[bz, by, h0 : h0 + HB, g * D_half : (g + 1) * D_half])
+                T.tma_store_wait()
+            else:
+                T.sync_threads(_BAR_OUT, 256)
+                for h, d in T.Parallel(HB, D_half):
+                    if h0 + h < H:
+                        Output[bz, by, h0 + h, g * D_half + d] = O_s[h, d]
 
 
     @T.macro
@@ -622,7 +759,7 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
 
     @T.macro
     def rows_consumer0(c, Q_l, Q_r, Q_t, stages, valid, acc_s0, acc_o0, m_i0, m_loc0, alpha0, l_i0, rs0, x_s, l_s,
-                       P_s, bar_ready, bar_free, n_trips, base, Sinks, Output, Lse, bz, by, h0):
+                       P_s, bar_ready, bar_free, n_trips, base, Sinks, Output, Lse, bz, by, h0, cl=None):
         # consumer 0 of the qk_one / split schedules over one row block; base as in producer
         T.fill(acc_o0, 0)
         T.fill(l_i0, 0)
@@ -653,11 +790,11 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
         T.sync_threads(_BAR_FIN, 256)
         for h in T.Parallel(HB):
             rs0[h] = l_s[0, h] + l_s[1, h] if split else l_s[0, h]
-        finish(0, c, rs0, m_i0, alpha0, acc_o0, Q_l, Sinks, Output, Lse, bz, by, h0)
+        finish(0, c, rs0, m_i0, alpha0, acc_o0, Q_l, Sinks, Output, Lse, bz, by, h0, stages=stages, cl=cl)
 
     @T.macro
     def rows_consumer1(c, Q_l, Q_r, Q_t, stages, valid, acc_s1, acc_o1, m_i1, m_loc1, alpha1, l_i1, rs1, x_s, l_s,
-                       P_s, bar_ready, bar_free, n_trips, base, Sinks, Output, Lse, bz, by, h0):
+                       P_s, bar_ready, bar_free, n_trips, base, Sinks, Output, Lse, bz, by, h0, cl=None):
         # consumer 1 of the qk_one / split schedules over one row block
         T.fill(acc_o1, 0)
         if split:
@@ -685,7 +822,7 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
             for h in T.Parallel(HB):
                 rs1[h] = l_s[0, h]
                 m_i1[h] = l_s[1, h]
-        finish(1, c, rs1, m_i1, alpha1, acc_o1, Q_r, Sinks, Output, Lse, bz, by, h0)
+        finish(1, c, rs1, m_i1, alpha1, acc_o1, Q_r, Sinks, Output, Lse, bz, by, h0, stages=stages, cl=cl)
 
     @T.macro
     def next_row_block(cur, RowTrips, bx, i):
@@ -698,6 +835,8 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
         cur[3] = RowTrips[cur[2], cur[1]] if skip_tail else KP // (2 * BK)
 
     n_blk = 2 if split else 1
+    prelude = "".join(([_FWD_PRELUDE] if hint else []) + ([_CLUSTER_PRELUDE] if cluster_parts else [])) or None
+    cluster_dims = (1, cluster_parts, 1) if cluster_parts else _CLUSTER_DIMS[cluster]
     grid = (persistent_ctas, 1, 1) if persistent_ctas else (T.ceildiv(H, HB), SO, B)
 
     @T.prim_func
@@ -707,12 +846,11 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
         Indices: T.Tensor([B, SO, KP], "int32"),
         Sinks: T.Tensor([H], accum),
         scale: T.float32,
-        Output: T.Tensor([B, SO, H, dim_v], out_dtype),
-        Lse: T.Tensor([B, SO, H], accum),
+        Output: T.Tensor([B, S if cluster_parts else SO, H, dim_v], out_dtype),
+        Lse: T.Tensor([B, S if cluster_parts else SO, H], accum),
         RowTrips: T.Tensor([B, SO] if skip_tail else [1], "int32"),  # trips of 2 * BK slots per row
     ):
-        with T.Kernel(*grid, threads=384, prelude=_FWD_PRELUDE if hint else None,
-                      cluster_dims=_CLUSTER_DIMS[cluster]) as (bx, by, bz):
+        with T.Kernel(*grid, threads=384, prelude=prelude, cluster_dims=cluster_dims) as (bx, by, bz):
             Q_l = T.alloc_shared([HB, D_half], dtype)
             Q_r = T.alloc_shared([HB, D_half], dtype)
             Q_t = T.alloc_shared([HB, D_tail], dtype) if D_tail > 0 else None
@@ -763,13 +901,16 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
                 bar_ready = [T.alloc_barrier(256), T.alloc_barrier(256)]
                 bar_free = [T.alloc_barrier(256), T.alloc_barrier(256)]
             bar_q = T.alloc_barrier(1) if tma_io else None
+            # cluster_parts: each head's log2-sum-exp of this part (read by the peers), and the merge's locals
+            cl = (T.alloc_shared([HB], accum), T.alloc_local([P], accum), T.alloc_local([8], accum),
+                  T.alloc_local([3], accum)) if cluster_parts else None
 
             tx = T.get_thread_binding()
             h0 = bx * HB
             # skip_tail: trips past the row's last valid slot hold only -1; every warpgroup reads
             # the same count, so the barriers stay paired
             n_trips = RowTrips[bz, by] if skip_tail else KP // (2 * BK)
-            qrow = by // (SO // S) if partial else by
+            qrow = by // (SO // S) if partial else (by // P if cluster_parts else by)
             c = scale * _LOG2E
 
             if persistent_ctas:
@@ -814,6 +955,9 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
                                     bar_free, tx - 256)
                 else:
                     producer(Indices, KV, bz, by, n_trips, idx_reg, stages, valid, bar_ready, bar_free, tx - 256, 0)
+                if cluster_parts:  # every thread of the cluster takes part in the consumers' two barriers
+                    T.call_extern("handle", "dsa_cluster_sync")
+                    T.call_extern("handle", "dsa_cluster_sync")
             else:
                 if tma_io:
                     stage_q_tma(Q, bz, qrow, h0, Q_l, Q_r, Q_t, bar_q)
@@ -851,11 +995,11 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
                 elif tx < 128:
                     T.set_max_nreg(consumer_regs[0], 1)
                     rows_consumer0(c, Q_l, Q_r, Q_t, stages, valid, acc_s0, acc_o0, m_i0, m_loc0, alpha0, l_i0, rs0,
-                                   x_s, l_s, P_s, bar_ready, bar_free, n_trips, 0, Sinks, Output, Lse, bz, by, h0)
+                                   x_s, l_s, P_s, bar_ready, bar_free, n_trips, 0, Sinks, Output, Lse, bz, by, h0, cl)
                 else:
                     T.set_max_nreg(consumer_regs[1], 1)
                     rows_consumer1(c, Q_l, Q_r, Q_t, stages, valid, acc_s1, acc_o1, m_i1, m_loc1, alpha1, l_i1, rs1,
-                                   x_s, l_s, P_s, bar_ready, bar_free, n_trips, 0, Sinks, Output, Lse, bz, by, h0)
+                                   x_s, l_s, P_s, bar_ready, bar_free, n_trips, 0, Sinks, Output, Lse, bz, by, h0, cl)
 
     return main
 
@@ -1058,11 +1202,13 @@ def _check_inputs(q, kv, indices, scale, sink, dv):
 
 
 def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse: torch.Tensor,
-            overrides: dict | None = None, part_slots: int | None = None) -> None:
+            overrides: dict | None = None, part_slots: int | None = None, cluster_parts: int | None = None) -> None:
     """Normalise the (checked) inputs once and run the program, writing ``out`` and ``lse``.
 
     ``overrides`` replaces compile-time parameters of the default configuration (tests, tuning);
-    ``part_slots`` the decode split (None: DSA_PLUGINS_DECODE_PART_SLOTS for one-query rows, 0: off)."""
+    ``part_slots`` the decode split through HBM partials (None: DSA_PLUGINS_DECODE_PART_SLOTS for one-query
+    rows, 0: off); ``cluster_parts`` the decode split merged inside a cluster (None: decode_cluster_parts(k)
+    for one-query rows when part_slots is off, 0: off)."""
     b, s, h, dqk = q.shape
     k = indices.shape[-1]
     if b == 0 or s == 0 or h == 0:
@@ -1077,7 +1223,13 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
     step = 2 * cfg["block_k"]
     if part_slots is None:
         part_slots = decode_part_slots() if s == 1 else 0
-    parts = -(-k // part_slots) if part_slots and k > part_slots else 1
+    if cluster_parts is None:
+        plain = cfg["schedule"] == "qk_one" and not cfg["persistent_ctas"] and not cfg["cluster"]
+        cluster_parts = decode_cluster_parts(k) if s == 1 and not part_slots and plain else 0
+    if cluster_parts:
+        parts = cluster_parts
+    else:
+        parts = -(-k // part_slots) if part_slots and k > part_slots else 1
     kp = -(-(-(-k // parts)) // step) * step * parts  # each part a whole number of trips
     if max(q.numel(), kv.numel(), out.numel() * parts, b * s * kp) >= 2**31:
         raise ValueError("sparse_attention_fwd: tensors of 2**31 or more elements are not supported (int32 offsets)")
@@ -1114,6 +1266,11 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
             build_fwd_kernel(cfg, target=target)(q, kv, idx, sinks, scale, dst, lse, trips)
             if dst is not out:
                 out.copy_(dst)
+            return
+        if cluster_parts:
+            # the parts of a row merge inside their cluster and write out and lse themselves
+            build_fwd_kernel({**cfg, "cluster_parts": cluster_parts}, target=target)(
+                q, kv, idx.view(b, rows, kp // parts), sinks, scale, out, lse, trips)
             return
         partial = build_fwd_kernel({**cfg, "has_sink": False, "partial": True}, target=target)
         o_part = torch.empty(b, rows, h, dv, dtype=torch.float32, device=q.device)

@@ -81,6 +81,25 @@ def test_decode_split_programs_compile_for_sm90a(dims):
         mod._normalise_config({"dim_qk": dqk, "dim_v": dv, "partial": True, "has_sink": True})
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TILELANG, reason="TileLang is not installed")
+@pytest.mark.parametrize("config", mod.DECODE_CLUSTER_CONFIGS,
+                         ids=lambda c: f"{c['dim_qk']}-{c['dim_v']}-sink{int(c['has_sink'])}-parts{c['cluster_parts']}")
+def test_decode_cluster_programs_compile_for_sm90a(config):
+    """The decode split merged inside a cluster, as the models' top-k selects it (GLM-5 / V3.2 k 2048: 8
+    parts; DeepSeek-V4 k 1024 / 512: 4 / 2): cluster launch, peer loads through distributed shared memory
+    between two cluster barriers, and the output written by the merge (not by TMA)."""
+    from dsa_plugins.common.settings import decode_cluster_parts
+
+    parts, sink = config["cluster_parts"], config["has_sink"]
+    assert decode_cluster_parts({8: 2048, 4: 1024, 2: 512}[parts]) == parts
+    kernel = mod.build_fwd_kernel(config, target=SM90A)
+    src = kernel.get_kernel_source()
+    assert "rows_out" in src and "mapa.shared::cluster" in src and "ld.shared::cluster.v4" in src
+    assert src.count("dsa_cluster_sync();") == 2 + 2 * 2  # producer twice, each consumer twice
+    assert "tma_store(Output_desc" not in src and ("Sinks[" in src) == sink
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="dim_v"):
         mod._normalise_config({"dim_qk": 512, "dim_v": 500})
@@ -104,6 +123,16 @@ def test_config_validation():
     with pytest.raises(ValueError, match="504"):  # more than the CTA's registers: setmaxnreg would hang
         mod._normalise_config({"producer_regs": 56, "consumer_regs": (256, 208)})
     assert mod._normalise_config({"consumer_regs": 224})["consumer_regs"] == (224, 224)
+    # the decode split merged in a cluster: 2, 4 or 8 parts, the plain qk_one program only
+    assert mod._normalise_config({})["cluster_parts"] == 0
+    assert mod._normalise_config({"cluster_parts": 1})["cluster_parts"] == 0
+    assert mod._normalise_config({"cluster_parts": 8, "has_sink": True})["cluster_parts"] == 8
+    for bad in ({"cluster_parts": 3}, {"cluster_parts": 16}):
+        with pytest.raises(ValueError, match="cluster_parts must be"):
+            mod._normalise_config(bad)
+    for bad in ({"schedule": "seesaw"}, {"partial": True}, {"persistent_ctas": 132}, {"cluster": "rows"}):
+        with pytest.raises(ValueError, match="cluster_parts takes"):
+            mod._normalise_config({"cluster_parts": 4, **bad})
     # the cluster-launch experiment: off by default, two layouts, the plain grid only
     assert mod._normalise_config({})["cluster"] is None
     assert mod._normalise_config({"cluster": "heads"})["cluster"] == "heads"

@@ -134,7 +134,7 @@ CASES += [
 SCHEDULES = ("qk_one", "split", "qk_one_async", "seesaw")
 
 
-def _run_case(case, dtype=torch.bfloat16, scale_mult=1.0, seed=0, schedule=None, part_slots=None):
+def _run_case(case, dtype=torch.bfloat16, scale_mult=1.0, seed=0, schedule=None, part_slots=None, cluster_parts=None):
     from dsa_plugins.kernels.sparse_attention_fwd import _check_inputs, _launch
 
     b, s, h, dqk, dv, k, skv, mode, sink_mode = case
@@ -151,7 +151,7 @@ def _run_case(case, dtype=torch.bfloat16, scale_mult=1.0, seed=0, schedule=None,
     lse = torch.full((b, s, h), math.nan, dtype=torch.float32, device=device)
     sc, dv_ = _check_inputs(q, kv, idx, scale, sink, dv)
     _launch(q, kv, idx, sc, sink, dv_, out, lse, overrides={"schedule": schedule} if schedule else None,
-            part_slots=part_slots)
+            part_slots=part_slots, cluster_parts=cluster_parts)
     torch.cuda.synchronize()
 
     ref_out, ref_lse = reference(q, kv, idx, scale, sink, dv)
@@ -251,6 +251,7 @@ def test_new_lengths_do_not_recompile():
     from dsa_plugins.kernels import sparse_attention_fwd as mod
 
     _run_case((1, 3, 64, 512, 512, 128, 200, "random", "randn"))
+    _run_case((3, 1, 64, 512, 512, 1000, 1500, "random", "randn"))  # decode rows: the program for k's parts
     before = len(mod._kernels)
     for s, skv, k in ((5, 333, 77), (1, 4000, 1000), (2, 17, 3)):
         _run_case((2, s, 32, 512, 512, k, skv, "pad", "randn"))
@@ -310,8 +311,9 @@ def test_tma_io_is_bitwise_the_thread_copies(case):
     _same_bits_and_reference(case, [{"tma_io": False}, {"tma_io": True}], seed_offset=2)
 
 
-# Decode: one query per row, the slots split into parts (DSA_PLUGINS_DECODE_PART_SLOTS) scored by
-# CTAs of their own and merged by the combine program; lengths that are multiples of no block
+# Decode: one query per row, the slots split into parts scored by CTAs of their own, merged by the combine
+# program (DSA_PLUGINS_DECODE_PART_SLOTS) or inside a cluster (the default, cluster_parts); lengths that are
+# multiples of no block
 DECODE_CASES = []
 for h in (16, 64, 128):
     DECODE_CASES += [
@@ -331,6 +333,14 @@ DECODE_CASES += [
 ]
 
 
+@pytest.mark.parametrize("parts", (2, 4, 8))
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"B{c[0]}H{c[2]}D{c[3]}-{c[4]}K{c[5]}Skv{c[6]}-{c[7]}-{c[8]}")
+def test_decode_cluster_split_matches_float64(case, parts):
+    """The parts of each row (some with no valid slot: k 511 in 8 parts of 128) merged through distributed
+    shared memory: the reference's values, empty rows out 0 and lse +inf, no NaN."""
+    _run_case(case, cluster_parts=parts)
+
+
 @pytest.mark.parametrize("part_slots", (512, 128))
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"B{c[0]}H{c[2]}D{c[3]}-{c[4]}K{c[5]}Skv{c[6]}-{c[7]}-{c[8]}")
 def test_decode_split_matches_float64(case, part_slots):
@@ -344,12 +354,18 @@ def test_decode_split_matches_float64(case, part_slots):
         assert any(key[partial_at] for key in mod._kernels), "the decode split did not run"
 
 
+@pytest.mark.parametrize("split", ("cluster", "part_slots"))
 @pytest.mark.parametrize("h, dqk, sink_mode", [(64, 576, None), (128, 512, "randn"), (16, 576, None)])
-def test_decode_rows_are_batch_invariant(h, dqk, sink_mode, monkeypatch):
-    """A row's output and lse are the same bits alone and in a batch (the part size depends on k only)."""
+def test_decode_rows_are_batch_invariant(h, dqk, sink_mode, split, monkeypatch):
+    """A row's output and lse are the same bits alone and in a batch (the part count depends on k only): the
+    default cluster split and DSA_PLUGINS_DECODE_PART_SLOTS's."""
     from dsa_plugins.kernels.sparse_attention_fwd import sparse_attention_fwd
 
-    monkeypatch.setenv("DSA_PLUGINS_DECODE_PART_SLOTS", "512")
+    if split == "part_slots":
+        monkeypatch.setenv("DSA_PLUGINS_DECODE_PART_SLOTS", "512")
+    else:
+        monkeypatch.delenv("DSA_PLUGINS_DECODE_PART_SLOTS", raising=False)
+        monkeypatch.delenv("DSA_PLUGINS_DECODE_CLUSTER_SLOTS", raising=False)
     gen = torch.Generator(device="cuda")
     gen.manual_seed(h + dqk)
     b, skv, k = 5, 4000, 2048
@@ -364,11 +380,13 @@ def test_decode_rows_are_batch_invariant(h, dqk, sink_mode, monkeypatch):
 
 
 @pytest.mark.parametrize("h, dqk, mode", [(64, 576, "pad"), (128, 512, "empty_rows"), (16, 576, "oob")])
-def test_decode_rows_walk_all_trips_with_the_same_bits(h, dqk, mode):
+def test_decode_rows_walk_all_trips_with_the_same_bits(h, dqk, mode, monkeypatch):
     """One-query rows skip the per-row trip counts (they walk every trip of their slots); each
-    such row gives the bits the same row gives inside a prefill launch (trips from the indices)."""
+    such row on one CTA (no split) gives the bits the same row gives inside a prefill launch (trips
+    from the indices)."""
     from dsa_plugins.kernels.sparse_attention_fwd import sparse_attention_fwd
 
+    monkeypatch.setenv("DSA_PLUGINS_DECODE_CLUSTER_SLOTS", "0")
     gen = torch.Generator(device="cuda")
     gen.manual_seed(11 * h + dqk)
     b, skv, k = 3, 3001, 1000
@@ -388,8 +406,8 @@ def test_decode_rows_walk_all_trips_with_the_same_bits(h, dqk, mode):
 
 
 def test_decode_split_agrees_with_one_part_and_keeps_nan():
-    """The split and the one-CTA walk agree to bf16 rounding; a NaN query head gives NaN in that
-    head only, in out and lse."""
+    """The splits (through HBM partials, inside a cluster) and the one-CTA walk agree to bf16 rounding; a
+    NaN query head gives NaN in that head only, in out and lse."""
     from dsa_plugins.kernels.sparse_attention_fwd import _check_inputs, _launch
 
     gen = torch.Generator(device="cuda")
@@ -401,12 +419,12 @@ def test_decode_split_agrees_with_one_part_and_keeps_nan():
     idx = make_indices(b, 1, k, skv, "random", torch.device("cuda"), gen)
     sc, dv = _check_inputs(q, kv, idx, dqk**-0.5, None, 512)
     res = []
-    for part_slots in (512, 0):
+    for part_slots, parts in ((512, 0), (0, 8), (0, 0)):
         out = torch.full((b, 1, h, dv), math.nan, dtype=torch.bfloat16, device="cuda")
         lse = torch.full((b, 1, h), math.nan, device="cuda")
-        _launch(q, kv, idx, sc, None, dv, out, lse, part_slots=part_slots)
+        _launch(q, kv, idx, sc, None, dv, out, lse, part_slots=part_slots, cluster_parts=parts)
         res.append((out, lse))
-    (o_split, l_split), (o_one, l_one) = res
+    o_one, l_one = res[-1]
     nan_head = torch.zeros(b, 1, h, dtype=torch.bool, device="cuda")
     nan_head[1, 0, 5] = True
     for o, lse_ in res:
@@ -418,5 +436,6 @@ def test_decode_split_agrees_with_one_part_and_keeps_nan():
         err = (o.double() - ref_out)[keep].abs().max().item()
         assert err <= 1.5e-2 * ref_out[keep].abs().max().item() + 1e-3
         assert (lse_.double() - ref_lse)[keep].abs().max().item() <= 2e-3 + 1e-3 * ref_lse[keep].abs().max().item()
-    d = (o_split.double() - o_one.double())[keep].abs().max().item()
-    assert d <= 1e-2 * o_one[keep].double().abs().max().item(), f"split vs one part: {d:.3e}"
+    for name, (o_split, _) in zip(("HBM partials", "cluster"), res[:2]):
+        d = (o_split.double() - o_one.double())[keep].abs().max().item()
+        assert d <= 1e-2 * o_one[keep].double().abs().max().item(), f"split ({name}) vs one part: {d:.3e}"
