@@ -165,7 +165,7 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
     if dims is None:
         decode_cfgs = [dict(c) for c in sparse_attention_fwd.DECODE_CLUSTER_CONFIGS]
     else:
-        parts = 0 if decode_part_slots() else decode_cluster_parts(dims.topk)
+        parts = 0 if decode_part_slots() else decode_cluster_parts(dims.topk, dims.heads)
         decode_cfgs = [{**sparse_attention_fwd.config_for(dqk, dv, sink, torch.bfloat16), "cluster_parts": parts}
                        for dqk, dv, sink in attn] if parts else []
     for cfg in decode_cfgs:

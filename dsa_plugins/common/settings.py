@@ -112,18 +112,29 @@ def _slot_count(name: str, default: str) -> int:
 DECODE_CLUSTER_MAX_PARTS = 8
 
 
-def decode_cluster_parts(k: int) -> int:
+def decode_cluster_parts(k: int, heads: int) -> int:
     """How many parts (CTAs of one cluster, merged through distributed shared memory) a one-query (decode)
-    row of k slots is cut into: DSA_PLUGINS_DECODE_CLUSTER_SLOTS (default 256) slots a part at most, the part
-    count rounded up to a power of two and at most 8; 0 (one CTA per row) for k within one part or when the
-    variable is 0. A function of k only, never of the batch: rows stay batch invariant."""
-    slots = _slot_count("DSA_PLUGINS_DECODE_CLUSTER_SLOTS", "256")
-    if not slots or k <= slots:
-        return 0
-    parts = 2
-    while parts < DECODE_CLUSTER_MAX_PARTS and parts * slots < k:
+    row of k slots and ``heads`` query heads is cut into: DSA_PLUGINS_DECODE_ROW_CTAS (default 2) is how
+    many CTAs one row may spread over, its 64-head blocks times its parts; the parts are a power of two, at
+    most 8, each with at least 128 slots. 0 means one CTA per head block (no split).
+
+    A function of k and the head count only, never of the batch: rows stay batch invariant. The default
+    splits the rows of models with up to 64 heads in two (H100, k 2048: 1.6x at B 1-32, 1.07x at B 64) and
+    leaves 128-head rows whole (two parts were 0.89x at B 64); 8 takes B 1-8 to about 3.2x at 0.75x at B 64
+    (benchmarks/results/attention_decode.md)."""
+    raw = os.environ.get("DSA_PLUGINS_DECODE_ROW_CTAS", "2").strip() or "0"
+    try:
+        ctas = int(raw)
+    except ValueError:
+        raise ValueError(f"DSA_PLUGINS_DECODE_ROW_CTAS must be a whole number of CTAs, got {raw!r}") from None
+    if ctas < 0:
+        raise ValueError(f"DSA_PLUGINS_DECODE_ROW_CTAS must be >= 0, got {ctas}")
+    head_blocks = -(-heads // 64)
+    slots = -(-k // 128) * 128
+    parts = 1
+    while parts < DECODE_CLUSTER_MAX_PARTS and 2 * parts * head_blocks <= ctas and 2 * parts * 128 <= slots:
         parts *= 2
-    return parts
+    return parts if parts > 1 else 0
 
 
 def autoload_enabled() -> bool:

@@ -119,7 +119,8 @@ DEFAULT_CONFIG: dict = {
     # decode (one query per row): the row's slots cut into this many parts (2, 4 or 8; 0: off), one CTA
     # each, launched as one cluster; each part leaves its normalised output (bf16 hi + lo) and log-sum-exp
     # in its own shared memory, and the cluster merges them through distributed shared memory (no fp32
-    # partials in HBM, no second launch). The wrapper picks the count from k only (batch invariant)
+    # partials in HBM, no second launch). The wrapper picks the count from k and the heads only (batch
+    # invariant; common.settings.decode_cluster_parts)
     "cluster_parts": 0,
 }
 
@@ -133,12 +134,12 @@ SHIPPED_CONFIGS: list[dict] = [
      "covers": "absorbed MLA (V3.2 / GLM-5) 576/512, H 16/32/64/128"},
 ]
 
-# The decode programs whose parts merge inside a cluster, for the models' top-k (decode_cluster_parts(k):
-# k 2048 -> 8 parts, 1024 -> 4, 512 -> 2); other (dims, k) combinations compile on first use.
+# The decode programs whose parts merge inside a cluster that the models' generation steps take by default
+# (decode_cluster_parts: rows of up to 64 heads in two parts; 128-head rows whole); other part counts
+# (DSA_PLUGINS_DECODE_ROW_CTAS) compile on first use or in `warmup`.
 DECODE_CLUSTER_CONFIGS: list[dict] = [
-    {**SHIPPED_CONFIGS[1], "cluster_parts": 8, "covers": "GLM-5 / DeepSeek-V3.2 generation steps, k 2048"},
-    {**SHIPPED_CONFIGS[0], "cluster_parts": 4, "covers": "DeepSeek-V4 generation steps, k 1024"},
-    {**SHIPPED_CONFIGS[0], "cluster_parts": 2, "covers": "DeepSeek-V4 generation steps, k 512"},
+    {**SHIPPED_CONFIGS[1], "cluster_parts": 2, "covers": "GLM-5 (64 heads) generation steps, absorbed MLA 576/512"},
+    {**SHIPPED_CONFIGS[0], "cluster_parts": 2, "covers": "DeepSeek-V4 64-head generation steps, D512 with sink"},
 ]
 
 _SCHEDULES = ("qk_one", "qk_one_async", "split", "seesaw")
@@ -211,15 +212,20 @@ __device__ __forceinline__ float dsa_half_bits(unsigned bits) {
   }
 }
 
-// acc[j] += w * (hi[j] + lo[j]), j < 8: the 16-bit floats at hi and lo (16 bytes each) of CTA `rank`
-template <bool kBf16>
-__device__ __forceinline__ void dsa_peer_axpy8(float* acc, float w, const void* hi, const void* lo, int rank) {
+// raw[0..3] = the 8 16-bit floats at hi, raw[4..7] those at lo (16 bytes each) in CTA `rank`'s shared memory
+__device__ __forceinline__ void dsa_peer_hilo(unsigned* raw, const void* hi, const void* lo, int rank) {
   const uint4 a = dsa_peer_u128(hi, rank), b = dsa_peer_u128(lo, rank);
-  const unsigned ha[4] = {a.x, a.y, a.z, a.w}, la[4] = {b.x, b.y, b.z, b.w};
+  raw[0] = a.x; raw[1] = a.y; raw[2] = a.z; raw[3] = a.w;
+  raw[4] = b.x; raw[5] = b.y; raw[6] = b.z; raw[7] = b.w;
+}
+
+// acc[j] += w * (hi[j] + lo[j]), j < 8, from the words dsa_peer_hilo loaded
+template <bool kBf16>
+__device__ __forceinline__ void dsa_hilo_axpy8(float* acc, float w, const unsigned* raw) {
   #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    acc[2 * i] += w * (dsa_half_bits<kBf16>(ha[i] & 0xffffu) + dsa_half_bits<kBf16>(la[i] & 0xffffu));
-    acc[2 * i + 1] += w * (dsa_half_bits<kBf16>(ha[i] >> 16) + dsa_half_bits<kBf16>(la[i] >> 16));
+    acc[2 * i] += w * (dsa_half_bits<kBf16>(raw[i] & 0xffffu) + dsa_half_bits<kBf16>(raw[4 + i] & 0xffffu));
+    acc[2 * i + 1] += w * (dsa_half_bits<kBf16>(raw[i] >> 16) + dsa_half_bits<kBf16>(raw[4 + i] >> 16));
   }
 }
 """
@@ -486,7 +492,7 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
         # slot); (2) cluster barrier; (3) part p merges heads [p HB / P, (p + 1) HB / P) of column half g
         # from all P parts in part order, weights 2^(lse_q - max) (sink in the normaliser), and writes the
         # output and lse; (4) a second barrier keeps every CTA's shared memory alive until all have read it.
-        lp_s, lq, acc8, sc = cl
+        lp_s, lq, acc8, sc, raw = cl
         hi_s, lo_s = stages[g][0][0], stages[g][1][0]
         for h in T.Parallel(HB):
             inv[h] = T.if_then_else(l_tot[h] != 0, 1.0 / l_tot[h], 0.0)
@@ -507,9 +513,14 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
             if item < n_items:
                 h = part * heads_per_part + item // n_chunks
                 col = (item % n_chunks) * 8
-                sc[0] = -T.infinity(accum)
+                # every peer load is issued before the first is used (one round trip, not 2 P)
                 for q in T.unroll(P):
                     lq[q] = T.call_extern(accum, "dsa_peer_f32", T.access_ptr(lp_s[h], "r", 1), q)
+                for q in T.unroll(P):
+                    T.call_extern("handle", "dsa_peer_hilo", T.address_of(raw[q * 8]),
+                                  T.access_ptr(hi_s[h, col], "r", 8), T.access_ptr(lo_s[h, col], "r", 8), q)
+                sc[0] = -T.infinity(accum)
+                for q in T.unroll(P):
                     sc[0] = T.max(sc[0], lq[q])  # fmaxf: a NaN part is skipped here, its weight is NaN below
                 sc[1] = 0.0
                 for j in T.unroll(8):
@@ -517,9 +528,8 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
                 for q in T.unroll(P):
                     sc[2] = T.if_then_else(lq[q] == -T.infinity(accum), 0.0, T.exp2(lq[q] - sc[0]))
                     sc[1] = sc[1] + sc[2]
-                    T.call_extern("handle", f"dsa_peer_axpy8<{'true' if dtype == 'bfloat16' else 'false'}>",
-                                  T.address_of(acc8[0]), sc[2], T.access_ptr(hi_s[h, col], "r", 8),
-                                  T.access_ptr(lo_s[h, col], "r", 8), q)
+                    T.call_extern("handle", f"dsa_hilo_axpy8<{'true' if dtype == 'bfloat16' else 'false'}>",
+                                  T.address_of(acc8[0]), sc[2], T.address_of(raw[q * 8]))
                 if has_sink:
                     sc[2] = T.if_then_else(
                         sc[1] != 0, 1.0 / (sc[1] + T.exp2(Sinks[T.min(h0 + h, H - 1)] * _LOG2E - sc[0])), 0.0)
@@ -903,7 +913,7 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
             bar_q = T.alloc_barrier(1) if tma_io else None
             # cluster_parts: each head's log2-sum-exp of this part (read by the peers), and the merge's locals
             cl = (T.alloc_shared([HB], accum), T.alloc_local([P], accum), T.alloc_local([8], accum),
-                  T.alloc_local([3], accum)) if cluster_parts else None
+                  T.alloc_local([3], accum), T.alloc_local([P * 8], "uint32")) if cluster_parts else None
 
             tx = T.get_thread_binding()
             h0 = bx * HB
@@ -1191,14 +1201,14 @@ def _check_inputs(q, kv, indices, scale, sink, dv):
     return scale, dv
 
 
-# Decode (one query per row): with DSA_PLUGINS_DECODE_PART_SLOTS = n > 0 the slots of a row are
-# cut into parts of at most n, each part scored by a CTA of its own (the partial program), and the
-# parts merged by the combine program. A lone row's CTA walks its slots at about 4-5 us per 128 on
-# an H100 however idle the GPU is (B 1, k 2048: 16 trips, 68 us), so small batches gain from the
-# split (H64 B 8: 70.6 -> 33.0 us with n = 512); large ones are bound by the gather rate (about
-# 1.6 TB/s) and lose to the partials' extra traffic (H64 B 64: 80.6 -> 113.5 us), hence off by
-# default. The part size depends on k only, never on the batch: a row's result is the same bits
-# however the rows are batched.
+# Decode (one query per row). A lone row's CTA walks its slots at about 4 us per 128 on an H100 however idle
+# the GPU is (B 1, k 2048: 16 trips, 70 us), so the rows of small batches are cut into parts, each scored by a
+# CTA of its own. By default (decode_cluster_parts) the parts of a row form one cluster and merge through
+# distributed shared memory (cluster_parts; rows of up to 64 heads in two parts: 1.6x at B 1-32 and 1.07x at
+# B 64 on an H100). With DSA_PLUGINS_DECODE_PART_SLOTS = n > 0 they are parts of n slots that write fp32
+# partials merged by the combine program instead (off by default: large batches lose to the partials'
+# traffic). Either way the part count depends on k and the heads only, never on the batch: a row's result is
+# the same bits however the rows are batched.
 
 
 def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse: torch.Tensor,
@@ -1207,7 +1217,7 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
 
     ``overrides`` replaces compile-time parameters of the default configuration (tests, tuning);
     ``part_slots`` the decode split through HBM partials (None: DSA_PLUGINS_DECODE_PART_SLOTS for one-query
-    rows, 0: off); ``cluster_parts`` the decode split merged inside a cluster (None: decode_cluster_parts(k)
+    rows, 0: off); ``cluster_parts`` the decode split merged inside a cluster (None: decode_cluster_parts(k, H)
     for one-query rows when part_slots is off, 0: off)."""
     b, s, h, dqk = q.shape
     k = indices.shape[-1]
@@ -1225,7 +1235,7 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
         part_slots = decode_part_slots() if s == 1 else 0
     if cluster_parts is None:
         plain = cfg["schedule"] == "qk_one" and not cfg["persistent_ctas"] and not cfg["cluster"]
-        cluster_parts = decode_cluster_parts(k) if s == 1 and not part_slots and plain else 0
+        cluster_parts = decode_cluster_parts(k, h) if s == 1 and not part_slots and plain else 0
     if cluster_parts:
         parts = cluster_parts
     else:

@@ -83,16 +83,13 @@ def test_decode_split_programs_compile_for_sm90a(dims):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TILELANG, reason="TileLang is not installed")
-@pytest.mark.parametrize("config", mod.DECODE_CLUSTER_CONFIGS,
+@pytest.mark.parametrize("config", mod.DECODE_CLUSTER_CONFIGS + [{**mod.SHIPPED_CONFIGS[1], "cluster_parts": 8}],
                          ids=lambda c: f"{c['dim_qk']}-{c['dim_v']}-sink{int(c['has_sink'])}-parts{c['cluster_parts']}")
 def test_decode_cluster_programs_compile_for_sm90a(config):
-    """The decode split merged inside a cluster, as the models' top-k selects it (GLM-5 / V3.2 k 2048: 8
-    parts; DeepSeek-V4 k 1024 / 512: 4 / 2): cluster launch, peer loads through distributed shared memory
-    between two cluster barriers, and the output written by the merge (not by TMA)."""
-    from dsa_plugins.common.settings import decode_cluster_parts
-
+    """The decode split merged inside a cluster, as the 64-head models' generation steps take it (2 parts)
+    and with DSA_PLUGINS_DECODE_ROW_CTAS=8 (8 parts): cluster launch, peer loads through distributed shared
+    memory between two cluster barriers, and the output written by the merge (not by TMA)."""
     parts, sink = config["cluster_parts"], config["has_sink"]
-    assert decode_cluster_parts({8: 2048, 4: 1024, 2: 512}[parts]) == parts
     kernel = mod.build_fwd_kernel(config, target=SM90A)
     src = kernel.get_kernel_source()
     assert "rows_out" in src and "mapa.shared::cluster" in src and "ld.shared::cluster.v4" in src
@@ -187,3 +184,22 @@ def test_skip_tail_variant_compiles_and_reads_row_trips():
     warpgroup's loop runs the row's own trip count."""
     src = mod.build_fwd_kernel({**mod.DEFAULT_CONFIG, "skip_tail": True}, target=SM90A).get_kernel_source()
     assert "RowTrips[" in src and src.count("< n_trips") >= 3
+
+
+def test_decode_cluster_parts_depend_on_k_and_heads_only(monkeypatch):
+    """The decode split's part count: DSA_PLUGINS_DECODE_ROW_CTAS CTAs a row (64-head blocks times parts),
+    powers of two up to 8, at least 128 slots a part; never a function of the batch."""
+    from dsa_plugins.common.settings import decode_cluster_parts
+
+    monkeypatch.delenv("DSA_PLUGINS_DECODE_ROW_CTAS", raising=False)
+    assert decode_cluster_parts(2048, 64) == 2 and decode_cluster_parts(512, 16) == 2
+    assert decode_cluster_parts(2048, 128) == 0 and decode_cluster_parts(128, 64) == 0
+    monkeypatch.setenv("DSA_PLUGINS_DECODE_ROW_CTAS", "8")
+    assert decode_cluster_parts(2048, 64) == 8 and decode_cluster_parts(2048, 128) == 4
+    assert decode_cluster_parts(512, 64) == 4 and decode_cluster_parts(300, 64) == 2
+    monkeypatch.setenv("DSA_PLUGINS_DECODE_ROW_CTAS", "0")
+    assert decode_cluster_parts(2048, 64) == 0
+    for bad in ("-1", "two"):
+        monkeypatch.setenv("DSA_PLUGINS_DECODE_ROW_CTAS", bad)
+        with pytest.raises(ValueError, match="DSA_PLUGINS_DECODE_ROW_CTAS"):
+            decode_cluster_parts(2048, 64)

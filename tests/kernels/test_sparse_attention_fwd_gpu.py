@@ -365,7 +365,7 @@ def test_decode_rows_are_batch_invariant(h, dqk, sink_mode, split, monkeypatch):
         monkeypatch.setenv("DSA_PLUGINS_DECODE_PART_SLOTS", "512")
     else:
         monkeypatch.delenv("DSA_PLUGINS_DECODE_PART_SLOTS", raising=False)
-        monkeypatch.delenv("DSA_PLUGINS_DECODE_CLUSTER_SLOTS", raising=False)
+        monkeypatch.setenv("DSA_PLUGINS_DECODE_ROW_CTAS", "8")  # the most parts (4 at H 128, 8 below)
     gen = torch.Generator(device="cuda")
     gen.manual_seed(h + dqk)
     b, skv, k = 5, 4000, 2048
@@ -386,7 +386,7 @@ def test_decode_rows_walk_all_trips_with_the_same_bits(h, dqk, mode, monkeypatch
     from the indices)."""
     from dsa_plugins.kernels.sparse_attention_fwd import sparse_attention_fwd
 
-    monkeypatch.setenv("DSA_PLUGINS_DECODE_CLUSTER_SLOTS", "0")
+    monkeypatch.setenv("DSA_PLUGINS_DECODE_ROW_CTAS", "0")
     gen = torch.Generator(device="cuda")
     gen.manual_seed(11 * h + dqk)
     b, skv, k = 3, 3001, 1000
