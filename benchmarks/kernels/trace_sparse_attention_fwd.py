@@ -61,7 +61,7 @@ def traced_source(ablate: tuple[str, ...] = ()) -> str:
     s = _replace(s, dyn, dyn + '\n    TRN = T.dynamic("trace_rows")')
     row_trips = '        RowTrips: T.Tensor([B, SO] if skip_tail else [1], "int32"),  # trips of 2 * BK slots per row\n'
     s = _replace(s, row_trips, row_trips + '        Trace: T.Tensor([TRN, 16], "int64"),\n')
-    s = _replace(s, "prelude=_FWD_PRELUDE if hint else None", "prelude=_TRACE_PRELUDE")
+    s = _replace(s, "([_FWD_PRELUDE] if hint else [])", "[_TRACE_PRELUDE]")
     head = "            tx = T.get_thread_binding()\n            h0 = bx * HB\n"
     s = _replace(s, head, head + "            cta = (bz * SO + by) * T.ceildiv(H, HB) + bx\n"
                  f"            if tx == 0:\n                {_stamp(0, 'dsa_trace_sm')}\n                {_stamp(1)}\n"
@@ -80,12 +80,12 @@ def traced_source(ablate: tuple[str, ...] = ()) -> str:
     s = _replace(s, fin0, "        T.sync_threads(_BAR_FIN, 256)\n"
                  f"        if T.get_thread_binding() == 0:\n            {_stamp(6)}\n"
                  "        for h in T.Parallel(HB):\n            rs0[h]")
-    end0 = "        finish(0, c, rs0, m_i0, alpha0, acc_o0, Q_l, Sinks, Output, Lse, bz, by, h0)\n"
+    end0 = "        finish(0, c, rs0, m_i0, alpha0, acc_o0, Q_l, Sinks, Output, Lse, bz, by, h0, stages=stages, cl=cl)\n"
     s = _replace(s, end0, end0 + f"        if T.get_thread_binding() == 0:\n            {_stamp(7)}\n"
                  f"            {_stamp(10, 'dsa_trace_gt')}\n")
     sums1 = "        if split:\n            for h in T.Parallel(HB):\n                l_s[1, h] = l_i1[h]\n"
     s = _replace(s, sums1, f"        if T.get_thread_binding() == 128:\n            {_stamp(13)}\n" + sums1)
-    end1 = "        finish(1, c, rs1, m_i1, alpha1, acc_o1, Q_r, Sinks, Output, Lse, bz, by, h0)\n"
+    end1 = "        finish(1, c, rs1, m_i1, alpha1, acc_o1, Q_r, Sinks, Output, Lse, bz, by, h0, stages=stages, cl=cl)\n"
     s = _replace(s, end1, end1 + f"        if T.get_thread_binding() == 128:\n            {_stamp(15)}\n")
     prod = ("                    producer(Indices, KV, bz, by, n_trips, idx_reg, stages, valid, bar_ready, bar_free, "
             "tx - 256, 0)\n")
@@ -97,8 +97,8 @@ def traced_source(ablate: tuple[str, ...] = ()) -> str:
         s = _replace(s, "stage_q_tma(Q, bz, qrow, h0, Q_l, Q_r, Q_t, bar_q)\n",
                      "stage_q(Q, bz, qrow, h0, Q_l, Q_r, Q_t)\n")
     if "no_store" in ablate:
-        s = _replace(s, "if h0 + h < H:\n                    Output[bz, by, h0 + h, g * D_half + d] = O_s[h, d]",
-                     "if h0 + h < -1:\n                    Output[bz, by, h0 + h, g * D_half + d] = O_s[h, d]")
+        s = _replace(s, "if h0 + h < H:\n                        Output[bz, by, h0 + h, g * D_half + d] = O_s[h, d]",
+                     "if h0 + h < -1:\n                        Output[bz, by, h0 + h, g * D_half + d] = O_s[h, d]")
     return s
 
 
