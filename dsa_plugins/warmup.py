@@ -165,9 +165,11 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
     if dims is None:
         decode_cfgs = [dict(c) for c in sparse_attention_fwd.DECODE_CLUSTER_CONFIGS]
     else:
-        parts = 0 if decode_part_slots() else decode_cluster_parts(dims.topk, dims.heads)
+        # the part count follows the heads a rank holds: the whole model's, and its tensor-parallel shards'
+        shard_heads = [dims.heads // 2**i for i in range(4) if dims.heads // 2**i >= 16]
+        counts = set() if decode_part_slots() else {decode_cluster_parts(dims.topk, h) for h in shard_heads} - {0}
         decode_cfgs = [{**sparse_attention_fwd.config_for(dqk, dv, sink, torch.bfloat16), "cluster_parts": parts}
-                       for dqk, dv, sink in attn] if parts else []
+                       for dqk, dv, sink in attn for parts in sorted(counts)]
     for cfg in decode_cfgs:
         jobs.append(KernelJob(f"attention forward {cfg['dim_qk']}/{cfg['dim_v']}{' sink' if cfg['has_sink'] else ''}"
                               f" decode, {cfg['cluster_parts']} parts", fwd, "build_fwd_kernel", (cfg,), seconds=35))

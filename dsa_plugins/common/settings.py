@@ -91,9 +91,10 @@ def deterministic_mode() -> str | None:
 
 def decode_part_slots() -> int:
     """DSA_PLUGINS_DECODE_PART_SLOTS: one-query (decode) rows of the sparse attention forward are cut
-    into parts of this many slots, each on a CTA of its own, merged by a combine program (0, the
-    default: one CTA per row). A function of k only, never of the batch, so rows stay batch
-    invariant; it speeds up small batches and slows large ones (benchmarks/results/attention_decode.md)."""
+    into parts of this many slots, each on a CTA of its own, writing fp32 partials that a combine program
+    merges (0, the default: off, and the cluster split of decode_cluster_parts applies instead). A function of
+    k only, never of the batch, so rows stay batch invariant; it speeds up small batches and slows large ones
+    (benchmarks/results/attention_decode.md)."""
     return _slot_count("DSA_PLUGINS_DECODE_PART_SLOTS", "0")
 
 

@@ -1212,13 +1212,16 @@ def _check_inputs(q, kv, indices, scale, sink, dv):
 
 
 def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse: torch.Tensor,
-            overrides: dict | None = None, part_slots: int | None = None, cluster_parts: int | None = None) -> None:
+            overrides: dict | None = None, part_slots: int | None = None, cluster_parts: int | None = None,
+            decode: bool | None = None) -> None:
     """Normalise the (checked) inputs once and run the program, writing ``out`` and ``lse``.
 
     ``overrides`` replaces compile-time parameters of the default configuration (tests, tuning);
     ``part_slots`` the decode split through HBM partials (None: DSA_PLUGINS_DECODE_PART_SLOTS for one-query
     rows, 0: off); ``cluster_parts`` the decode split merged inside a cluster (None: decode_cluster_parts(k, H)
-    for one-query rows when part_slots is off, 0: off)."""
+    for one-query rows when part_slots is off, 0: off; an override's cluster_parts is taken as this argument).
+    ``decode``: whether the rows are generation steps that the splits apply to (None: one query row, S == 1;
+    the ops layer passes its whole input's answer, so a one-row tail block of a chunked prefill is not split)."""
     b, s, h, dqk = q.shape
     k = indices.shape[-1]
     if b == 0 or s == 0 or h == 0:
@@ -1229,19 +1232,25 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
         return
     cfg = config_for(dqk, dv, sink is not None, q.dtype)
     if overrides:
+        overrides = dict(overrides)
+        if overrides.get("cluster_parts") and cluster_parts is None:  # the split is the wrapper's to lay out
+            cluster_parts = overrides["cluster_parts"]
+        overrides.pop("cluster_parts", None)
         cfg = _normalise_config({**cfg, **overrides})
     step = 2 * cfg["block_k"]
+    decode = s == 1 if decode is None else bool(decode)
     if part_slots is None:
-        part_slots = decode_part_slots() if s == 1 else 0
+        part_slots = decode_part_slots() if decode else 0
     if cluster_parts is None:
         plain = cfg["schedule"] == "qk_one" and not cfg["persistent_ctas"] and not cfg["cluster"]
-        cluster_parts = decode_cluster_parts(k, h) if s == 1 and not part_slots and plain else 0
+        cluster_parts = decode_cluster_parts(k, h) if decode and not part_slots and plain else 0
     if cluster_parts:
         parts = cluster_parts
     else:
         parts = -(-k // part_slots) if part_slots and k > part_slots else 1
     kp = -(-(-(-k // parts)) // step) * step * parts  # each part a whole number of trips
-    if max(q.numel(), kv.numel(), out.numel() * parts, b * s * kp) >= 2**31:
+    # (the HBM split's fp32 partials hold parts outputs; the cluster split none)
+    if max(q.numel(), kv.numel(), out.numel() * (1 if cluster_parts else parts), b * s * kp) >= 2**31:
         raise ValueError("sparse_attention_fwd: tensors of 2**31 or more elements are not supported (int32 offsets)")
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     target = device_target(device_index)
@@ -1291,7 +1300,8 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
         combine(o_part.view(b, s, parts, h, dv), l_part.view(b, s, parts, h), sinks, out, lse)
 
 
-def sparse_attention_fwd(q, kv, indices, scale: float, sink=None, dv: int | None = None, *, out=None, lse=None):
+def sparse_attention_fwd(q, kv, indices, scale: float, sink=None, dv: int | None = None, *, out=None, lse=None,
+                         decode: bool | None = None):
     """Sparse attention forward with the TileLang kernel.
 
     q [B, S, H, Dqk] bf16/fp16 CUDA; kv [B, Skv, Dqk] same dtype; indices [B, S, K] int32 (int64 is
@@ -1303,10 +1313,13 @@ def sparse_attention_fwd(q, kv, indices, scale: float, sink=None, dv: int | None
     ``out`` / ``lse`` (contiguous, those shapes and dtypes) are written in place of new tensors: the
     ops layer hands in views of one buffer when it runs long inputs in chunks, so nothing is
     concatenated afterwards (a second copy of the output at 64K tokens x 64 heads is 4 GiB).
+
+    ``decode`` (None: S == 1): the rows are generation steps, cut into parts on CTAs of their own (a function of
+    k and H only: the same bits in any batch); a caller running blocks of a longer input passes False.
     """
     scale, dv = _check_inputs(q, kv, indices, scale, sink, dv)
     b, s, h, _ = q.shape
     out = output_buffer("out", out, (b, s, h, dv), q.dtype, q.device)
     lse = output_buffer("lse", lse, (b, s, h), torch.float32, q.device)
-    _launch(q, kv, indices, scale, sink, dv, out, lse)
+    _launch(q, kv, indices, scale, sink, dv, out, lse, decode=decode)
     return out, lse

@@ -86,7 +86,8 @@ def attention_forward(q, kv, indices, sink, scale: float, dv: int, backend: str)
         lse = q.new_empty(b, s, h, dtype=lse_dtype(q.dtype))  # float32 for the kernels' dtypes
         for b0, b1, s0, s1 in _kernel_chunks(q, kv, indices, dv):
             blk = (slice(b0, b1), slice(s0, s1))
-            kernel(q[blk], kv[b0:b1], indices[blk], scale, sink, dv, out=out[blk], lse=lse[blk])
+            # generation steps are the whole input's one-query rows, never a one-row tail block of a long one
+            kernel(q[blk], kv[b0:b1], indices[blk], scale, sink, dv, out=out[blk], lse=lse[blk], decode=s == 1)
         return out, lse
     return sparse_attention_forward(q, kv, indices, scale, sink, dv)
 

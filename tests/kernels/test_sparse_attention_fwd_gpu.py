@@ -329,7 +329,7 @@ DECODE_CASES += [
     (3, 1, 128, 512, 512, 3000, 9000, "all_invalid", "randn"),
     (1, 1, 64, 64, 64, 1000, 3000, "random", "randn"),
     (2, 1, 32, 96, 64, 777, 999, "pad", None),
-    (5, 1, 64, 576, 512, 511, 2000, "random", None),  # one part: the plain program
+    (5, 1, 64, 576, 512, 511, 2000, "random", None),  # within one 512-slot part; 8 cluster parts: some empty
 ]
 
 
@@ -339,6 +339,12 @@ def test_decode_cluster_split_matches_float64(case, parts):
     """The parts of each row (some with no valid slot: k 511 in 8 parts of 128) merged through distributed
     shared memory: the reference's values, empty rows out 0 and lse +inf, no NaN."""
     _run_case(case, cluster_parts=parts)
+
+
+@pytest.mark.parametrize("case", [DECODE_CASES[i] for i in (0, 3, 6)], ids=lambda c: f"B{c[0]}H{c[2]}D{c[3]}-{c[7]}")
+def test_decode_cluster_split_float16(case):
+    """float16 rows through the cluster split (its hi + lo halves and their conversion are fp16 there)."""
+    _run_case(case, dtype=torch.float16, cluster_parts=4)
 
 
 @pytest.mark.parametrize("part_slots", (512, 128))
@@ -373,7 +379,14 @@ def test_decode_rows_are_batch_invariant(h, dqk, sink_mode, split, monkeypatch):
     kv = torch.randn(b, skv, dqk, generator=gen, device="cuda").bfloat16()
     idx = make_indices(b, 1, k, skv, "pad", torch.device("cuda"), gen)
     sink = make_sink(h, sink_mode, torch.device("cuda"), gen)
+    from dsa_plugins.kernels import sparse_attention_fwd as mod
+
+    built = []  # the programs this test's calls launch (the split must be one of them)
+    real_build = mod.build_fwd_kernel
+    monkeypatch.setattr(mod, "build_fwd_kernel", lambda cfg, target="auto": built.append(cfg) or real_build(cfg, target))
     out, lse = sparse_attention_fwd(q, kv, idx, dqk**-0.5, sink=sink, dv=512)
+    key = "cluster_parts" if split == "cluster" else "partial"
+    assert any(cfg.get(key) for cfg in built), f"the {split} split did not run"
     for i in range(b):
         o1, l1 = sparse_attention_fwd(q[i : i + 1], kv[i : i + 1], idx[i : i + 1], dqk**-0.5, sink=sink, dv=512)
         assert torch.equal(o1, out[i : i + 1]) and torch.equal(l1, lse[i : i + 1]), f"row {i} differs alone"

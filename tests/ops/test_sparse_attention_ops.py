@@ -162,8 +162,9 @@ def _fake_kernels(sa, calls):
     launch gets contiguous views of one buffer (the forward's out / lse and the backward's dq are
     written, the backward's dkv is added to) and records (direction, batch, queries)."""
 
-    def fake_fwd(q_, kv_, idx_, scale, sink_, dv, *, out, lse):
+    def fake_fwd(q_, kv_, idx_, scale, sink_, dv, *, out, lse, decode):
         calls.append(("fwd", q_.shape[0], q_.shape[1]))
+        fake_fwd.decode_flags.append(decode)
         assert q_.shape[0] == kv_.shape[0] == idx_.shape[0] and out.is_contiguous() and lse.is_contiguous()
         o, l = sa.sparse_attention_forward(q_, kv_, idx_, scale, sink_, dv)
         out.copy_(o)
@@ -178,6 +179,7 @@ def _fake_kernels(sa, calls):
         dkv.add_(dkv_)
         return dq, dkv, dsink
 
+    fake_fwd.decode_flags = []
     return fake_fwd, fake_bwd
 
 
@@ -197,6 +199,9 @@ def _run_in_chunks(monkeypatch, inputs, max_elements):
     leaves = [t.clone().requires_grad_() for t in (q, kv, sink.double())]
     out = ops.sparse_attention(leaves[0], leaves[1], idx, 0.3, sink=leaves[2])
     fwd_calls = list(calls)
+    # the decode splits follow the whole input (one query row), never a one-row block of a longer one
+    whole_s = q.shape[1] if q.dim() == 4 else q.shape[0]
+    assert fake_fwd.decode_flags and all(f == (whole_s == 1) for f in fake_fwd.decode_flags)
     ref_leaves = [t.clone().requires_grad_() for t in (q, kv, sink.double())]
     ref, _ = sparse_attention_dense(ref_leaves[0], ref_leaves[1], idx, 0.3, ref_leaves[2])
     torch.testing.assert_close(out, ref)
@@ -212,6 +217,13 @@ def test_query_chunking_for_int32_kernels_is_exact(monkeypatch):
     # queries split one batch entry at a time (contiguous slices, written in place)
     fwd_calls = _run_in_chunks(monkeypatch, _batched(b=2, s=9, h=4, d=16, k=6, seed=8), 4 * (6 + 128))
     assert fwd_calls == [("fwd", 1, 4), ("fwd", 1, 4), ("fwd", 1, 1)] * 2
+
+
+def test_generation_steps_reach_the_kernel_as_decode_rows(monkeypatch):
+    """One query row per sequence (a generation step) is passed on as decode rows (the kernel's batch-invariant
+    split), in batch chunks too; the one-row tail block of a longer input above is not."""
+    fwd_calls = _run_in_chunks(monkeypatch, _batched(b=3, s=1, skv=40, h=4, d=16, k=6, seed=10), 2 * 40 * 16 + 20)
+    assert [c[1:] for c in fwd_calls] == [(2, 1), (1, 1)]
 
 
 def test_batch_chunking_for_int32_kernels_is_exact(monkeypatch):
