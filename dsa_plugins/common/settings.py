@@ -98,12 +98,17 @@ def decode_part_slots() -> int:
     return _slot_count("DSA_PLUGINS_DECODE_PART_SLOTS", "0")
 
 
-def _slot_count(name: str, default: str) -> int:
+def _env_count(name: str, default: str, unit: str) -> int:
+    """The variable ``name`` as a whole number (an empty value is 0), with a message naming it otherwise."""
     raw = os.environ.get(name, default).strip() or "0"
     try:
-        value = int(raw)
+        return int(raw)
     except ValueError:
-        raise ValueError(f"{name} must be a whole number of slots, got {raw!r}") from None
+        raise ValueError(f"{name} must be a whole number of {unit}, got {raw!r}") from None
+
+
+def _slot_count(name: str, default: str) -> int:
+    value = _env_count(name, default, "slots")
     if value < 0 or value % 128:
         raise ValueError(f"{name} must be 0 or a positive multiple of 128, got {value}")
     return value
@@ -123,11 +128,7 @@ def decode_cluster_parts(k: int, heads: int) -> int:
     splits the rows of models with up to 64 heads in two (H100, k 2048: 1.6x at B 1-32, 1.07x at B 64) and
     leaves 128-head rows whole (two parts were 0.89x at B 64); 8 takes B 1-8 to about 3.2x at 0.75x at B 64
     (benchmarks/results/attention_decode.md)."""
-    raw = os.environ.get("DSA_PLUGINS_DECODE_ROW_CTAS", "2").strip() or "0"
-    try:
-        ctas = int(raw)
-    except ValueError:
-        raise ValueError(f"DSA_PLUGINS_DECODE_ROW_CTAS must be a whole number of CTAs, got {raw!r}") from None
+    ctas = _env_count("DSA_PLUGINS_DECODE_ROW_CTAS", "2", "CTAs")
     if ctas < 0:
         raise ValueError(f"DSA_PLUGINS_DECODE_ROW_CTAS must be >= 0, got {ctas}")
     head_blocks = -(-heads // 64)

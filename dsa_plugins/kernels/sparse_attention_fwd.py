@@ -242,6 +242,11 @@ _BAR_M0, _BAR_M1, _BAR_S0, _BAR_S1 = _BAR_A, _BAR_B, 10, 9
 _BAR_NEXT = 8
 
 
+def _takes_cluster_parts(cfg: dict) -> bool:
+    """The decode cluster split exists for the plain qk_one program only (no partial, persistent or cluster)."""
+    return cfg["schedule"] == "qk_one" and not (cfg["partial"] or cfg["persistent_ctas"] or cfg["cluster"])
+
+
 def _normalise_config(config: dict) -> dict:
     cfg = {k: config.get(k, DEFAULT_CONFIG[k]) for k in _COMPILE_KEYS}
     dqk, dv, bk, bh = cfg["dim_qk"], cfg["dim_v"], cfg["block_k"], cfg["block_h"]
@@ -293,8 +298,7 @@ def _normalise_config(config: dict) -> dict:
     cfg["cluster_parts"] = 0 if parts == 1 else parts
     if parts not in (0, 1, 2, 4, 8):
         raise ValueError(f"cluster_parts must be 0, 2, 4 or 8, got {cfg['cluster_parts']}")
-    if cfg["cluster_parts"] and (cfg["schedule"] != "qk_one" or cfg["partial"] or cfg["persistent_ctas"]
-                                 or cfg["cluster"]):
+    if cfg["cluster_parts"] and not _takes_cluster_parts(cfg):
         raise ValueError("cluster_parts takes the qk_one schedule on the plain grid (no partial, persistent_ctas "
                          "or cluster)")
     return cfg
@@ -1242,8 +1246,8 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
     if part_slots is None:
         part_slots = decode_part_slots() if decode else 0
     if cluster_parts is None:
-        plain = cfg["schedule"] == "qk_one" and not cfg["persistent_ctas"] and not cfg["cluster"]
-        cluster_parts = decode_cluster_parts(k, h) if decode and not part_slots and plain else 0
+        split_ok = decode and not part_slots and _takes_cluster_parts(cfg)
+        cluster_parts = decode_cluster_parts(k, h) if split_ok else 0
     if cluster_parts:
         parts = cluster_parts
     else:
