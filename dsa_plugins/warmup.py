@@ -156,6 +156,8 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
                     for rows in (None, indexer.DECODE_MAX_ROWS)]
         loss_cfgs = [{"kind": "attn_probs", "dim": dims.dim_qk, "lse_pass": p} for p in (False, True)]
         loss_cfgs += [{"kind": "loss", "heads": 64, "dim": dims.index_dim, "grads": g} for g in (True, False)]
+        loss_cfgs += [{"kind": "loss", "heads": 64, "dim": dims.index_dim, "grads": True, "det": det, "lse_given": True}
+                      for det in (False, True)]  # the adapters pass the indexer's lse(I): no first pass
         loss_cfgs += [{"kind": "loss", "heads": 64, "dim": dims.index_dim, "grads": True, "det": True}]
     for dqk, dv, sink in attn:
         cfg = sparse_attention_fwd.config_for(dqk, dv, sink, torch.bfloat16)

@@ -9,13 +9,16 @@ disagreement goes to the row's error column instead of a time. Rows are appended
 benchmarks/results/kernels.csv (or DIR/kernels.csv); ours / peer speeds are printed at the end.
 
 op indexer_topk, mode fwd, shape "T{t} Hi64 Di128 k2048 causal", FLOPs 2*Hi*Di*T*(T+1)/2 for every row:
-  tilelang         dsa_plugins.ops.indexer_topk (scores and top-k in one op, -1 past the prefix)
+  tilelang         dsa_plugins.ops.indexer_topk (scores and top-k in one op, -1 past the prefix); variant
+                   return_lse: also each row's logsumexp of its selected scores (what the loss below takes)
   cudnn_fe_scores  cuDNN DSA.indexer_forward_wrapper: the dense [T, T] fp32 scores only (no selection)
   cudnn_fe         the same + torch.topk (+ -1 for masked slots, our output contract)
   cudnn_fe_radix   the same + cuDNN's radix DSA.indexer_top_k_wrapper (the top-k megatron's cudnn backend uses)
 op indexer_loss_sparse, shape "T{t} H64 D576 Hi64 Di128 k2048", FLOPs not counted (NaN):
   tilelang full    indexer_kl_loss_sparse, attn_lse given: loss value + d_index_q, d_index_k, d_weights
   tilelang fused   derived, as bench_indexer_loss.py: attn_bwd(return_probs) - attn_bwd + loss_from_probs
+  (variant index_lse: both given lse(I) over the slots, as indexer_topk(return_lse=True) returns it: no
+  first pass over the logits; the indexer's extra cost for it is its return_lse row minus its plain row)
   cudnn_fe full    DSA.sparse_indexer_score_recompute_wrapper + sparse_attn_score_recompute_wrapper + the
                    KL value in torch + DSA.indexer_backward_wrapper
 op indexer_loss_dense (the warm-up loss: every causal key), shape "T{t} H64 D576 Hi64 Di128 causal", FLOPs NaN:
@@ -180,6 +183,15 @@ def bench_indexer_fwd(rows: Rows, t: int, dsa) -> None:
     except Exception as exc:  # noqa: BLE001 - recorded, the peers still run
         ours_err = error_text(exc)
     rows.time("indexer_topk", "fwd", shape, "tilelang", ours, flops, error=ours_err)
+    with_lse = lambda: indexer_topk(iq, ik, w, K, key_start, key_end, backend="tilelang", return_lse=True)  # noqa: E731
+    lse_err = ours_err
+    if lse_err is None:
+        try:
+            if not torch.equal(with_lse()[0], ours_idx):
+                lse_err = "return_lse changed the selection"
+        except Exception as exc:  # noqa: BLE001
+            lse_err = error_text(exc)
+    rows.time("indexer_topk", "fwd", shape, "tilelang", with_lse, flops, error=lse_err, variant="return_lse")
     if dsa is None:
         return
 
@@ -306,9 +318,24 @@ def peer_loss_fn(dsa, iq, ik, w, q, kv, lse, idx, length, scale):
     return run
 
 
-def fused_row(rows: Rows, shape: str, op: str, iq, ik, w, q, kv, idx, scale, out, lse, g, ref) -> dict:
+def index_lse_of(iq, ik, w, idx, rows_per_chunk: int = 256) -> torch.Tensor:
+    """[T] fp32 lse of the indexer logits over each row's valid slots (what indexer_topk(return_lse=True) gives
+    for the rows it selects), in torch over row chunks (fp32 logits of bf16 inputs)."""
+    out = torch.empty(idx.shape[0], dtype=torch.float32, device=idx.device)
+    for a in range(0, idx.shape[0], rows_per_chunk):
+        b = min(a + rows_per_chunk, idx.shape[0])
+        sl = idx[a:b]
+        keys = ik[sl.long().clamp_min(0)].float()  # [r, k, Di]
+        logits = (torch.einsum("rhd,rkd->rhk", iq[a:b].float(), keys).relu() * w[a:b, :, None]).sum(1)
+        out[a:b] = torch.logsumexp(logits.masked_fill(sl < 0, float("-inf")), -1)
+    return out
+
+
+def fused_row(rows: Rows, shape: str, op: str, iq, ik, w, q, kv, idx, scale, out, lse, g, ref,
+              index_lse=None) -> dict:
     """Our fused path's cost as bench_indexer_loss.py counts it: the attention backward's extra cost for
-    emitting the head-summed P, plus the loss given P. Derived from three timings (no p20/p80)."""
+    emitting the head-summed P, plus the loss given P. Derived from three timings (no p20/p80).
+    ``index_lse``: a second row (variant index_lse) with the loss given lse(I) too."""
     from dsa_plugins.bench.runner import time_callable
     from dsa_plugins.kernels import indexer_loss as L
     from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
@@ -333,6 +360,22 @@ def fused_row(rows: Rows, shape: str, op: str, iq, ik, w, q, kv, idx, scale, out
             (m_b, *_, p_b), (m_bp, *_, p_bp), (m_fp, *_, p_fp) = (time_callable(f, dev) for f in (bwd, bwd_p, from_probs))
             row.update(median_ms=m_bp - m_b + m_fp, tflops=float("nan"), peak_gib=max(p_b, p_bp, p_fp))
             print(f"  fused = attn_bwd+probs {m_bp:.3f} - attn_bwd {m_b:.3f} + loss_from_probs {m_fp:.3f} ms", flush=True)
+            if index_lse is not None:
+                with_lse = lambda: L.indexer_kl_loss_from_probs(iq, ik, w, idx, probs, g, index_lse=index_lse)  # noqa: E731
+                loss_rows, (d_iq, d_ik, d_w) = with_lse()
+                d, lse_error = _compare(_grads((loss_rows * g).sum(), d_iq, d_ik, d_w), ref)
+                print("  fused index_lse vs standalone: " + ", ".join(f"{n} {v:.2e}" for n, v in d.items()), flush=True)
+                lrow = {**row, "variant": "index_lse"}
+                if lse_error:
+                    lrow["error"] = lse_error.replace("ours", "our standalone")
+                    lrow.pop("median_ms", None)
+                else:
+                    m_l, *_, p_l = time_callable(with_lse, dev)
+                    lrow.update(median_ms=m_bp - m_b + m_l, peak_gib=max(p_b, p_bp, p_l))
+                    print(f"  fused index_lse = attn_bwd+probs {m_bp:.3f} - attn_bwd {m_b:.3f} + loss_from_probs "
+                          f"{m_l:.3f} ms", flush=True)
+                rows.rows.append(lrow)
+                show_row(lrow)
     except Exception as exc:  # noqa: BLE001
         error = error_text(exc)
     if error is not None:
@@ -364,7 +407,22 @@ def bench_loss(rows: Rows, t: int, dsa) -> None:
     except Exception as exc:  # noqa: BLE001
         ours_err = error_text(exc)
     rows.time(op, "full", shape, "tilelang", ours, flops, error=ours_err)
-    fused_row(rows, shape, op, iq, ik, w, q, kv, idx, scale, out, lse, g, ref)
+    index_lse = index_lse_of(iq, ik, w, idx)
+
+    def ours_lse():
+        loss_rows, (d_iq, d_ik, d_w) = L.indexer_kl_loss_sparse(iq, ik, w, q, kv, lse2, idx, scale, grad_rows=g,
+                                                                index_lse=index_lse)
+        return _grads((loss_rows * g).sum(), d_iq, d_ik, d_w)
+
+    lse_err = ours_err
+    if lse_err is None:
+        try:
+            d, lse_err = _compare(ours_lse(), ref)
+            print("  index_lse vs two passes: " + ", ".join(f"{n} {v:.2e}" for n, v in d.items()), flush=True)
+        except Exception as exc:  # noqa: BLE001
+            lse_err = error_text(exc)
+    rows.time(op, "full", shape, "tilelang", ours_lse, flops, error=lse_err, variant="index_lse")
+    fused_row(rows, shape, op, iq, ik, w, q, kv, idx, scale, out, lse, g, ref, index_lse=index_lse)
     del out
     if dsa is None:
         return
@@ -527,12 +585,25 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     rows.ratios()
     # the fused row has its own mode: set it beside the peer's full loss by hand
-    full = {(r["shape"], r["provider"], r["mode"]): r for r in rows.rows if r["op"] == "indexer_loss_sparse"}
-    for (shape, provider, mode), r in full.items():
-        peer = full.get((shape, "cudnn_fe", "full"))
+    full = {(r["shape"], r["provider"], r["mode"], r.get("variant", "")): r for r in rows.rows
+            if r["op"] == "indexer_loss_sparse"}
+    for (shape, provider, mode, variant), r in full.items():
+        peer = full.get((shape, "cudnn_fe", "full", ""))
         if provider == "tilelang" and mode == "fused" and "median_ms" in r and peer and "median_ms" in peer:
-            print(f"  indexer_loss_sparse fused {shape}: tilelang fused / cudnn_fe full speed = "
+            print(f"  indexer_loss_sparse fused {shape}: tilelang fused {variant} / cudnn_fe full speed = "
                   f"{peer['median_ms'] / r['median_ms']:.3f}")
+    # index_lse comes from the indexer's forward: charge its extra cost there to the loss rows that take it
+    fwd = {(r["shape"].split()[0], r.get("variant", "")): r for r in rows.rows
+           if r["op"] == "indexer_topk" and r["provider"] == "tilelang" and "median_ms" in r}
+    for (shape, provider, mode, variant), r in full.items():
+        t_name = shape.split()[0]
+        plain, with_lse = fwd.get((t_name, "")), fwd.get((t_name, "return_lse"))
+        peer = full.get((shape, "cudnn_fe", "full", ""))
+        if variant == "index_lse" and "median_ms" in r and plain and with_lse and peer and "median_ms" in peer:
+            extra = with_lse["median_ms"] - plain["median_ms"]
+            print(f"  indexer_loss_sparse {mode} {shape}: tilelang index_lse + the indexer's extra for it "
+                  f"({extra:.3f} ms) = {r['median_ms'] + extra:.3f} ms; / cudnn_fe full speed = "
+                  f"{peer['median_ms'] / (r['median_ms'] + extra):.3f}")
     rows.write()
     return 0
 

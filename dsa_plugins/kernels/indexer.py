@@ -476,7 +476,7 @@ class _Plan:
 
 def indexer_topk(index_q, index_k, weights, key_start, key_end, topk: int, *, config=None,
                  max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, topk_config=None, index_k_scale=None,
-                 entries: tuple[int, int] | None = None):
+                 entries: tuple[int, int] | None = None, return_lse: bool = False):
     """Lightning-indexer top-k over per-query key windows.
 
     index_q [Tq, Hi, Di] bf16 CUDA; index_k [Tk, Di] bf16; weights [Tq, Hi] fp32 (softmax
@@ -500,22 +500,31 @@ def indexer_topk(index_q, index_k, weights, key_start, key_end, topk: int, *, co
 
     Chunked design: at most ``max_chunk_bytes`` of fp32 scores exist at once. With few rows
     (generation steps) each CTA scores one row, so rows of different sequences never share work.
+
+    ``return_lse``: also the logsumexp of each row's selected scores ([Tq] fp32, -inf for a row without
+    a key), read from the score buffer while it exists: (rows, lse). The indexer KL loss takes it and
+    skips its own pass over the logits.
     """
     import torch
+
+    from ..common.indices import selected_lse
 
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
     plan = _Plan(index_q, index_k, weights, key_start, key_end, config, max_chunk_bytes, index_k_scale, entries)
     out = torch.empty(plan.Tq, topk, dtype=torch.int32, device=plan.device)
-    if plan.Tq == 0:
-        return out
-    if plan.Tk == 0:
-        return out.fill_(-1)
+    lse = torch.full((plan.Tq,), float("-inf"), dtype=torch.float32, device=plan.device) if return_lse else None
+    if plan.Tq == 0 or plan.Tk == 0:
+        out.fill_(-1)
+        return (out, lse) if return_lse else out
     for chunk in plan.chunks:
         r0, r1, scores = plan.chunk_scores(chunk)
         plan.chunk_topk(r0, r1, scores, topk, out, config=topk_config)
+        if return_lse and scores is not None:
+            rows = out[r0:r1]
+            lse[r0:r1] = selected_lse(scores, torch.where(rows >= 0, rows - plan.base[r0:r1, None], -1))
         del scores
-    return out
+    return (out, lse) if return_lse else out
 
 
 def indexer_scores_reference(index_q, index_k, weights, key_start, key_end):

@@ -82,13 +82,15 @@ SHIPPED_CONFIGS: list = [
     {"kind": "loss", "heads": 64, "dim": 128, "grads": True},
     {"kind": "loss", "heads": 64, "dim": 128, "grads": False},
     {"kind": "loss", "heads": 64, "dim": 128, "grads": True, "det": True},
+    {"kind": "loss", "heads": 64, "dim": 128, "grads": True, "lse_given": True},
+    {"kind": "loss", "heads": 64, "dim": 128, "grads": True, "det": True, "lse_given": True},
 ]
 
 _KEYS = {
     "attn_probs": ("dim", "lse_pass"),
-    "loss": ("heads", "dim", "grads", "det"),
+    "loss": ("heads", "dim", "grads", "det", "lse_given"),
 }
-_OPTIONAL = {"det": False}  # keys a config may leave out
+_OPTIONAL = {"det": False, "lse_given": False}  # keys a config may leave out
 
 
 # ----------------------------------------------------------------------------- programs
@@ -309,7 +311,8 @@ def _attn_probs_chunked(dim: int, threads: int = THREADS, chunk: int | None = No
     return main
 
 
-def _loss_program(heads: int, dim: int, grads: bool, det: bool = False, threads: int = 128, ablate: str = ""):
+def _loss_program(heads: int, dim: int, grads: bool, det: bool = False, threads: int = 128, ablate: str = "",
+                  lse_given: bool = False):
     """One CTA per query row, given the attention target P (head sums, unnormalised):
 
     pass 1 over the slot blocks: I_j = sum_h relu(<iq_h, ik_j>) w_h (kept in the workspace Iw)
@@ -322,6 +325,11 @@ def _loss_program(heads: int, dim: int, grads: bool, det: bool = False, threads:
     block b + 1 is in flight while block b is computed (an invalid index is never read).
     Without ``grads`` (the loss value only) G, DIQ, DW and DK are not touched.
     ``ablate`` (benchmarks only, wrong gradients): "no_atomics" skips the d_index_k scatter.
+    ``lse_given`` (with ``grads``): Lse [T] holds lse(I) over the row's slots (the indexer's forward
+    computed it from the scores it selected by), so there is no pass 1: a sweep over P alone gives psum and
+    sum P log P while block 0's rows are in flight, and pass 2 forms I_j from the logits it recomputes
+    anyway (relu, weights, head sum) and accumulates sum P I for the loss value. Pass 1 is a whole second
+    gather of the index_k rows with its MMAs: about 18% of the program with gradients.
     ``det`` (the deterministic mode, with ``grads``): DK is a contribution buffer [T * kp, D] instead,
     each valid slot's d_index_k row stored in row t * kp + slot (plain stores; invalid slots store
     nothing), for :mod:`.contrib_reduce` to sum in a fixed order.
@@ -399,13 +407,27 @@ def _loss_program(heads: int, dim: int, grads: bool, det: bool = False, threads:
             pl_l[j] += T.if_then_else(pj == 0, 0.0, pj * T.log(pj))
 
     @T.macro
-    def grad_block(Idx, P, Iw, DK, bx, blk, buf, iq_s, w_s, lt, gacc, acc_q, acc_k, dl_s, d_s, row_s):
-        # dI_j = G (softmax_j - p_j), with I_j from pass 1 (-inf for invalid slots)
-        for j in T.Parallel(BK):
-            d_s[j] = T.if_then_else(
-                _slot_ok(T, Idx, TK, bx, blk * BK + j),
-                row_s[4] * (T.exp(Iw[bx, blk * BK + j] - row_s[0]) - P[bx, blk * BK + j] * row_s[1]), 0.0)
-        T.gemm(buf, iq_s, lt, transpose_B=True, clear_accum=True)  # L (slots x heads)
+    def grad_block(Idx, P, Iw, DK, bx, blk, buf, iq_s, w_s, lt, gacc, acc_q, acc_k, dl_s, d_s, row_s, lw, ival, pi_l):
+        if lse_given:
+            # I_j from the logits recomputed here (an invalid slot's zero-filled row gives 0, and p_j = 0)
+            T.gemm(buf, iq_s, lt, transpose_B=True, clear_accum=True)  # L (slots x heads)
+            for j, h in T.Parallel(BK, HI):
+                lw[j, h] = relu(lt[j, h]) * w_s[h]
+            T.reduce_sum(lw, ival, dim=1, clear=True)
+            for j in T.Parallel(BK):
+                d_s[j] = T.if_then_else(
+                    _slot_ok(T, Idx, TK, bx, blk * BK + j),
+                    row_s[4] * (T.exp(ival[j] - row_s[0]) - P[bx, blk * BK + j] * row_s[1]), 0.0)
+                pi_l[j] += T.if_then_else(
+                    T.Or(T.Not(_slot_ok(T, Idx, TK, bx, blk * BK + j)), P[bx, blk * BK + j] == 0),
+                    0.0, P[bx, blk * BK + j] * ival[j])
+        else:
+            # dI_j = G (softmax_j - p_j), with I_j from pass 1 (-inf for invalid slots)
+            for j in T.Parallel(BK):
+                d_s[j] = T.if_then_else(
+                    _slot_ok(T, Idx, TK, bx, blk * BK + j),
+                    row_s[4] * (T.exp(Iw[bx, blk * BK + j] - row_s[0]) - P[bx, blk * BK + j] * row_s[1]), 0.0)
+            T.gemm(buf, iq_s, lt, transpose_B=True, clear_accum=True)  # L (slots x heads)
         for j, h in T.Parallel(BK, HI):
             # relu's gradient as torch takes it: zero where L <= 0 (a NaN logit passes d on)
             gacc[j, h] += T.if_then_else(_slot_ok(T, Idx, TK, bx, blk * BK + j), d_s[j] * relu(lt[j, h]), 0.0)
@@ -431,7 +453,8 @@ def _loss_program(heads: int, dim: int, grads: bool, det: bool = False, threads:
         Idx: T.Tensor([NT, KP], "int32"),
         P: T.Tensor([NT, KP], acc),
         G: T.Tensor([NT], acc),
-        Iw: T.Tensor([NT, KP], acc),
+        Iw: T.Tensor([1] if lse_given else [NT, KP], acc),
+        Lse: T.Tensor([NT] if lse_given else [1], acc),
         Loss: T.Tensor([NT], acc),
         DIQ: T.Tensor([NT, HI, D], dtype),
         DW: T.Tensor([NT, HI], acc),
@@ -443,58 +466,79 @@ def _loss_program(heads: int, dim: int, grads: bool, det: bool = False, threads:
             ik1 = T.alloc_shared([BK, D], dtype)
             bufs = (ik0, ik1)
             w_s = T.alloc_shared([HI], acc)
-            row_s = T.alloc_shared([8], acc)  # lse, 1/psum, psum, loss, G
+            row_s = T.alloc_shared([8], acc)  # lse, 1/psum, psum, sum P I, G, sum P log P
             lt = T.alloc_fragment([BK, HI], acc)
             ival = T.alloc_fragment([BK], acc)
-            m_l = T.alloc_fragment([BK], acc)
-            s_l = T.alloc_fragment([BK], acc)
+            m_l = None if lse_given else T.alloc_fragment([BK], acc)  # pass 1's running lse(I)
+            s_l = None if lse_given else T.alloc_fragment([BK], acc)
             ps_l = T.alloc_fragment([BK], acc)
             pi_l = T.alloc_fragment([BK], acc)
             pl_l = T.alloc_fragment([BK], acc)
             red = T.alloc_fragment([1], acc)
-            m_row = T.alloc_fragment([1], acc)
+            m_row = None if lse_given else T.alloc_fragment([1], acc)
             tx = T.get_thread_binding()
             T.copy(IQ[bx, :, :], iq_s)
             for h in T.Parallel(HI):
                 w_s[h] = W[bx, h]
-            T.fill(m_l, neg_inf)
-            T.fill(s_l, 0)
+            if not lse_given:
+                T.fill(m_l, neg_inf)
+                T.fill(s_l, 0)
             T.fill(ps_l, 0)
             T.fill(pi_l, 0)
             T.fill(pl_l, 0)
 
-            # pass 1: logits and row statistics
-            issue(Idx, IK, bx, 0, bufs[0], tx)
-            for t in T.serial(NSTEP):
-                for st in (0, 1):  # static: block 2t + st computes on bufs[st], the next one lands in the other
-                    issue(Idx, IK, bx, 2 * t + st + 1, bufs[1 - st], tx)
-                    land()
-                    logits(Idx, bx, 2 * t + st, bufs[st], iq_s, w_s, lt, ival)
-                    stats_block(Idx, P, Iw, bx, 2 * t + st, ival, m_l, s_l, ps_l, pi_l, pl_l)
-                    T.sync_threads()  # bufs[st] is free
-
-            # combine the lanes: lse(I), psum, sum P I, sum P log P -> the row's KL
-            T.reduce_max(m_l, m_row, dim=0, clear=True)
-            for j in T.Parallel(BK):
-                s_l[j] = T.if_then_else(m_l[j] > neg_inf, s_l[j] * T.exp(m_l[j] - m_row[0]), 0.0)
-            T.reduce_sum(s_l, red, dim=0, clear=True)
-            if tx == 0:  # red >= 1 (the lane holding the max adds exp(0)) unless NaN: no clamp
-                row_s[0] = T.if_then_else(m_row[0] > neg_inf, m_row[0] + T.log(red[0]), neg_inf)
-            T.reduce_sum(ps_l, red, dim=0, clear=True)
-            if tx == 0:
-                row_s[2] = red[0]
-                row_s[1] = T.if_then_else(red[0] == 0, 0.0, 1.0 / red[0])
-            T.reduce_sum(pi_l, red, dim=0, clear=True)
-            if tx == 0:
-                row_s[3] = red[0]
-            T.reduce_sum(pl_l, red, dim=0, clear=True)
-            if tx == 0:
-                psum = row_s[2]
-                Loss[bx] = T.if_then_else(  # == 0, not > 0: a NaN target gives a NaN loss
-                    psum == 0, 0.0, (red[0] - row_s[3]) * row_s[1] - T.log(psum) + row_s[0])
-                if grads:
+            if lse_given:
+                # block 0's rows fly while the target's sums are taken (P alone: no logits)
+                issue(Idx, IK, bx, 0, bufs[0], tx)
+                for b in T.serial(2 * NSTEP):
+                    for j in T.Parallel(BK):
+                        ps_l[j] += T.if_then_else(_slot_ok(T, Idx, TK, bx, b * BK + j), P[bx, b * BK + j], 0.0)
+                        pl_l[j] += T.if_then_else(
+                            T.Or(T.Not(_slot_ok(T, Idx, TK, bx, b * BK + j)), P[bx, b * BK + j] == 0),
+                            0.0, P[bx, b * BK + j] * T.log(P[bx, b * BK + j]))
+                T.reduce_sum(ps_l, red, dim=0, clear=True)
+                if tx == 0:
+                    row_s[0] = Lse[bx]
+                    row_s[2] = red[0]
+                    row_s[1] = T.if_then_else(red[0] == 0, 0.0, 1.0 / red[0])
                     row_s[4] = G[bx]
-            T.sync_threads()
+                T.reduce_sum(pl_l, red, dim=0, clear=True)
+                if tx == 0:
+                    row_s[5] = red[0]
+                T.sync_threads()
+            else:
+                # pass 1: logits and row statistics
+                issue(Idx, IK, bx, 0, bufs[0], tx)
+                for t in T.serial(NSTEP):
+                    for st in (0, 1):  # static: block 2t + st computes on bufs[st], the next one lands in the other
+                        issue(Idx, IK, bx, 2 * t + st + 1, bufs[1 - st], tx)
+                        land()
+                        logits(Idx, bx, 2 * t + st, bufs[st], iq_s, w_s, lt, ival)
+                        stats_block(Idx, P, Iw, bx, 2 * t + st, ival, m_l, s_l, ps_l, pi_l, pl_l)
+                        T.sync_threads()  # bufs[st] is free
+
+                # combine the lanes: lse(I), psum, sum P I, sum P log P -> the row's KL
+                T.reduce_max(m_l, m_row, dim=0, clear=True)
+                for j in T.Parallel(BK):
+                    s_l[j] = T.if_then_else(m_l[j] > neg_inf, s_l[j] * T.exp(m_l[j] - m_row[0]), 0.0)
+                T.reduce_sum(s_l, red, dim=0, clear=True)
+                if tx == 0:  # red >= 1 (the lane holding the max adds exp(0)) unless NaN: no clamp
+                    row_s[0] = T.if_then_else(m_row[0] > neg_inf, m_row[0] + T.log(red[0]), neg_inf)
+                T.reduce_sum(ps_l, red, dim=0, clear=True)
+                if tx == 0:
+                    row_s[2] = red[0]
+                    row_s[1] = T.if_then_else(red[0] == 0, 0.0, 1.0 / red[0])
+                T.reduce_sum(pi_l, red, dim=0, clear=True)
+                if tx == 0:
+                    row_s[3] = red[0]
+                T.reduce_sum(pl_l, red, dim=0, clear=True)
+                if tx == 0:
+                    psum = row_s[2]
+                    Loss[bx] = T.if_then_else(  # == 0, not > 0: a NaN target gives a NaN loss
+                        psum == 0, 0.0, (red[0] - row_s[3]) * row_s[1] - T.log(psum) + row_s[0])
+                    if grads:
+                        row_s[4] = G[bx]
+                T.sync_threads()
 
             if grads:  # pass 2 (its buffers are allocated here)
                 dl_s = T.alloc_shared([BK, HI], dtype)
@@ -505,19 +549,30 @@ def _loss_program(heads: int, dim: int, grads: bool, det: bool = False, threads:
                 acc_k = T.alloc_fragment([BK, DC], acc)
                 gt = T.alloc_fragment([HI, BK], acc)
                 dw_f = T.alloc_fragment([HI], acc)
+                # relu(L) w for the head sum: acc_k's registers (a 64 x 64 accumulator like L, free until the
+                # d_index_k MMA; a fragment of its own spills)
+                lw = acc_k if lse_given else None
+                assert not lse_given or DC == HI
                 T.fill(acc_q, 0)
                 T.fill(gacc, 0)
-                T.ptx_wait_group(0)  # pass 1's last (empty) prefetch has landed before bufs[0] is reused
-                T.sync_threads()
-                # pass 2: gradients (the gathered rows are in L2 from pass 1)
-                issue(Idx, IK, bx, 0, bufs[0], tx)
+                if not lse_given:
+                    T.ptx_wait_group(0)  # pass 1's last (empty) prefetch has landed before bufs[0] is reused
+                    T.sync_threads()
+                    # pass 2: gradients (the gathered rows are in L2 from pass 1)
+                    issue(Idx, IK, bx, 0, bufs[0], tx)
                 for t in T.serial(NSTEP):
                     for st in (0, 1):
                         issue(Idx, IK, bx, 2 * t + st + 1, bufs[1 - st], tx)
                         land()
                         grad_block(Idx, P, Iw, DK, bx, 2 * t + st, bufs[st], iq_s, w_s, lt, gacc, acc_q, acc_k, dl_s,
-                                   d_s, row_s)
+                                   d_s, row_s, lw, ival, pi_l)
                         T.sync_threads()
+                if lse_given:
+                    # the loss value: sum P I accumulated by pass 2
+                    T.reduce_sum(pi_l, red, dim=0, clear=True)
+                    if tx == 0:
+                        Loss[bx] = T.if_then_else(  # == 0, not > 0: a NaN target gives a NaN loss
+                            row_s[2] == 0, 0.0, (row_s[5] - red[0]) * row_s[1] - T.log(row_s[2]) + row_s[0])
                 # d_weights[h] = sum_j dI_j relu(L_jh)
                 T.copy(gacc, g_s)
                 for h, j in T.Parallel(HI, BK):
@@ -548,10 +603,12 @@ def _normalise(config: dict) -> tuple:
         if k not in config and k not in _OPTIONAL:
             raise ValueError(f"{kind} config needs {k!r}")
         v = config.get(k, _OPTIONAL.get(k))
-        out.append((k, bool(v) if k in ("lse_pass", "grads", "det") else int(v)))
+        out.append((k, bool(v) if k in ("lse_pass", "grads", "det", "lse_given") else int(v)))
     params = dict(out)
     if params.get("det") and not params["grads"]:
         raise ValueError("a deterministic loss program (det) needs grads: it changes how d_index_k is summed")
+    if params.get("lse_given") and not params["grads"]:
+        raise ValueError("a loss program with lse_given needs grads: the value alone needs the logits' pass anyway")
     if params["dim"] % 16 != 0 or not 16 <= params["dim"] <= 1024:
         raise ValueError(f"dim must be a multiple of 16 in [16, 1024], got {params['dim']}")
     if "heads" in params and params["heads"] != 64:
@@ -605,10 +662,11 @@ def build_attn_probs(dim: int, lse_pass: bool, target="auto"):
     return _build({"kind": "attn_probs", "dim": dim, "lse_pass": lse_pass}, target)
 
 
-def build_loss(dim: int, grads: bool, target="auto", det: bool = False):
+def build_loss(dim: int, grads: bool, target="auto", det: bool = False, lse_given: bool = False):
     """Compile the loss program for index head dim ``dim`` (64 padded index heads); ``det``: d_index_k as
-    contribution rows for the deterministic reduce."""
-    return _build({"kind": "loss", "heads": 64, "dim": dim, "grads": grads, "det": det}, target)
+    contribution rows for the deterministic reduce; ``lse_given``: lse(I) is an input (no pass 1)."""
+    return _build({"kind": "loss", "heads": 64, "dim": dim, "grads": grads, "det": det, "lse_given": lse_given},
+                  target)
 
 
 def build_config(config: dict, target="auto"):
@@ -693,10 +751,11 @@ def _slots(topk_indices, tk):
 _DET_BUDGET_BYTES = DET_BUDGET_BYTES  # the contribution buffer's bytes at most (tests patch it)
 
 
-def _run_loss(index_q, index_k, weights, idx, probs, grad_rows, deterministic=False):
+def _run_loss(index_q, index_k, weights, idx, probs, grad_rows, deterministic=False, index_lse=None):
     """The loss program on checked inputs; idx [T, kp] and probs [T, kp] padded. Returns
     (loss_rows, (d_index_q, d_index_k, d_weights) or None); ``deterministic``: d_index_k summed in a
-    fixed order (:func:`_run_deterministic`) instead of with fp32 atomics."""
+    fixed order (:func:`_run_deterministic`) instead of with fp32 atomics. ``index_lse`` [T] fp32 (with
+    gradients): lse(I) over the row's slots, from the indexer's forward; the program then skips pass 1."""
     dev = index_q.device
     t, hi, di = index_q.shape
     tk = index_k.shape[0]
@@ -710,7 +769,11 @@ def _run_loss(index_q, index_k, weights, idx, probs, grad_rows, deterministic=Fa
         return torch.zeros(t, dtype=torch.float32, device=dev), (zero_grads if grads else None)
     iq, w, hp = _pad_heads(index_q, weights)
     loss = torch.empty(t, dtype=torch.float32, device=dev)
-    logits_ws = torch.empty(t, kp, dtype=torch.float32, device=dev)  # I of pass 1, read by pass 2
+    lse_given = grads and index_lse is not None
+    if lse_given:  # no pass 1: no logits workspace
+        logits_ws, lse = zeros_arg(1, torch.float32, dev), index_lse.contiguous()
+    else:  # I of pass 1, read by pass 2
+        logits_ws, lse = torch.empty(t, kp, dtype=torch.float32, device=dev), zeros_arg(1, torch.float32, dev)
     if grads:
         d_iq = torch.empty(t, hp, di, dtype=torch.bfloat16, device=dev)
         d_w = torch.empty(t, hp, dtype=torch.float32, device=dev)
@@ -719,11 +782,11 @@ def _run_loss(index_q, index_k, weights, idx, probs, grad_rows, deterministic=Fa
         d_iq, d_w, g = iq, w, loss
     with torch.cuda.device(dev):
         if grads and deterministic:
-            _run_deterministic(iq, index_k.contiguous(), w, idx, probs.contiguous(), g, logits_ws, loss, d_iq, d_w,
-                               d_ik)
+            _run_deterministic(iq, index_k.contiguous(), w, idx, probs.contiguous(), g, logits_ws, lse, lse_given,
+                               loss, d_iq, d_w, d_ik)
         else:
-            build_loss(di, grads, _device_target(dev))(
-                iq, index_k.contiguous(), w, idx, probs.contiguous(), g, logits_ws, loss, d_iq, d_w, d_ik)
+            build_loss(di, grads, _device_target(dev), lse_given=lse_given)(
+                iq, index_k.contiguous(), w, idx, probs.contiguous(), g, logits_ws, lse, loss, d_iq, d_w, d_ik)
     if not grads:
         return loss, None
     if hp != hi:
@@ -732,7 +795,7 @@ def _run_loss(index_q, index_k, weights, idx, probs, grad_rows, deterministic=Fa
     return loss, (d_iq, d_ik, d_w)
 
 
-def _run_deterministic(iq, ik, w, idx, probs, g, logits_ws, loss, d_iq, d_w, d_ik):
+def _run_deterministic(iq, ik, w, idx, probs, g, logits_ws, lse, lse_given, loss, d_iq, d_w, d_ik):
     """The loss program with gradients, d_index_k bitwise reproducible: chunks of rows (a contribution
     buffer of at most _DET_BUDGET_BYTES) store each valid slot's d_index_k row, the slots' order by
     index_k row is sorted on a side stream meanwhile, and the reduce adds each index_k row's
@@ -741,7 +804,7 @@ def _run_deterministic(iq, ik, w, idx, probs, g, logits_ws, loss, d_iq, d_w, d_i
     t, kp = idx.shape
     tk, di = ik.shape
     target = _device_target(dev)
-    prog = build_loss(di, True, target, det=True)
+    prog = build_loss(di, True, target, det=True, lse_given=lse_given)
     red = build_reduce(di, 1, "float32", target)
     per_row = kp * di
     # int32 offsets inside the program: a chunk's contribution elements stay below 2**31
@@ -753,15 +816,24 @@ def _run_deterministic(iq, ik, w, idx, probs, g, logits_ws, loss, d_iq, d_w, d_i
         cb = contrib[: (t1 - t0) * kp]
         order_ready = slot_order_async(idx[t0:t1], tk, kp, 1)
         try:
-            prog(iq[t0:t1], ik, w[t0:t1], idx[t0:t1], probs[t0:t1], g[t0:t1], logits_ws[t0:t1], loss[t0:t1],
+            prog(iq[t0:t1], ik, w[t0:t1], idx[t0:t1], probs[t0:t1], g[t0:t1],
+                 logits_ws if lse_given else logits_ws[t0:t1], lse[t0:t1] if lse_given else lse, loss[t0:t1],
                  d_iq[t0:t1], d_w[t0:t1], cb)
         finally:
             rows, rowptr = order_ready()  # the side stream joins even when the launch raised
         red(cb, no_exps, rows, rowptr, d_ik, kp)
 
 
+def _check_index_lse(index_lse, t, device):
+    if index_lse is not None:
+        _check("index_lse", index_lse, (torch.float32,), 1, device)
+        if index_lse.shape[0] != t:
+            raise ValueError(f"index_lse must be [T={t}] (one lse of the indexer logits per query row), "
+                             f"got {tuple(index_lse.shape)}")
+
+
 def indexer_kl_loss_sparse(index_q, index_k, weights, q, kv, attn_lse, topk_indices, scale: float, sink=None,
-                           grad_rows=None, deterministic: bool = False):
+                           grad_rows=None, deterministic: bool = False, index_lse=None):
     """The standalone loss: the target recomputed from the attention inputs.
 
     index_q [T,Hi,Di] bf16, index_k [Tk,Di] bf16, weights [T,Hi] fp32, q [T,H,Dqk] bf16, kv [Tk,Dqk] bf16,
@@ -772,9 +844,12 @@ def indexer_kl_loss_sparse(index_q, index_k, weights, q, kv, attn_lse, topk_indi
     (d_index_q [T,Hi,Di] bf16, d_index_k [Tk,Di] fp32, d_weights [T,Hi] fp32), else None), where
     p[t,j] = sum_h exp(scale*<q[t,h],kv[idx_j]> - norm[t,h]) L1-normalised over valid slots.
     deterministic=True: d_index_k bitwise reproducible (per-slot rows summed in a fixed order, not fp32
-    atomics); the other results are so in either mode."""
+    atomics); the other results are so in either mode. index_lse [T] fp32 or None: logsumexp of the indexer
+    logits I over each row's valid slots (-inf for a row without one), as the indexer's forward saw them
+    (``indexer_topk(..., return_lse=True)``); with gradients the loss program then skips its first pass."""
     _check_indexer(index_q, index_k, weights, topk_indices, grad_rows)
     dev = index_q.device
+    _check_index_lse(index_lse, index_q.shape[0], dev)
     t, hi, di = index_q.shape
     _check("q", q, (torch.bfloat16,), 3, dev)
     _check("kv", kv, (torch.bfloat16,), 2, dev)
@@ -817,22 +892,23 @@ def indexer_kl_loss_sparse(index_q, index_k, weights, q, kv, attn_lse, topk_indi
         build_attn_probs(dqk, lse_pass, _device_target(dev))(q.contiguous(), kv.contiguous(), idx, norm, sink_t,
                                                              scale, P)
     P = P[0] if nhb == 1 else P.sum(0)
-    return _run_loss(index_q, index_k, weights, idx, P, grad_rows, deterministic)
+    return _run_loss(index_q, index_k, weights, idx, P, grad_rows, deterministic, index_lse)
 
 
 def indexer_kl_loss_from_probs(index_q, index_k, weights, topk_indices, attn_probs, grad_rows=None,
-                               deterministic: bool = False):
+                               deterministic: bool = False, index_lse=None):
     """The loss given its target (the fused path: the attention backward emits the target).
 
     index_q [T,Hi,Di] bf16, index_k [Tk,Di] bf16, weights [T,Hi] fp32, topk_indices [T,k] int32/int64
     global rows (-1 / out of range = no slot), attn_probs [T,k] fp32 (head sums of the attention
     probabilities of the slots, unnormalised), grad_rows [T] fp32 or None. Returns (loss_rows [T]
     fp32, and with grad_rows (d_index_q [T,Hi,Di] bf16, d_index_k [Tk,Di] fp32, d_weights [T,Hi]
-    fp32), else None). deterministic=True: d_index_k bitwise reproducible (as in
-    :func:`indexer_kl_loss_sparse`).
+    fp32), else None). deterministic=True: d_index_k bitwise reproducible and index_lse [T] fp32 (the
+    first pass skipped) as in :func:`indexer_kl_loss_sparse`.
     """
     _check_indexer(index_q, index_k, weights, topk_indices, grad_rows)
     dev = index_q.device
+    _check_index_lse(index_lse, index_q.shape[0], dev)
     t, hi, di = index_q.shape
     _check("attn_probs", attn_probs, (torch.float32,), 2, dev)
     if tuple(attn_probs.shape) != tuple(topk_indices.shape):
@@ -846,4 +922,4 @@ def indexer_kl_loss_from_probs(index_q, index_k, weights, topk_indices, attn_pro
     probs = torch.where(valid, attn_probs, 0.0)  # invalid slots carry nothing, whatever the caller passed
     if kp != k:
         probs = torch.nn.functional.pad(probs, (0, kp - k))
-    return _run_loss(index_q, index_k, weights, idx, probs, grad_rows, deterministic)
+    return _run_loss(index_q, index_k, weights, idx, probs, grad_rows, deterministic, index_lse)

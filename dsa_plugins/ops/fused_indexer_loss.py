@@ -49,6 +49,8 @@ class FusedIndexerLoss:
     target_group (optional): a process group whose ranks hold the other heads of the same rows
     (tensor parallelism): the head-summed probabilities are all-reduced over it before they are
     normalised, so every rank computes the loss of all heads.
+    index_lse [T] (optional): the logsumexp of each row's selected indexer scores
+    (``indexer_topk(..., return_lse=True)``): the loss kernel then skips its own pass over the logits.
     Made inside torch.autocast, float32 index_q and index_k are kept in the autocast dtype (the dtype the
     indexer scored them in), so the loss runs on the kernels as the attention does.
     """
@@ -56,7 +58,7 @@ class FusedIndexerLoss:
     def __init__(self, index_q: Tensor, index_k: Tensor, weights: Tensor,
                  weight: Union[float, Callable[[], Union[float, Tensor]]] = 1.0,
                  on_value: Union[Callable[[Tensor], None], None] = None,
-                 row_weights: Union[Tensor, None] = None, target_group=None):
+                 row_weights: Union[Tensor, None] = None, target_group=None, index_lse: Union[Tensor, None] = None):
         check_tensor("index_q", index_q, ndim=3, dtypes=FLOAT_DTYPES)
         index_q, index_k = autocast_floats(index_q, index_k)
         t, hi, di = index_q.shape
@@ -68,6 +70,10 @@ class FusedIndexerLoss:
         if row_weights is not None:
             check_tensor("row_weights", row_weights, ndim=1, dtypes=FLOAT_DTYPES, device=index_q.device, shape={0: t},
                          unit_stride=False)
+        if index_lse is not None:
+            check_tensor("index_lse", index_lse, ndim=1, dtypes=FLOAT_DTYPES, device=index_q.device, shape={0: t})
+            index_lse = index_lse.detach().float()
+        self.index_lse = index_lse
         self.weight = weight
         self.row_weights = row_weights
         self.target_group = target_group
@@ -114,7 +120,8 @@ def _loss_and_grads(loss: FusedIndexerLoss, probs: Tensor, rows: Tensor, backend
         grad_rows = (weight * rows_w).float().contiguous()
         loss_rows, (d_iq, d_ik, d_w) = indexer_kl_loss_from_probs(
             iq.contiguous(), ik.contiguous(), w.float().contiguous(), rows, probs.float().contiguous(), grad_rows,
-            deterministic=deterministic)
+            deterministic=deterministic,
+            index_lse=None if loss.index_lse is None else loss.index_lse.contiguous())
         return (loss_rows * rows_w).sum(), d_iq, d_ik, d_w
     with torch.enable_grad():
         leaves = [x.requires_grad_() for x in (iq.clone(), ik.clone(), w.clone())]

@@ -50,6 +50,28 @@ def _(index_q, index_k, weights, key_start, key_end, topk, backend, index_k_scal
     return index_q.new_empty(index_q.shape[0], topk, dtype=torch.int32)
 
 
+@torch.library.custom_op("dsa_plugins::indexer_topk_lse", mutates_args=())
+def _indexer_topk_lse_op(
+    index_q: Tensor, index_k: Tensor, weights: Tensor, key_start: Tensor, key_end: Tensor, topk: int, backend: str,
+    index_k_scale: Tensor | None = None, rows_per_entry: int = 0, keys_per_entry: int = 0,
+) -> tuple[Tensor, Tensor]:
+    # indexer_topk plus the logsumexp of each row's selected scores (the indexer loss's lse(I))
+    reason = kernel_shape_reason("indexer_topk", num_heads=index_q.shape[1], head_dim=index_q.shape[2], topk=topk,
+                                 dtype=index_q.dtype)
+    if choose_kernel(backend, "indexer_topk", (index_q, index_k), reason):
+        entries = (rows_per_entry, keys_per_entry) if rows_per_entry > 0 else None
+        return load_kernel("indexer_topk")(index_q, index_k, weights, key_start, key_end, topk,
+                                           index_k_scale=index_k_scale, entries=entries, return_lse=True)
+    return indexer_topk_reference(index_q, index_k, weights, topk, key_start, key_end, index_k_scale, return_lse=True)
+
+
+@_indexer_topk_lse_op.register_fake
+def _(index_q, index_k, weights, key_start, key_end, topk, backend, index_k_scale=None, rows_per_entry=0,
+      keys_per_entry=0):
+    return (index_q.new_empty(index_q.shape[0], topk, dtype=torch.int32),
+            index_q.new_empty(index_q.shape[0], dtype=torch.float32))
+
+
 def quantize_indexer_fp8(index_q: Tensor, index_k: Tensor, weights: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """fp8 inputs for :func:`indexer_topk`, as DeepSeek-V3.2 inference quantises them.
 
@@ -79,8 +101,8 @@ def _check_windows(key_start, key_end, tq: int, tk: int, device) -> tuple[Tensor
 
 def indexer_topk(
     index_q: Tensor, index_k: Tensor, weights: Tensor, topk: int, key_start: Tensor, key_end: Tensor,
-    backend: str | None = None, index_k_scale: Tensor | None = None,
-) -> Tensor:
+    backend: str | None = None, index_k_scale: Tensor | None = None, return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Top-k keys of the lightning indexer within each query's window.
 
     Packed: index_q [T, Hi, Di] bf16 (rope applied); index_k [Tk, Di] same dtype; weights [T, Hi] float32
@@ -97,16 +119,22 @@ def indexer_topk(
     selection does not depend on batching, padding, chunking or context-parallel shards. The order
     of the selected keys inside a row is unspecified (compare as sets). Inside torch.autocast, float32
     index_q and index_k are scored in the autocast dtype (weights stay float32).
+    return_lse=True: returns (rows, lse), lse [T] (batched: [B, S]) float32 the logsumexp of each row's
+    selected scores (-inf for a row without a key): pass it to the sparse indexer KL loss
+    (``indexer_kl_loss(..., index_lse=lse)`` or ``FusedIndexerLoss(..., index_lse=lse)``), which then
+    skips its own pass over the logits.
     """
     index_q, index_k = autocast_floats(index_q, index_k)
     check_tensor("index_q", index_q, ndim=(3, 4), dtypes=FLOAT_DTYPES + FP8_DTYPES)
     if index_q.dim() == 4:
-        return _batched_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, backend, index_k_scale)
-    return _packed_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, backend, index_k_scale)
+        return _batched_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, backend, index_k_scale,
+                                     return_lse)
+    return _packed_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, backend, index_k_scale,
+                                return_lse=return_lse)
 
 
 def _packed_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, backend, index_k_scale,
-                         entries: tuple[int, int] = (0, 0)):
+                         entries: tuple[int, int] = (0, 0), return_lse: bool = False):
     """The packed layout: checks, then the custom op. ``entries`` (rows, keys) per batch entry when the
     rows come from the batched layout (each window inside its entry's keys), else (0, 0)."""
     device = index_q.device
@@ -129,13 +157,15 @@ def _packed_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, ba
         raise ValueError(f"topk must be >= 1, got {topk}")
     key_start, key_end = _check_windows(key_start, key_end, tq, index_k.shape[0], device)
     weights = weights.float() if weights.dtype != torch.float64 else weights
-    return torch.ops.dsa_plugins.indexer_topk(
+    op = torch.ops.dsa_plugins.indexer_topk_lse if return_lse else torch.ops.dsa_plugins.indexer_topk
+    return op(
         index_q.contiguous(), index_k.contiguous(), weights.contiguous(), key_start, key_end, topk,
         resolve_backend(backend), index_k_scale, *entries,
     )
 
 
-def _batched_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, backend, index_k_scale):
+def _batched_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, backend, index_k_scale,
+                          return_lse: bool = False):
     """The batched layout through the packed one: batch entry b's keys become rows b * Tk + j."""
     b, s, hi, di = index_q.shape
     device = index_q.device
@@ -149,12 +179,14 @@ def _batched_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, b
     base = (torch.arange(b, device=device, dtype=torch.int32) * tk)[:, None]  # [B, 1]
     end = key_end.to(torch.int32).clamp(0, tk).expand(b, s)
     start = torch.minimum(key_start.to(torch.int32).clamp(0, tk).expand(b, s), end)
-    rows = _packed_indexer_topk(
+    result = _packed_indexer_topk(
         index_q.reshape(b * s, hi, di), index_k.reshape(b * tk, di), weights.reshape(b * s, hi), topk,
         (start + base).reshape(-1), (end + base).reshape(-1), backend,
-        None if index_k_scale is None else index_k_scale.reshape(b * tk), entries=(s, tk),
-    ).view(b, s, -1)
-    return torch.where(rows >= 0, rows - base[..., None], rows) if b > 1 else rows
+        None if index_k_scale is None else index_k_scale.reshape(b * tk), entries=(s, tk), return_lse=return_lse,
+    )
+    rows = (result[0] if return_lse else result).view(b, s, -1)
+    rows = torch.where(rows >= 0, rows - base[..., None], rows) if b > 1 else rows
+    return (rows, result[1].view(b, s)) if return_lse else rows
 
 
 def tilelang_indexer_topk(
@@ -209,7 +241,7 @@ def indexer_kl_loss(
     index_q: Tensor, index_k: Tensor, weights: Tensor, q: Tensor, kv: Tensor, attn_lse: Tensor | None,
     scale: float, topk_indices: Tensor | None = None, key_start: Tensor | None = None,
     key_end: Tensor | None = None, sink: Tensor | None = None, backend: str | None = None,
-    row_weights: Tensor | None = None,
+    row_weights: Tensor | None = None, index_lse: Tensor | None = None,
 ) -> Tensor:
     """DeepSeek-V3.2 indexer loss KL(p_attn || softmax(I)), mean over query rows (packed layout).
 
@@ -225,6 +257,9 @@ def indexer_kl_loss(
     reference; the dense warm-up loss goes through the kernels in chunks of rows whose windows
     become left-aligned slot lists (:func:`dense_loss_chunks`), never [T, T] at once.
     Inside torch.autocast, float32 index_q, index_k, q and kv run in the autocast dtype.
+    index_lse [T] (sparse stage, optional): the logsumexp of each row's selected indexer scores, as
+    ``indexer_topk(..., return_lse=True)`` returns it; the kernels then skip their own pass over the
+    logits (the torch reference recomputes it).
     """
     index_q, index_k, q, kv = autocast_floats(index_q, index_k, q, kv)
     check_tensor("index_q", index_q, ndim=3, dtypes=FLOAT_DTYPES)
@@ -259,13 +294,19 @@ def indexer_kl_loss(
                                  index_heads=index_q.shape[1], index_dim=index_q.shape[2], dtype=index_q.dtype)
     if row_weights is not None:
         check_tensor("row_weights", row_weights, ndim=1, dtypes=FLOAT_DTYPES, device=device, shape={0: t})
+    if index_lse is not None:
+        if topk_indices is None:
+            raise ValueError("index_lse goes with topk_indices (the sparse stage): the dense warm-up's windows have "
+                             "no top-k scores")
+        check_tensor("index_lse", index_lse, ndim=1, dtypes=FLOAT_DTYPES, device=device, shape={0: t})
+        index_lse = index_lse.detach().float().contiguous()
     if choose_kernel(resolve_backend(backend), "indexer_kl_loss", (index_q, index_k, q, kv), reason):
         return _IndexerKLLossKernel.apply(
             index_q, index_k, weights.float(), q.detach(), kv.detach(),
             None if attn_lse is None else attn_lse.detach().float(),
             None if topk_indices is None else topk_indices.contiguous(), key_start, key_end,
             scale, None if sink is None else sink.detach().float(),
-            None if row_weights is None else row_weights.detach().float(), deterministic_enabled(),
+            None if row_weights is None else row_weights.detach().float(), deterministic_enabled(), index_lse,
         )
     return indexer_kl_loss_reference(
         index_q, index_k, weights, q, kv, attn_lse, scale, topk_indices, key_start, key_end, sink,
@@ -314,7 +355,7 @@ class _IndexerKLLossKernel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, index_q, index_k, weights, q, kv, attn_lse, topk_indices, key_start, key_end, scale, sink,
-                row_weights, deterministic):
+                row_weights, deterministic, index_lse=None):
         t = index_q.shape[0]
         wants_grad = any(ctx.needs_input_grad[:3])
         factor = row_weights if row_weights is not None else torch.full((t,), 1.0 / max(t, 1), device=index_q.device)
@@ -323,7 +364,7 @@ class _IndexerKLLossKernel(torch.autograd.Function):
             rows, grads = loss_rows(
                 index_q.contiguous(), index_k.contiguous(), weights.contiguous(), q.contiguous(), kv.contiguous(),
                 attn_lse, topk_indices, scale, sink, grad_rows=factor if wants_grad else None,
-                deterministic=deterministic,
+                deterministic=deterministic, index_lse=index_lse,
             )
         else:
             rows, grads = _dense_loss_rows(loss_rows, index_q.contiguous(), index_k.contiguous(),
@@ -339,7 +380,7 @@ class _IndexerKLLossKernel(torch.autograd.Function):
         ctx.grads = None
         g = grad.float()
         dt_q, dt_k, dt_w = ctx.dtypes
-        return ((d_iq.float() * g).to(dt_q), (d_ik * g).to(dt_k), (d_w * g).to(dt_w)) + (None,) * 10
+        return ((d_iq.float() * g).to(dt_q), (d_ik * g).to(dt_k), (d_w * g).to(dt_w)) + (None,) * 11
 
 
 def _dense_loss_rows(loss_rows, index_q, index_k, weights, q, kv, attn_lse, key_start, key_end, scale, sink,

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..common.indices import selected_lse
+
 _CHUNK_ELEMS = 1 << 26  # elements of the [chunk, Hi, span] product one chunk may hold
 
 
@@ -96,14 +98,17 @@ def topk_rows_reference(scores: torch.Tensor, lengths: torch.Tensor | None, topk
     return out
 
 
-def indexer_topk_reference(index_q, index_k, weights, topk: int, key_start, key_end, index_k_scale=None) -> torch.Tensor:
+def indexer_topk_reference(index_q, index_k, weights, topk: int, key_start, key_end, index_k_scale=None,
+                           return_lse: bool = False):
     """[Tq, topk] int32 global key rows of the topk largest scores in each window, sorted by score
     descending (ties: the lowest row first), -1 where the window holds fewer than topk keys.
-    index_k_scale [Tk]: per-key scales of fp8 keys (see indexer_scores)."""
+    index_k_scale [Tk]: per-key scales of fp8 keys (see indexer_scores). return_lse: also the
+    logsumexp of each row's selected scores ([Tq] fp32, -inf for an empty row): (rows, lse)."""
     tq, hi, _ = index_q.shape
     out = torch.full((tq, topk), -1, dtype=torch.int32, device=index_q.device)
+    lse = torch.full((tq,), float("-inf"), dtype=torch.float32, device=index_q.device)
     if tq == 0:
-        return out
+        return (out, lse) if return_lse else out
     starts, ends = key_start.long(), key_end.long()
     # One host sync per call for the key spans; acceptable for the reference path.
     lo_all, hi_all = starts.cpu(), ends.cpu()
@@ -122,8 +127,10 @@ def indexer_topk_reference(index_q, index_k, weights, topk: int, key_start, key_
             scores = indexer_scores(index_q[sl], index_k, weights[sl], starts[sl], ends[sl], lo, hi_, index_k_scale)
             local = topk_rows_reference(scores, None, topk)
             out[sl] = torch.where(local >= 0, local + lo, local)
+            if return_lse:
+                lse[sl] = selected_lse(scores, local)
         t += c
-    return out
+    return (out, lse) if return_lse else out
 
 
 def quantize_fp8_rows(x: torch.Tensor, name: str = "x") -> tuple[torch.Tensor, torch.Tensor]:

@@ -409,3 +409,28 @@ def test_indexer_generation_step_is_graph_capturable(monkeypatch):
     ks = (rows * tk).int()
     sel = torch.where(eager[rows, 0] >= 0, eager[rows, 0] + ks[:, None], -1)
     check_indexer_rows(sel, q[rows, 0], flat_k, w[rows, 0], ks, ks + end[rows, 0].int(), k)
+
+
+@pytest.mark.parametrize("budget", [None, 1 << 20])
+def test_indexer_selected_lse(budget):
+    """return_lse: each row's logsumexp over the scores of the keys it selected (float64 scores of the returned
+    rows), -inf for an empty window; the rows are those of the plain call; one chunk or many."""
+    Tk, rows, k = 3000, 500, 300
+    q, kk, w = make_inputs(rows, Tk, 64, 128, seed=9)
+    g = torch.Generator(device="cuda").manual_seed(10)
+    a = torch.randint(0, Tk, (rows,), device="cuda", generator=g)
+    b = torch.randint(0, Tk + 1, (rows,), device="cuda", generator=g)
+    ks, ke = torch.minimum(a, b).int(), torch.maximum(a, b).int()
+    ke[:4] = ks[:4]  # empty windows
+    ke[4:8] = ks[4:8] + 5  # fewer keys than k: -1 slots
+    extra = {} if budget is None else {"max_chunk_bytes": budget}
+    out, lse = K.indexer_topk(q, kk, w, ks, ke, k, return_lse=True, **extra)
+    assert torch.equal(out, K.indexer_topk(q, kk, w, ks, ke, k, **extra))
+    assert lse.shape == (rows,) and lse.dtype == torch.float32
+    s = ref_scores(q, kk, w, torch.arange(rows, device="cuda"), 0, Tk)
+    picked = s.gather(1, out.long().clamp(min=0)).masked_fill(out < 0, float("-inf"))
+    want = torch.logsumexp(picked, 1)
+    assert bool((lse[:4] == float("-inf")).all())
+    assert torch.isfinite(lse[4:]).all()
+    err = (lse[4:].double() - want[4:]).abs().max().item()
+    assert err <= 1e-5 * max(1.0, want[4:].abs().max().item()), f"lse max abs err {err:.3e}"

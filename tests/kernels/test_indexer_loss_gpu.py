@@ -55,8 +55,9 @@ def _precompile():
     target = K._device_target(torch.device("cuda"))
     cfgs = [{"kind": "attn_probs", "dim": d, "lse_pass": lp} for d, lp in {(c[5], not c[6]) for c in CASES}]
     dims = {128} | {c[4] for c in FROM_PROBS_CASES}
-    cfgs += [{"kind": "loss", "heads": 64, "dim": di, "grads": g, "det": det}
-             for di in dims for g, det in ((True, False), (False, False), (True, True))]
+    cfgs += [{"kind": "loss", "heads": 64, "dim": di, "grads": g, "det": det, "lse_given": lg}
+             for di in dims for g, det, lg in ((True, False, False), (False, False, False), (True, True, False),
+                                               (True, False, True), (True, True, True))]
     with ThreadPoolExecutor(len(cfgs) + len(dims)) as ex:
         done = [ex.submit(K.build_config, c, target) for c in cfgs]
         done += [ex.submit(build_reduce, di, 1, "float32", target) for di in dims]
@@ -302,3 +303,77 @@ def test_deterministic_d_index_k_standalone_and_nan():
     _, (_, nan0, _) = K.indexer_kl_loss_sparse(**inp, grad_rows=g)
     _, (_, nan1, _) = K.indexer_kl_loss_sparse(**inp, grad_rows=g, deterministic=True)
     assert bool(nan0.isnan().any()) and torch.equal(nan0.isnan(), nan1.isnan())
+
+
+def _index_lse(iq, ik, w, idx):
+    """float64 lse of the indexer logits over each row's valid slots (duplicates counted as often as they
+    appear, like the loss's softmax), -inf for a row without one: what indexer_topk(return_lse=True) gives."""
+    tk = ik.shape[0]
+    valid = (idx >= 0) & (idx < tk)
+    rows = ik.double()[idx.long().clamp(0, tk - 1)]  # [t, k, di]
+    logits = (torch.einsum("thd,tkd->thk", iq.double(), rows).relu() * w.double()[:, :, None]).sum(1)
+    return torch.logsumexp(logits.masked_fill(~valid, float("-inf")), -1)
+
+
+@pytest.mark.parametrize("det", [False, True])
+@pytest.mark.parametrize("case", FROM_PROBS_CASES, ids=lambda c: f"T{c[0]}-k{c[1]}-Tk{c[2]}-Hi{c[3]}-Di{c[4]}-{c[5]}")
+def test_loss_with_index_lse_skips_pass_one(case, det):
+    """index_lse given (the indexer's forward computed it): one pass over the slots. Loss rows and gradients
+    agree with the two-pass program (the same math; I_j rounded in another order) and with float64; rows
+    without a slot stay exactly 0; and the given lse is what the program uses (a shifted lse shifts each
+    loss row with a target by exactly that much)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()) % (2**31) + 2)
+    t, k, tk = case[:3]
+    iq, ik, w, idx, probs, g = _from_probs_inputs(*case, gen)
+    lse = _index_lse(iq, ik, w, idx)
+    loss0, (d_iq0, d_ik0, d_w0) = K.indexer_kl_loss_from_probs(iq, ik, w, idx, probs, g, deterministic=det)
+    loss, (d_iq, d_ik, d_w) = K.indexer_kl_loss_from_probs(iq, ik, w, idx, probs, g, deterministic=det,
+                                                          index_lse=lse.float())
+    torch.cuda.synchronize()
+    for name, x in (("loss", loss), ("d_index_q", d_iq), ("d_index_k", d_ik), ("d_weights", d_w)):
+        _finite(name, x)
+    valid = (idx >= 0) & (idx < tk)
+    empty = ~valid.any(1)
+    assert bool(empty.any()) and bool((loss[empty] == 0).all()) and bool((d_iq[empty] == 0).all())
+    assert bool((d_w[empty] == 0).all())
+    err = (loss - loss0).abs().max().item()
+    assert err <= 2e-5 * max(1.0, loss0.abs().max().item()), f"loss rows vs two passes: max abs err {err:.3e}"
+    for name, got, want in (("d_weights", d_w, d_w0), ("d_index_q", d_iq, d_iq0), ("d_index_k", d_ik, d_ik0)):
+        tol = 1e-4 if name != "d_index_q" else 1e-2  # d_index_q is bf16 (one rounding step apart)
+        assert rel_err(got, want) < tol, f"{name} vs two passes: rel err {rel_err(got, want):.3e}"
+    if det:
+        again = K.indexer_kl_loss_from_probs(iq, ik, w, idx, probs, g, deterministic=True, index_lse=lse.float())
+        assert torch.equal(again[1][1], d_ik), "d_index_k differs between two deterministic runs"
+    leaves = [x.double().requires_grad_() for x in (iq, ik, w)]
+    rows_idx = torch.where(valid, idx.long(), -1)
+    total = 0
+    for r in range(t):
+        v = indexer_kl_loss_reference(leaves[0][r:r + 1], leaves[1], leaves[2][r:r + 1], None, None, None, None,
+                                      topk_indices=rows_idx[r:r + 1], attn_probs=probs[r:r + 1].double())
+        total = total + v * g[r].double()
+    total.backward()
+    for name, got, want in (("d_weights", d_w, leaves[2].grad), ("d_index_q", d_iq, leaves[0].grad),
+                            ("d_index_k", d_ik, leaves[1].grad)):
+        tol = 2e-3 if name == "d_weights" else 2e-2
+        assert rel_err(got, want) < tol, f"{name} vs float64: rel err {rel_err(got, want):.3e}"
+    shifted, _ = K.indexer_kl_loss_from_probs(iq, ik, w, idx, probs, g, index_lse=(lse + 1.0).float())
+    has_target = valid.any(1) & (torch.where(valid, probs, 0.0).sum(1) > 0)
+    assert bool(has_target.any())
+    assert torch.allclose(shifted[has_target] - loss[has_target], torch.ones_like(loss[has_target]), atol=1e-4)
+
+
+def test_standalone_loss_with_index_lse():
+    """The standalone loss (target recomputed from the attention inputs) takes index_lse the same way."""
+    case = CASES[3]
+    gen = torch.Generator().manual_seed(13)
+    inp = make_inputs(*case, gen)
+    t = case[0]
+    g = (torch.rand(t, generator=gen) + 0.5).cuda() / t
+    lse = _index_lse(inp["index_q"], inp["index_k"], inp["weights"], inp["topk_indices"]).float()
+    loss0, grads0 = K.indexer_kl_loss_sparse(**inp, grad_rows=g)
+    loss, grads = K.indexer_kl_loss_sparse(**inp, grad_rows=g, index_lse=lse)
+    assert (loss - loss0).abs().max().item() <= 2e-5 * max(1.0, loss0.abs().max().item())
+    for got, want, tol in zip(grads, grads0, (1e-2, 1e-4, 1e-4)):
+        assert rel_err(got, want) < tol
+    with pytest.raises(ValueError, match="index_lse must be"):
+        K.indexer_kl_loss_sparse(**inp, grad_rows=g, index_lse=lse[:-1])

@@ -140,6 +140,38 @@ def test_indexer_kl_loss_op_sparse_and_dense():
         ops.indexer_kl_loss(iq, ik, w, q, kv, None, 0.4)
 
 
+def test_indexer_topk_return_lse():
+    """return_lse: the rows of the plain call and each row's logsumexp over the scores of its selected keys
+    (-inf for an empty window); batched: [B, S]; the op's fake and real outputs agree (opcheck); the loss
+    takes it (sparse stage only) and a wrong shape is named."""
+    iq, ik, w = _indexer_inputs(10, seed=4)
+    start, end = ops.causal_key_windows(torch.tensor([0, 10]))
+    end = end.clone()
+    end[3] = start[3]  # an empty window
+    rows, lse = ops.indexer_topk(iq, ik, w, 4, start, end, return_lse=True)
+    assert torch.equal(rows, ops.indexer_topk(iq, ik, w, 4, start, end))
+    scores = indexer_scores(iq, ik, w, start, end)
+    want = torch.logsumexp(scores.gather(1, rows.long().clamp(min=0)).masked_fill(rows < 0, float("-inf")), 1)
+    assert lse.dtype == torch.float32 and lse[3] == float("-inf")
+    torch.testing.assert_close(lse, want.float())
+    torch.library.opcheck(torch.ops.dsa_plugins.indexer_topk_lse.default, (iq, ik, w, start, end, 4, "torch"))
+    b_rows, b_lse = ops.indexer_topk(iq.view(2, 5, 4, 8), ik.view(2, 5, 8), w.view(2, 5, 4), 3,
+                                     torch.zeros(5, dtype=torch.int32), torch.arange(1, 6, dtype=torch.int32),
+                                     return_lse=True)
+    assert b_rows.shape == (2, 5, 3) and b_lse.shape == (2, 5) and torch.isfinite(b_lse).all()
+    t, h, d = 10, 2, 6
+    g = torch.Generator().manual_seed(1)
+    q, kv = torch.randn(t, h, d, generator=g), torch.randn(t, d, generator=g)
+    loss = ops.indexer_kl_loss(iq, ik, w, q, kv, None, 0.4, topk_indices=rows, index_lse=lse)
+    torch.testing.assert_close(loss, ops.indexer_kl_loss(iq, ik, w, q, kv, None, 0.4, topk_indices=rows))
+    with pytest.raises(ValueError, match="index_lse"):
+        ops.indexer_kl_loss(iq, ik, w, q, kv, None, 0.4, topk_indices=rows, index_lse=lse[:-1])
+    with pytest.raises(ValueError, match="index_lse goes with topk_indices"):
+        ops.indexer_kl_loss(iq, ik, w, q, kv, None, 0.4, key_start=start, key_end=end, index_lse=lse)
+    with pytest.raises(ValueError, match="index_lse"):
+        ops.FusedIndexerLoss(iq, ik, w, index_lse=lse[None])
+
+
 def test_windows_may_be_broadcast_views():
     """key_start/key_end built with expand() (stride 0), as adapters do for one batch row."""
     iq, ik, w = _indexer_inputs(6)

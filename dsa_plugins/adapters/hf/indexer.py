@@ -41,12 +41,15 @@ def indexer_cache(bound: dict):
 
 
 def select_topk(
-    indexer, q: torch.Tensor, k_new: torch.Tensor, weights: torch.Tensor, mask: LazyMask, past_key_values
-) -> torch.Tensor:
+    indexer, q: torch.Tensor, k_new: torch.Tensor, weights: torch.Tensor, mask: LazyMask, past_key_values,
+    return_lse: bool = False,
+):
     """Shared tail of every V3.2-family indexer: cache, windows, ``indexer_topk``, mask -> -1.
 
     q [B, S, Hi, Di] (rope applied), k_new [B, S, Di], weights [B, S, Hi] fp32 with every scale
     folded in. Returns [B, S, min(index_topk, T)] int32 key columns, -1 where none / forbidden.
+    ``return_lse`` (the indexer loss): (columns, lse [B * S] fp32 of each row's selected scores, or None
+    when the mask took slots away: then it no longer matches the selection and the loss recomputes it).
     """
     k = past_key_values.update_indexer(k_new, indexer.layer_idx) if past_key_values is not None else k_new
     B, S = q.shape[:2]
@@ -55,10 +58,16 @@ def select_topk(
     start, end = mask.windows()
     end = end.clamp(max=T)
     start = torch.minimum(start, end)
-    local = ops.indexer_topk(q, k.to(q.dtype), weights, min(int(indexer.index_topk), T), start, end)
+    local = ops.indexer_topk(q, k.to(q.dtype), weights, min(int(indexer.index_topk), T), start, end,
+                             return_lse=return_lse)
+    lse = None
+    if return_lse:
+        local, lse = local[0], local[1].reshape(-1)
     # indexer_topk only returns keys inside each row's window; the mask is needed for holes only.
     # Asking whether there are holes reads a flag on the host (a sync, and a break in a compiled
     # graph): generation steps (few rows) and compiled graphs apply the mask instead.
     if mask.padding is not None and (S <= _ALWAYS_MASK_ROWS or torch.compiler.is_compiling()):
-        return mask_indices(local, mask)
-    return mask_indices(local, mask) if mask.has_holes() else local
+        local, lse = mask_indices(local, mask), None
+    elif mask.has_holes():
+        local, lse = mask_indices(local, mask), None
+    return (local, lse) if return_lse else local

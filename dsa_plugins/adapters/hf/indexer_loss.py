@@ -141,11 +141,12 @@ def loss_handle(indexer: torch.nn.Module, mask, query_rows: int) -> IndexerLossH
 
 
 def stash_loss(indexer: torch.nn.Module, handle: IndexerLossHandle, q: torch.Tensor, k: torch.Tensor,
-               w: torch.Tensor, mask) -> None:
+               w: torch.Tensor, mask, index_lse: torch.Tensor | None = None) -> None:
     """Keep the loss inputs of this forward for the attention call that follows.
 
     q [B, S, Hi, Di], k [B, S, Di], w [B, S, Hi] fp32 (with gradients, inputs detached from the model);
-    padded query rows get no weight, every real row 1 / (number of real rows)."""
+    padded query rows get no weight, every real row 1 / (number of real rows). index_lse [B * S]: the
+    selection's logsumexp from ``select_topk`` (None: the loss computes it)."""
     b, s, hi, di = q.shape
     pad = mask.local_padding()
     row_weights = None
@@ -153,7 +154,8 @@ def stash_loss(indexer: torch.nn.Module, handle: IndexerLossHandle, q: torch.Ten
         real = pad.reshape(-1).to(torch.float32)
         row_weights = real / real.sum().clamp_min(1.0)
     loss = ops.FusedIndexerLoss(q.reshape(b * s, hi, di), k.reshape(b * s, di), w.reshape(b * s, hi),
-                                weight=handle.weight, on_value=handle._record, row_weights=row_weights)
+                                weight=handle.weight, on_value=handle._record, row_weights=row_weights,
+                                index_lse=index_lse)
     setattr(indexer, _PENDING_ATTR, loss)
 
 

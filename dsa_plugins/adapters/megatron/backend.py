@@ -67,13 +67,16 @@ def _batch_major(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(0, 1).contiguous()
 
 
-def _select(q, k, weights, index_topk: int, starts, ends) -> torch.Tensor:
+def _select(q, k, weights, index_topk: int, starts, ends, return_lse: bool = False):
     """Top-k key positions [b, sq, K] int32 (-1 padded) for q [sq, b, nh, hd], k [skv, b, hd],
-    weights [sq, b, nh] and windows ``starts``/``ends`` [sq] shared by the batch."""
+    weights [sq, b, nh] and windows ``starts``/``ends`` [sq] shared by the batch. ``return_lse``: also
+    the logsumexp of each row's selected scores, [b * sq] fp32 (batch-major like the loss's rows), which
+    spares the sparse indexer loss its own pass over the logits."""
     skv = k.shape[0]
     with torch.no_grad():
-        return ops.indexer_topk(_batch_major(q), _batch_major(k).to(q.dtype), _batch_major(weights),
-                                min(int(index_topk), skv), starts, ends)
+        result = ops.indexer_topk(_batch_major(q), _batch_major(k).to(q.dtype), _batch_major(weights),
+                                  min(int(index_topk), skv), starts, ends, return_lse=return_lse)
+    return (result[0], result[1].reshape(-1)) if return_lse else result
 
 
 def _tp_group(pg_collection):
@@ -176,7 +179,12 @@ def run_fused_dsa_attention(*, config, query, key, value, up_v_weight, q_indexer
     if dense_loss and _tp_group(pg_collection) is not None:
         return _decline("the dense indexer loss under tensor parallelism is not supported")
     sq, b, np_, _ = query.shape
-    topk = _select(q_indexer, k_indexer, indexer_weights, indexer_topk, varlen_starts, varlen_ends)
+    index_lse = None
+    if loss_coeff > 0 and not dense_loss:
+        topk, index_lse = _select(q_indexer, k_indexer, indexer_weights, indexer_topk, varlen_starts, varlen_ends,
+                                  return_lse=True)
+    else:
+        topk = _select(q_indexer, k_indexer, indexer_weights, indexer_topk, varlen_starts, varlen_ends)
     if dense_loss:  # warm-up: sparse attention, the indexer loss over every key of the windows
         latent = _attention(query, key, topk, softmax_scale, up_v_weight.shape[-1])
         output = torch.einsum("sbhc,hdc->sbhd", latent, up_v_weight.to(latent.dtype)).reshape(sq, b, -1)
@@ -195,7 +203,7 @@ def run_fused_dsa_attention(*, config, query, key, value, up_v_weight, q_indexer
             weight=_loss_scale(float(loss_coeff)),
             on_value=None if layer is None else _log_to_tracker(layer, float(loss_coeff)),
             row_weights=_row_weights(query_valid_rows, b, sq, calculate_per_token_loss, query.device),
-            target_group=_tp_group(pg_collection),
+            target_group=_tp_group(pg_collection), index_lse=index_lse,
         )
         if layer is None:
             warn_once("megatron-backend:no-layer", "dsa_plugins megatron backend: DSAttention.forward is not "
@@ -228,13 +236,14 @@ def run_fused_qk_topk_with_loss(config, q, k, weights, index_topk, starts, ends,
     sq, b = q.shape[:2]
     if _tp_group(pg_collection) is not None or key.shape[2] != 1:
         return None  # the standalone op has no TP group (the full hook all-reduces the target)
-    topk = _select(q, k, weights, index_topk, starts, ends)
+    topk, index_lse = _select(q, k, weights, index_topk, starts, ends, return_lse=True)
     skv = k.shape[0]
     base = (torch.arange(b, device=q.device, dtype=torch.int32) * skv).view(b, 1, 1)
     rows = torch.where(topk >= 0, topk + base, -1).reshape(b * sq, -1)
     kl = ops.indexer_kl_loss(*_packed_loss_inputs(q, k, weights, query, key), None, softmax_scale,
                              topk_indices=rows,
-                             row_weights=_row_weights(query_valid_rows, b, sq, calculate_per_token_loss, q.device))
+                             row_weights=_row_weights(query_valid_rows, b, sq, calculate_per_token_loss, q.device),
+                             index_lse=index_lse)
     return topk, None, kl * float(loss_coeff)
 
 

@@ -107,8 +107,8 @@ def _wrap_indexer_forward(original: Callable, project: Callable) -> Callable:
         q, k, w = project(self, a["hidden_states"].detach(), None if q_resid is None else q_resid.detach(),
                           a["position_embeddings"], a.get("position_ids"))
         with torch.no_grad():
-            selected = select_topk(self, q.detach(), k.detach(), w.detach(), mask, cache)
-        stash_loss(self, handle, q, k, w, mask)
+            selected, index_lse = select_topk(self, q.detach(), k.detach(), w.detach(), mask, cache, return_lse=True)
+        stash_loss(self, handle, q, k, w, mask, index_lse)
         return selected
 
     setattr(forward, SERVED_MARKER, True)  # enable_indexer_loss serves this indexer
