@@ -78,6 +78,14 @@ def main(argv=None):
     ks, ke = torch.zeros_like(ar), ar + 1
     ms_index = median_ms(lambda: ops.indexer_topk(iq, ik, w, k, ks, ke, backend="tilelang"))
     add("indexer_fwd (indexer + top-k op)", ms_index)
+    ms_index_lse = median_ms(lambda: ops.indexer_topk(iq, ik, w, k, ks, ke, backend="tilelang", return_lse=True))
+    add("indexer_fwd with return_lse", ms_index_lse, f"+{ms_index_lse - ms_index:.3f} ms for lse(I)")
+    # lse(I) over this benchmark's slots (its random causal top-k is not the indexer's selection)
+    index_lse = torch.empty(t, device=dev)
+    for a in range(0, t, 256):
+        keys = ik[idx[a:a + 256].long().clamp_min(0)].float()
+        logits = (torch.einsum("rhd,rkd->rhk", iq[a:a + 256].float(), keys).relu() * w[a:a + 256, :, None]).sum(1)
+        index_lse[a:a + 256] = torch.logsumexp(logits.masked_fill(idx[a:a + 256] < 0, float("-inf")), -1)
 
     # attention backward with and without the probs output
     q4, kv3, idx3 = q[None], kv[None], idx[None]
@@ -95,6 +103,11 @@ def main(argv=None):
     add("loss_from_probs (value only: pass 1)", median_ms(lambda: L.indexer_kl_loss_from_probs(iq, ik, w, idx, probs)))
     ms_det = median_ms(lambda: L.indexer_kl_loss_from_probs(iq, ik, w, idx, probs, g, deterministic=True))
     add("loss_from_probs deterministic (value and gradients)", ms_det, f"{ms_det / ms_fp:.2f}x the atomic mode")
+    ms_fpl = median_ms(lambda: L.indexer_kl_loss_from_probs(iq, ik, w, idx, probs, g, index_lse=index_lse))
+    add("loss_from_probs, index_lse given (no pass 1)", ms_fpl, f"{ms_fp / ms_fpl:.2f}x faster")
+    ms_detl = median_ms(lambda: L.indexer_kl_loss_from_probs(iq, ik, w, idx, probs, g, deterministic=True,
+                                                             index_lse=index_lse))
+    add("loss_from_probs deterministic, index_lse given", ms_detl, f"{ms_det / ms_detl:.2f}x faster")
 
     # ablation of the program (wrong gradients, timing only): the cost of the d_index_k atomics
     if args.ablations:
@@ -105,7 +118,7 @@ def main(argv=None):
                                 compile_flags=["-O3", "-DNDEBUG"])
         idx_p = torch.nn.functional.pad(idx, (0, (-k) % 128), value=-1)
         pr_p = torch.nn.functional.pad(probs, (0, (-k) % 128))
-        bufs = (torch.empty(t, idx_p.shape[1], device=dev), torch.empty(t, device=dev),
+        bufs = (torch.empty(t, idx_p.shape[1], device=dev), torch.empty(1, device=dev), torch.empty(t, device=dev),
                 torch.empty(t, 64, di, device=dev, dtype=bf), torch.empty(t, 64, device=dev), torch.zeros(t, di, device=dev))
         add("loss_from_probs ablation: no d_index_k atomics",
             median_ms(lambda: prog(iq, ik, w, idx_p, pr_p, g, *bufs)), "timing only")
@@ -119,13 +132,16 @@ def main(argv=None):
     for label, lse_arg in (("attn_lse given", lse2), ("attn_lse None", None)):
         add(f"standalone loss fwd+bwd ({label})",
             median_ms(lambda lse_arg=lse_arg: L.indexer_kl_loss_sparse(iq, ik, w, q, kv, lse_arg, idx, scale, grad_rows=g)))
+    add("standalone loss fwd+bwd (attn_lse and index_lse given)",
+        median_ms(lambda: L.indexer_kl_loss_sparse(iq, ik, w, q, kv, lse2, idx, scale, grad_rows=g,
+                                                   index_lse=index_lse)))
 
     # one training step of the attention + loss through the public ops
     qg, kvg = q.clone().requires_grad_(), kv.clone().requires_grad_()
     iqg, ikg, wg = iq.clone().requires_grad_(), ik.clone().requires_grad_(), w.clone().requires_grad_()
 
-    def step_fused():
-        loss = ops.FusedIndexerLoss(iqg, ikg, wg, weight=1.0)
+    def step_fused(lse_arg=None):
+        loss = ops.FusedIndexerLoss(iqg, ikg, wg, weight=1.0, index_lse=lse_arg)
         o = ops.sparse_attention(qg, kvg, idx, scale, dv=dv, indexer_loss=loss)
         torch.autograd.grad(o, (qg, kvg, iqg, ikg, wg), dout[0])
 
@@ -143,6 +159,8 @@ def main(argv=None):
     ms_ss = median_ms(step_standalone)
     add("step: attention fwd+bwd, no loss", ms_att)
     add("step: attention + fused loss", ms_sf, f"loss adds {ms_sf - ms_att:.3f} ms")
+    ms_sfl = median_ms(lambda: step_fused(index_lse))
+    add("step: attention + fused loss, index_lse given", ms_sfl, f"loss adds {ms_sfl - ms_att:.3f} ms")
     add("step: attention + standalone loss (lse None)", ms_ss, f"loss adds {ms_ss - ms_att:.3f} ms")
 
     def step_fused_det():
