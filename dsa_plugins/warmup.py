@@ -190,6 +190,8 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
     for bq, bk in sorted({(c["block_q"], c["block_k"]) for c in idx_cfgs}):
         jobs.append(KernelJob(f"indexer block ranges {bq}x{bk}", idx, "build_block_ranges", (bq, bk),
                               gpu_target="auto"))
+    if training:  # the indexer loss takes each row's lse of its selected scores from the top-k call
+        jobs.append(KernelJob("indexer selected-score lse", idx, "build_selected_lse", gpu_target="auto"))
     for cfg in topk.SHIPPED_CONFIGS:
         agg = ", warp-aggregated" if cfg.get("agg") else ""
         jobs.append(KernelJob(f"radix top-k {cfg['threads']} threads{agg}", tk, "build_topk", (dict(cfg),),

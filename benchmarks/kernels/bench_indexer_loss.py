@@ -118,7 +118,8 @@ def main(argv=None):
                                 compile_flags=["-O3", "-DNDEBUG"])
         idx_p = torch.nn.functional.pad(idx, (0, (-k) % 128), value=-1)
         pr_p = torch.nn.functional.pad(probs, (0, (-k) % 128))
-        bufs = (torch.empty(t, idx_p.shape[1], device=dev), torch.empty(1, device=dev), torch.empty(t, device=dev),
+        bufs = (torch.empty(t, idx_p.shape[1], device=dev), torch.empty(1, device=dev), torch.empty(1, device=dev),
+                torch.empty(t, device=dev),
                 torch.empty(t, 64, di, device=dev, dtype=bf), torch.empty(t, 64, device=dev), torch.zeros(t, di, device=dev))
         add("loss_from_probs ablation: no d_index_k atomics",
             median_ms(lambda: prog(iq, ik, w, idx_p, pr_p, g, *bufs)), "timing only")

@@ -231,7 +231,49 @@ def _factory():
 
         return main
 
-    return {"indexer_scores": indexer_scores, "block_ranges": block_ranges}
+    @tilelang.jit
+    def selected_lse(threads: int = 128, per_thread: int = 8):
+        """Each row's logsumexp of its selected scores, read from the chunk's score buffer.
+
+        S [nr, width] fp32 scores (column c = key row Base[r] + c), Rows [nr, k] int32 the selected key
+        rows (< 0: none) -> Lse [nr] fp32 (-inf for a row without a key). One CTA per row; each thread
+        takes ``per_thread`` slots per step so that their gathers are in flight together (a row's 2048
+        slots in two steps), a max sweep then a sum sweep (the second one hits L1/L2)."""
+        nr, width, k = T.dynamic("nr, width, k")
+        f32, i32 = T.float32, T.int32
+        step = threads * per_thread
+
+        @T.prim_func
+        def main(S: T.Tensor([nr, width], f32), Rows: T.Tensor([nr, k], i32), Base: T.Tensor([nr], i32),
+                 Lse: T.Tensor([nr], f32)):
+            with T.Kernel(nr, threads=threads) as bx:
+                v = T.alloc_fragment([step], f32)
+                acc = T.alloc_fragment([step], f32)
+                red = T.alloc_fragment([1], f32)
+                mx = T.alloc_fragment([1], f32)
+                base = Base[bx]
+                T.fill(acc, -T.infinity(f32))
+                for c in T.serial(T.ceildiv(k, step)):
+                    for i in T.Parallel(step):
+                        col = T.if_then_else(c * step + i < k, Rows[bx, T.min(c * step + i, k - 1)], -1)
+                        ok = T.And(col >= base, col - base < width)
+                        v[i] = T.if_then_else(ok, S[bx, T.min(T.max(col - base, 0), width - 1)], -T.infinity(f32))
+                        acc[i] = T.max(acc[i], v[i])
+                T.reduce_max(acc, mx, dim=0, clear=True)
+                T.fill(acc, 0)
+                for c in T.serial(T.ceildiv(k, step)):
+                    for i in T.Parallel(step):
+                        col = T.if_then_else(c * step + i < k, Rows[bx, T.min(c * step + i, k - 1)], -1)
+                        ok = T.And(col >= base, col - base < width)
+                        v[i] = T.if_then_else(ok, S[bx, T.min(T.max(col - base, 0), width - 1)], -T.infinity(f32))
+                        acc[i] += T.if_then_else(ok, T.exp(v[i] - mx[0]), 0.0)
+                T.reduce_sum(acc, red, dim=0, clear=True)
+                # no key: -inf; a NaN score makes the sum (and so the lse) NaN, never a finite value
+                Lse[bx] = T.if_then_else(mx[0] == -T.infinity(f32), -T.infinity(f32), mx[0] + T.log(red[0]))
+
+        return main
+
+    return {"indexer_scores": indexer_scores, "block_ranges": block_ranges, "selected_lse": selected_lse}
 
 
 def _norm_config(config: dict) -> tuple:
@@ -280,9 +322,16 @@ def build_block_ranges(block_q: int, block_k: int, target=None):
     return _compiled("block_ranges", tuple(params.items()), params, target)
 
 
+def build_selected_lse(target=None):
+    """Compile the program that reads each row's lse of its selected scores (``return_lse``)."""
+    return _compiled("selected_lse", (), {}, target)
+
+
 def build_all(target=None):
-    """Compile every shipped configuration (indexer scores, their plan programs and radix top-k)."""
+    """Compile every shipped configuration (indexer scores, their plan programs, the selected-score lse and
+    radix top-k)."""
     out = [build_indexer(cfg, target=target) for cfg in SHIPPED_CONFIGS]
+    out.append(build_selected_lse(target=target))
     out += [build_block_ranges(bq, bk, target=target)
             for bq, bk in sorted({(c["block_q"], c["block_k"]) for c in SHIPPED_CONFIGS})]
     out += _topk.build_all(target=target)
@@ -507,8 +556,6 @@ def indexer_topk(index_q, index_k, weights, key_start, key_end, topk: int, *, co
     """
     import torch
 
-    from ..common.indices import selected_lse
-
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
     plan = _Plan(index_q, index_k, weights, key_start, key_end, config, max_chunk_bytes, index_k_scale, entries)
@@ -520,9 +567,8 @@ def indexer_topk(index_q, index_k, weights, key_start, key_end, topk: int, *, co
     for chunk in plan.chunks:
         r0, r1, scores = plan.chunk_scores(chunk)
         plan.chunk_topk(r0, r1, scores, topk, out, config=topk_config)
-        if return_lse and scores is not None:
-            rows = out[r0:r1]
-            lse[r0:r1] = selected_lse(scores, torch.where(rows >= 0, rows - plan.base[r0:r1, None], -1))
+        if return_lse and scores is not None and r1 > r0:
+            build_selected_lse()(scores, out[r0:r1], plan.base[r0:r1], lse[r0:r1])
         del scores
     return (out, lse) if return_lse else out
 

@@ -326,10 +326,10 @@ def _loss_program(heads: int, dim: int, grads: bool, det: bool = False, threads:
     Without ``grads`` (the loss value only) G, DIQ, DW and DK are not touched.
     ``ablate`` (benchmarks only, wrong gradients): "no_atomics" skips the d_index_k scatter.
     ``lse_given`` (with ``grads``): Lse [T] holds lse(I) over the row's slots (the indexer's forward
-    computed it from the scores it selected by), so there is no pass 1: a sweep over P alone gives psum and
-    sum P log P while block 0's rows are in flight, and pass 2 forms I_j from the logits it recomputes
-    anyway (relu, weights, head sum) and accumulates sum P I for the loss value. Pass 1 is a whole second
-    gather of the index_k rows with its MMAs: about 18% of the program with gradients.
+    computed it from the scores it selected by) and Psum [T] the row sums of P, so there is no pass 1:
+    pass 2 forms I_j from the logits it recomputes anyway (relu, weights, head sum) and accumulates
+    sum P I and sum P log P for the loss value. Pass 1 is a whole second gather of the index_k rows with its
+    MMAs: about 18% of the program with gradients.
     ``det`` (the deterministic mode, with ``grads``): DK is a contribution buffer [T * kp, D] instead,
     each valid slot's d_index_k row stored in row t * kp + slot (plain stores; invalid slots store
     nothing), for :mod:`.contrib_reduce` to sum in a fixed order.
@@ -407,7 +407,8 @@ def _loss_program(heads: int, dim: int, grads: bool, det: bool = False, threads:
             pl_l[j] += T.if_then_else(pj == 0, 0.0, pj * T.log(pj))
 
     @T.macro
-    def grad_block(Idx, P, Iw, DK, bx, blk, buf, iq_s, w_s, lt, gacc, acc_q, acc_k, dl_s, d_s, row_s, lw, ival, pi_l):
+    def grad_block(Idx, P, Iw, DK, bx, blk, buf, iq_s, w_s, lt, gacc, acc_q, acc_k, dl_s, d_s, row_s, lw, ival, pi_l,
+                   pl_l):
         if lse_given:
             # I_j from the logits recomputed here (an invalid slot's zero-filled row gives 0, and p_j = 0)
             T.gemm(buf, iq_s, lt, transpose_B=True, clear_accum=True)  # L (slots x heads)
@@ -418,9 +419,13 @@ def _loss_program(heads: int, dim: int, grads: bool, det: bool = False, threads:
                 d_s[j] = T.if_then_else(
                     _slot_ok(T, Idx, TK, bx, blk * BK + j),
                     row_s[4] * (T.exp(ival[j] - row_s[0]) - P[bx, blk * BK + j] * row_s[1]), 0.0)
+                # the loss value's sums P I and P log P (terms decided by p_j == 0: a NaN target stays NaN)
                 pi_l[j] += T.if_then_else(
                     T.Or(T.Not(_slot_ok(T, Idx, TK, bx, blk * BK + j)), P[bx, blk * BK + j] == 0),
                     0.0, P[bx, blk * BK + j] * ival[j])
+                pl_l[j] += T.if_then_else(
+                    T.Or(T.Not(_slot_ok(T, Idx, TK, bx, blk * BK + j)), P[bx, blk * BK + j] == 0),
+                    0.0, P[bx, blk * BK + j] * T.log(P[bx, blk * BK + j]))
         else:
             # dI_j = G (softmax_j - p_j), with I_j from pass 1 (-inf for invalid slots)
             for j in T.Parallel(BK):
@@ -455,6 +460,7 @@ def _loss_program(heads: int, dim: int, grads: bool, det: bool = False, threads:
         G: T.Tensor([NT], acc),
         Iw: T.Tensor([1] if lse_given else [NT, KP], acc),
         Lse: T.Tensor([NT] if lse_given else [1], acc),
+        Psum: T.Tensor([NT] if lse_given else [1], acc),
         Loss: T.Tensor([NT], acc),
         DIQ: T.Tensor([NT, HI, D], dtype),
         DW: T.Tensor([NT, HI], acc),
@@ -471,7 +477,7 @@ def _loss_program(heads: int, dim: int, grads: bool, det: bool = False, threads:
             ival = T.alloc_fragment([BK], acc)
             m_l = None if lse_given else T.alloc_fragment([BK], acc)  # pass 1's running lse(I)
             s_l = None if lse_given else T.alloc_fragment([BK], acc)
-            ps_l = T.alloc_fragment([BK], acc)
+            ps_l = None if lse_given else T.alloc_fragment([BK], acc)
             pi_l = T.alloc_fragment([BK], acc)
             pl_l = T.alloc_fragment([BK], acc)
             red = T.alloc_fragment([1], acc)
@@ -483,28 +489,17 @@ def _loss_program(heads: int, dim: int, grads: bool, det: bool = False, threads:
             if not lse_given:
                 T.fill(m_l, neg_inf)
                 T.fill(s_l, 0)
-            T.fill(ps_l, 0)
+                T.fill(ps_l, 0)
             T.fill(pi_l, 0)
             T.fill(pl_l, 0)
 
             if lse_given:
-                # block 0's rows fly while the target's sums are taken (P alone: no logits)
-                issue(Idx, IK, bx, 0, bufs[0], tx)
-                for b in T.serial(2 * NSTEP):
-                    for j in T.Parallel(BK):
-                        ps_l[j] += T.if_then_else(_slot_ok(T, Idx, TK, bx, b * BK + j), P[bx, b * BK + j], 0.0)
-                        pl_l[j] += T.if_then_else(
-                            T.Or(T.Not(_slot_ok(T, Idx, TK, bx, b * BK + j)), P[bx, b * BK + j] == 0),
-                            0.0, P[bx, b * BK + j] * T.log(P[bx, b * BK + j]))
-                T.reduce_sum(ps_l, red, dim=0, clear=True)
+                # the row's lse(I) and psum come in (a sweep over P here would wait on one load after another)
                 if tx == 0:
                     row_s[0] = Lse[bx]
-                    row_s[2] = red[0]
-                    row_s[1] = T.if_then_else(red[0] == 0, 0.0, 1.0 / red[0])
+                    row_s[2] = Psum[bx]
+                    row_s[1] = T.if_then_else(Psum[bx] == 0, 0.0, 1.0 / Psum[bx])
                     row_s[4] = G[bx]
-                T.reduce_sum(pl_l, red, dim=0, clear=True)
-                if tx == 0:
-                    row_s[5] = red[0]
                 T.sync_threads()
             else:
                 # pass 1: logits and row statistics
@@ -549,30 +544,32 @@ def _loss_program(heads: int, dim: int, grads: bool, det: bool = False, threads:
                 acc_k = T.alloc_fragment([BK, DC], acc)
                 gt = T.alloc_fragment([HI, BK], acc)
                 dw_f = T.alloc_fragment([HI], acc)
-                # relu(L) w for the head sum: acc_k's registers (a 64 x 64 accumulator like L, free until the
-                # d_index_k MMA; a fragment of its own spills)
-                lw = acc_k if lse_given else None
-                assert not lse_given or DC == HI
+                # relu(L) w for the head sum: acc_k's registers where it is a 64 x 64 accumulator like L (free
+                # until the d_index_k MMA), else a fragment of its own
+                lw = (acc_k if DC == HI else T.alloc_fragment([BK, HI], acc)) if lse_given else None
                 T.fill(acc_q, 0)
                 T.fill(gacc, 0)
                 if not lse_given:
                     T.ptx_wait_group(0)  # pass 1's last (empty) prefetch has landed before bufs[0] is reused
                     T.sync_threads()
-                    # pass 2: gradients (the gathered rows are in L2 from pass 1)
-                    issue(Idx, IK, bx, 0, bufs[0], tx)
+                # pass 2 (or the only pass): gradients (the gathered rows are in L2 from pass 1, if any)
+                issue(Idx, IK, bx, 0, bufs[0], tx)
                 for t in T.serial(NSTEP):
                     for st in (0, 1):
                         issue(Idx, IK, bx, 2 * t + st + 1, bufs[1 - st], tx)
                         land()
                         grad_block(Idx, P, Iw, DK, bx, 2 * t + st, bufs[st], iq_s, w_s, lt, gacc, acc_q, acc_k, dl_s,
-                                   d_s, row_s, lw, ival, pi_l)
+                                   d_s, row_s, lw, ival, pi_l, pl_l)
                         T.sync_threads()
                 if lse_given:
-                    # the loss value: sum P I accumulated by pass 2
+                    # the loss value from the sums P I and P log P of the pass
                     T.reduce_sum(pi_l, red, dim=0, clear=True)
                     if tx == 0:
+                        row_s[3] = red[0]
+                    T.reduce_sum(pl_l, red, dim=0, clear=True)
+                    if tx == 0:
                         Loss[bx] = T.if_then_else(  # == 0, not > 0: a NaN target gives a NaN loss
-                            row_s[2] == 0, 0.0, (row_s[5] - red[0]) * row_s[1] - T.log(row_s[2]) + row_s[0])
+                            row_s[2] == 0, 0.0, (red[0] - row_s[3]) * row_s[1] - T.log(row_s[2]) + row_s[0])
                 # d_weights[h] = sum_j dI_j relu(L_jh)
                 T.copy(gacc, g_s)
                 for h, j in T.Parallel(HI, BK):
@@ -770,10 +767,11 @@ def _run_loss(index_q, index_k, weights, idx, probs, grad_rows, deterministic=Fa
     iq, w, hp = _pad_heads(index_q, weights)
     loss = torch.empty(t, dtype=torch.float32, device=dev)
     lse_given = grads and index_lse is not None
-    if lse_given:  # no pass 1: no logits workspace
-        logits_ws, lse = zeros_arg(1, torch.float32, dev), index_lse.contiguous()
+    if lse_given:  # no pass 1: no logits workspace; the row sums of P (0 on invalid slots) from torch
+        logits_ws, lse, psum = zeros_arg(1, torch.float32, dev), index_lse.contiguous(), probs.sum(1)
     else:  # I of pass 1, read by pass 2
-        logits_ws, lse = torch.empty(t, kp, dtype=torch.float32, device=dev), zeros_arg(1, torch.float32, dev)
+        logits_ws = torch.empty(t, kp, dtype=torch.float32, device=dev)
+        lse = psum = zeros_arg(1, torch.float32, dev)
     if grads:
         d_iq = torch.empty(t, hp, di, dtype=torch.bfloat16, device=dev)
         d_w = torch.empty(t, hp, dtype=torch.float32, device=dev)
@@ -782,11 +780,11 @@ def _run_loss(index_q, index_k, weights, idx, probs, grad_rows, deterministic=Fa
         d_iq, d_w, g = iq, w, loss
     with torch.cuda.device(dev):
         if grads and deterministic:
-            _run_deterministic(iq, index_k.contiguous(), w, idx, probs.contiguous(), g, logits_ws, lse, lse_given,
-                               loss, d_iq, d_w, d_ik)
+            _run_deterministic(iq, index_k.contiguous(), w, idx, probs.contiguous(), g, logits_ws, lse, psum,
+                               lse_given, loss, d_iq, d_w, d_ik)
         else:
             build_loss(di, grads, _device_target(dev), lse_given=lse_given)(
-                iq, index_k.contiguous(), w, idx, probs.contiguous(), g, logits_ws, lse, loss, d_iq, d_w, d_ik)
+                iq, index_k.contiguous(), w, idx, probs.contiguous(), g, logits_ws, lse, psum, loss, d_iq, d_w, d_ik)
     if not grads:
         return loss, None
     if hp != hi:
@@ -795,7 +793,7 @@ def _run_loss(index_q, index_k, weights, idx, probs, grad_rows, deterministic=Fa
     return loss, (d_iq, d_ik, d_w)
 
 
-def _run_deterministic(iq, ik, w, idx, probs, g, logits_ws, lse, lse_given, loss, d_iq, d_w, d_ik):
+def _run_deterministic(iq, ik, w, idx, probs, g, logits_ws, lse, psum, lse_given, loss, d_iq, d_w, d_ik):
     """The loss program with gradients, d_index_k bitwise reproducible: chunks of rows (a contribution
     buffer of at most _DET_BUDGET_BYTES) store each valid slot's d_index_k row, the slots' order by
     index_k row is sorted on a side stream meanwhile, and the reduce adds each index_k row's
@@ -817,7 +815,8 @@ def _run_deterministic(iq, ik, w, idx, probs, g, logits_ws, lse, lse_given, loss
         order_ready = slot_order_async(idx[t0:t1], tk, kp, 1)
         try:
             prog(iq[t0:t1], ik, w[t0:t1], idx[t0:t1], probs[t0:t1], g[t0:t1],
-                 logits_ws if lse_given else logits_ws[t0:t1], lse[t0:t1] if lse_given else lse, loss[t0:t1],
+                 logits_ws if lse_given else logits_ws[t0:t1], lse[t0:t1] if lse_given else lse,
+                 psum[t0:t1] if lse_given else psum, loss[t0:t1],
                  d_iq[t0:t1], d_w[t0:t1], cb)
         finally:
             rows, rowptr = order_ready()  # the side stream joins even when the launch raised

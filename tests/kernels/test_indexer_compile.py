@@ -36,10 +36,13 @@ def compiled():
     jobs += [("topk", i, c) for i, c in enumerate(TK.SHIPPED_CONFIGS)]
     jobs += [("tie_fill", 0, None)]
     jobs += [("ranges", i, c) for i, c in enumerate(RANGE_TILINGS)]
+    jobs += [("selected_lse", 0, None)]
 
     def build(job):
         kind, _, cfg = job
         try:
+            if kind == "selected_lse":
+                return K.build_selected_lse(target=SM90).get_kernel_source()
             if kind == "ranges":
                 return K.build_block_ranges(*cfg, target=SM90).get_kernel_source()
             if kind == "tie_fill":
@@ -86,6 +89,12 @@ def test_block_ranges_programs_compile(compiled, i):
 )
 def test_topk_configs_compile(compiled, i):
     assert "__global__" in _src(compiled, ("topk", i))
+
+
+@pytest.mark.slow
+def test_selected_lse_program_compiles(compiled):
+    src = _src(compiled, ("selected_lse", 0))
+    assert "__global__" in src and "AllReduce" in src  # the block-wide max and sum
 
 
 @pytest.mark.slow
