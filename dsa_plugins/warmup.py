@@ -190,11 +190,12 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
     for bq, bk in sorted({(c["block_q"], c["block_k"]) for c in idx_cfgs}):
         jobs.append(KernelJob(f"indexer block ranges {bq}x{bk}", idx, "build_block_ranges", (bq, bk),
                               gpu_target="auto"))
-    if training:  # the indexer loss takes each row's lse of its selected scores from the top-k call
-        jobs.append(KernelJob("indexer selected-score lse", idx, "build_selected_lse", gpu_target="auto"))
     for cfg in topk.SHIPPED_CONFIGS:
+        if cfg.get("lse") and not training:  # the variants that feed the indexer loss
+            continue
         agg = ", warp-aggregated" if cfg.get("agg") else ""
-        jobs.append(KernelJob(f"radix top-k {cfg['threads']} threads{agg}", tk, "build_topk", (dict(cfg),),
+        jobs.append(KernelJob(f"radix top-k {cfg['threads']} threads{agg}{', lse' if cfg.get('lse') else ''}", tk,
+                              "build_topk", (dict(cfg),),
                               gpu_target="auto", seconds=9))
     jobs.append(KernelJob("top-k tie fill", tk, "build_tie_fill", gpu_target="auto", seconds=7))
     if training and attn:

@@ -47,10 +47,3 @@ def row_blocks(indices: Tensor, block: int, n_keys: int | None = None) -> Tensor
                                                                          device=part.device)
         out[r0 : r0 + step] = torch.div(last + (block - 1), block, rounding_mode="floor")
     return out
-
-
-def selected_lse(scores: Tensor, cols: Tensor) -> Tensor:
-    """logsumexp of each row's scores at its selected columns: scores [R, W] fp32, cols [R, k] (< 0: no
-    column). Returns [R] fp32, -inf for a row without a column (the indexer loss's lse(I), DSA.md 1.2)."""
-    picked = scores.gather(1, cols.clamp_min(0).long())
-    return torch.logsumexp(picked.float().masked_fill(cols < 0, float("-inf")), dim=1)

@@ -231,49 +231,7 @@ def _factory():
 
         return main
 
-    @tilelang.jit
-    def selected_lse(threads: int = 128, per_thread: int = 8):
-        """Each row's logsumexp of its selected scores, read from the chunk's score buffer.
-
-        S [nr, width] fp32 scores (column c = key row Base[r] + c), Rows [nr, k] int32 the selected key
-        rows (< 0: none) -> Lse [nr] fp32 (-inf for a row without a key). One CTA per row; each thread
-        takes ``per_thread`` slots per step so that their gathers are in flight together (a row's 2048
-        slots in two steps), a max sweep then a sum sweep (the second one hits L1/L2)."""
-        nr, width, k = T.dynamic("nr, width, k")
-        f32, i32 = T.float32, T.int32
-        step = threads * per_thread
-
-        @T.prim_func
-        def main(S: T.Tensor([nr, width], f32), Rows: T.Tensor([nr, k], i32), Base: T.Tensor([nr], i32),
-                 Lse: T.Tensor([nr], f32)):
-            with T.Kernel(nr, threads=threads) as bx:
-                v = T.alloc_fragment([step], f32)
-                acc = T.alloc_fragment([step], f32)
-                red = T.alloc_fragment([1], f32)
-                mx = T.alloc_fragment([1], f32)
-                base = Base[bx]
-                T.fill(acc, -T.infinity(f32))
-                for c in T.serial(T.ceildiv(k, step)):
-                    for i in T.Parallel(step):
-                        col = T.if_then_else(c * step + i < k, Rows[bx, T.min(c * step + i, k - 1)], -1)
-                        ok = T.And(col >= base, col - base < width)
-                        v[i] = T.if_then_else(ok, S[bx, T.min(T.max(col - base, 0), width - 1)], -T.infinity(f32))
-                        acc[i] = T.max(acc[i], v[i])
-                T.reduce_max(acc, mx, dim=0, clear=True)
-                T.fill(acc, 0)
-                for c in T.serial(T.ceildiv(k, step)):
-                    for i in T.Parallel(step):
-                        col = T.if_then_else(c * step + i < k, Rows[bx, T.min(c * step + i, k - 1)], -1)
-                        ok = T.And(col >= base, col - base < width)
-                        v[i] = T.if_then_else(ok, S[bx, T.min(T.max(col - base, 0), width - 1)], -T.infinity(f32))
-                        acc[i] += T.if_then_else(ok, T.exp(v[i] - mx[0]), 0.0)
-                T.reduce_sum(acc, red, dim=0, clear=True)
-                # no key: -inf; a NaN score makes the sum (and so the lse) NaN, never a finite value
-                Lse[bx] = T.if_then_else(mx[0] == -T.infinity(f32), -T.infinity(f32), mx[0] + T.log(red[0]))
-
-        return main
-
-    return {"indexer_scores": indexer_scores, "block_ranges": block_ranges, "selected_lse": selected_lse}
+    return {"indexer_scores": indexer_scores, "block_ranges": block_ranges}
 
 
 def _norm_config(config: dict) -> tuple:
@@ -322,16 +280,9 @@ def build_block_ranges(block_q: int, block_k: int, target=None):
     return _compiled("block_ranges", tuple(params.items()), params, target)
 
 
-def build_selected_lse(target=None):
-    """Compile the program that reads each row's lse of its selected scores (``return_lse``)."""
-    return _compiled("selected_lse", (), {}, target)
-
-
 def build_all(target=None):
-    """Compile every shipped configuration (indexer scores, their plan programs, the selected-score lse and
-    radix top-k)."""
+    """Compile every shipped configuration (indexer scores, their plan programs and radix top-k)."""
     out = [build_indexer(cfg, target=target) for cfg in SHIPPED_CONFIGS]
-    out.append(build_selected_lse(target=target))
     out += [build_block_ranges(bq, bk, target=target)
             for bq, bk in sorted({(c["block_q"], c["block_k"]) for c in SHIPPED_CONFIGS})]
     out += _topk.build_all(target=target)
@@ -513,14 +464,14 @@ class _Plan:
              self.blk_hi[qb0:qb1], _splits(qb1 - qb0, wblocks, self.device), scores)
         return r0, r1, scores
 
-    def chunk_topk(self, r0, r1, scores, topk, out, config=None):
+    def chunk_topk(self, r0, r1, scores, topk, out, config=None, lse=None):
         if scores is None:
             out[r0:r1].fill_(-1)
             return
         # score columns -> key rows: + each row's base; the top-k never reads past the buffer (a
         # window beyond the caller's bound is cut to it)
         _topk.topk_rows_ranges(scores, self.ks[r0:r1], self.ke[r0:r1], topk, row_offsets=self.base[r0:r1],
-                               out=out[r0:r1], config=config)
+                               out=out[r0:r1], config=config, lse=None if lse is None else lse[r0:r1])
 
 
 def indexer_topk(index_q, index_k, weights, key_start, key_end, topk: int, *, config=None,
@@ -551,7 +502,7 @@ def indexer_topk(index_q, index_k, weights, key_start, key_end, topk: int, *, co
     (generation steps) each CTA scores one row, so rows of different sequences never share work.
 
     ``return_lse``: also the logsumexp of each row's selected scores ([Tq] fp32, -inf for a row without
-    a key), read from the score buffer while it exists: (rows, lse). The indexer KL loss takes it and
+    a key), summed by the top-k program as it emits them: (rows, lse). The indexer KL loss takes it and
     skips its own pass over the logits.
     """
     import torch
@@ -566,9 +517,7 @@ def indexer_topk(index_q, index_k, weights, key_start, key_end, topk: int, *, co
         return (out, lse) if return_lse else out
     for chunk in plan.chunks:
         r0, r1, scores = plan.chunk_scores(chunk)
-        plan.chunk_topk(r0, r1, scores, topk, out, config=topk_config)
-        if return_lse and scores is not None and r1 > r0:
-            build_selected_lse()(scores, out[r0:r1], plan.base[r0:r1], lse[r0:r1])
+        plan.chunk_topk(r0, r1, scores, topk, out, config=topk_config, lse=lse)
         del scores
     return (out, lse) if return_lse else out
 

@@ -49,6 +49,10 @@ SHIPPED_CONFIGS: list = [
     # 512-thread CTA (best for many rows longer than 32K columns)
     {"threads": 512, "cap": 4096, "unroll": 4, "agg": True},
 ]
+#: each also with ``lse``: it writes every row's logsumexp of the scores it selects (the indexer KL loss
+#: takes it instead of recomputing the logits); ties at the threshold enter by count, so the tie-fill
+#: program needs no change
+SHIPPED_CONFIGS += [{**cfg, "lse": True} for cfg in SHIPPED_CONFIGS]
 
 DEFAULT_CONFIG = SHIPPED_CONFIGS[2]
 MANY_SHORT_ROWS_CONFIG = SHIPPED_CONFIGS[1]
@@ -162,7 +166,7 @@ def _factory():
     import tilelang.language as T
 
     @tilelang.jit(pass_configs=_pass_configs())
-    def radix_topk(threads: int = 1024, cap: int = 8192, unroll: int = 4, agg: bool = False):
+    def radix_topk(threads: int = 1024, cap: int = 8192, unroll: int = 4, agg: bool = False, lse: bool = False):
         assert threads % 32 == 0 and _NB2 % threads == 0, "threads must be a multiple of 32 dividing 1024"
         nwarps = threads // 32
         bpt1 = _NB1 // threads
@@ -206,6 +210,50 @@ def _factory():
                 run = run + c
             T.sync_threads()
 
+        f32 = T.float32
+        neg_inf = -T.infinity(f32)
+
+        def unordered(key):
+            # the float of an order-preserving key (the inverse of `ordered`; -0.0 comes back as +0.0)
+            return T.reinterpret(T.if_then_else((key >> T.uint32(31)) == T.uint32(1), key & T.uint32(0x7FFFFFFF),
+                                                key ^ T.uint32(0xFFFFFFFF)), f32)
+
+        @T.macro
+        def lse_add(run, x):
+            # run[0], run[1]: this thread's running max and rescaled sum of exp over the selected scores it
+            # emits (``lse``); a NaN score is passed over by the max but makes the sum NaN
+            m_old = run[0]
+            run[0] = T.max(m_old, x)
+            run[1] = T.if_then_else(run[0] == neg_inf, 0.0, run[1] * T.exp(m_old - run[0]) + T.exp(x - run[0]))
+
+        @T.macro
+        def lse_combine(run, lse_m, lse_s, tx, ties, thr, Lse, bx):
+            # the block's logsumexp of the emitted scores, plus `ties` more scores equal to thr (threshold
+            # ties, whichever program emits them), to Lse[bx]; -inf when nothing was selected
+            m2 = T.alloc_var(f32)
+            s2 = T.alloc_var(f32)
+            mm = T.alloc_var(f32)
+            for sh in T.unroll(5):
+                m2 = T.shfl_down(run[0], 16 >> sh)
+                s2 = T.shfl_down(run[1], 16 >> sh)
+                mm = T.max(run[0], m2)
+                if mm != neg_inf:
+                    run[1] = run[1] * T.exp(run[0] - mm) + s2 * T.exp(m2 - mm)
+                run[0] = mm
+            if tx % 32 == 0:
+                lse_m[tx // 32] = run[0]
+                lse_s[tx // 32] = run[1]
+            T.sync_threads()
+            if tx == 0:
+                mm = T.if_then_else(ties > 0, thr, neg_inf)
+                for w in T.unroll(nwarps):
+                    mm = T.max(mm, lse_m[w])
+                s2 = T.if_then_else(ties > 0, T.cast(ties, f32) * T.exp(thr - mm), 0.0)
+                for w in T.unroll(nwarps):
+                    if lse_m[w] != neg_inf:
+                        s2 = s2 + lse_s[w] * T.exp(lse_m[w] - mm)
+                Lse[bx] = T.if_then_else(mm == neg_inf, neg_inf, mm + T.log(s2))
+
         @T.prim_func
         def main(
             S: T.Tensor([R, n4, 4], T.float32),
@@ -215,6 +263,7 @@ def _factory():
             offset_stride: T.int32,
             Out: T.Tensor([R, K], T.int32),
             Ties: T.Tensor([R, 2], T.int32),
+            Lse: T.Tensor([R] if lse else [1], T.float32),
         ):
             with T.Kernel(R, threads=threads) as bx:
                 tx = T.get_thread_binding()
@@ -224,6 +273,12 @@ def _factory():
                 wsum = T.alloc_shared([32], i32)
                 ctl = T.alloc_shared([8], i32)
                 vals = T.alloc_local([unroll * 4], T.float32)
+                if lse:
+                    lse_m = T.alloc_shared([32], f32)
+                    lse_s = T.alloc_shared([32], f32)
+                    run = T.alloc_local([2], f32)  # running max, rescaled sum of exp
+                    run[0] = neg_inf
+                    run[1] = 0.0
 
                 start = T.alloc_var(i32)
                 end = T.alloc_var(i32)
@@ -264,6 +319,11 @@ def _factory():
                             Out[bx, it * threads + tx] = T.if_then_else(
                                 it * threads + tx < end - start, start + it * threads + tx + out_offset, -1
                             )
+                            if lse and it * threads + tx < end - start:
+                                col = start + it * threads + tx
+                                lse_add(run, S[bx, col // 4, col % 4])
+                    if lse:
+                        lse_combine(run, lse_m, lse_s, tx, 0, 0.0, Lse, bx)
                 else:
                     c0 = start // 4
                     c1 = (end + 3) // 4
@@ -320,6 +380,8 @@ def _factory():
                                     bB = T.shfl_sync(bB, 0)
                                     if f1 == 1:
                                         Out[bx, bA + T.cast(T.popcount(m1 & lt), i32)] = col + out_offset
+                                        if lse:
+                                            lse_add(run, vals[u * 4 + v])
                                     if f2 == 1:
                                         ckey[bB + T.cast(T.popcount(m2 & lt), i32)] = key
                                         cidx[bB + T.cast(T.popcount(m2 & lt), i32)] = col
@@ -329,6 +391,8 @@ def _factory():
                                         if (key >> T.uint32(20)) > b1:
                                             pos = T.atomic_add(ctl[0], 1, return_prev=True)
                                             Out[bx, pos] = col + out_offset
+                                            if lse:
+                                                lse_add(run, vals[u * 4 + v])
                                         elif (key >> T.uint32(20)) == b1 and use_cand == 1:
                                             pos = T.atomic_add(ctl[1], 1, return_prev=True)
                                             ckey[pos] = key
@@ -380,6 +444,8 @@ def _factory():
                                 if key > prefix or (key == prefix and ctl[5] == 0):
                                     pos = T.atomic_add(ctl[0], 1, return_prev=True)
                                     Out[bx, pos] = cidx[it * threads + tx] + out_offset
+                                    if lse and key > prefix:  # ties are counted once below
+                                        lse_add(run, unordered(key))
                     else:
                         for it in T.serial(T.ceildiv(c1 - c0, threads * unroll)):
                             load_chunk(S, bx, c0, c1, it, tx, vals)
@@ -393,11 +459,15 @@ def _factory():
                                         ):
                                             pos = T.atomic_add(ctl[0], 1, return_prev=True)
                                             Out[bx, pos] = col + out_offset
+                                            if lse and key > prefix:
+                                                lse_add(run, vals[u * 4 + v])
                     # ---- more ties than still needed: the tie-fill program takes the lowest columns
                     # (a separate program: its scan would cost this one registers and occupancy)
                     if ctl[5] > 0 and tx == 0:
                         Ties[bx, 0] = T.reinterpret(prefix, i32)
                         Ties[bx, 1] = need
+                    if lse:  # `need` columns of the threshold key are selected, here or by the tie fill
+                        lse_combine(run, lse_m, lse_s, tx, need, unordered(prefix), Lse, bx)
 
         return main
 
@@ -448,7 +518,8 @@ def _factory():
 def _config_key(config: dict) -> tuple:
     cfg = dict(DEFAULT_CONFIG)
     cfg.update(config or {})
-    return (int(cfg["threads"]), int(cfg["cap"]), int(cfg["unroll"]), bool(cfg.get("agg", False)))
+    return (int(cfg["threads"]), int(cfg["cap"]), int(cfg["unroll"]), bool(cfg.get("agg", False)),
+            bool(cfg.get("lse", False)))
 
 
 _BUILD_LOCK = threading.Lock()
@@ -479,8 +550,8 @@ def build_topk(config: dict | None = None, target=None):
     """Compile the radix top-k select program for ``config`` (a SHIPPED_CONFIGS entry) and
     ``target`` (default: the current CUDA device; ``{"kind": "cuda", "arch": "sm_90a"}`` compiles
     on CPU)."""
-    threads, cap, unroll, agg = key = _config_key(config)
-    return _build("radix_topk", key, dict(threads=threads, cap=cap, unroll=unroll, agg=agg), target)
+    threads, cap, unroll, agg, lse = key = _config_key(config)
+    return _build("radix_topk", key, dict(threads=threads, cap=cap, unroll=unroll, agg=agg, lse=lse), target)
 
 
 def build_tie_fill(target=None):
@@ -502,13 +573,14 @@ def _check_cuda(name, t, dtype):
         raise ValueError(f"{name} must be a {dtype} CUDA tensor, got {got}")
 
 
-def topk_rows_ranges(scores, starts, ends, topk: int, row_offsets=None, out=None, config=None):
+def topk_rows_ranges(scores, starts, ends, topk: int, row_offsets=None, out=None, config=None, lse=None):
     """Top-k inside per-row column ranges [starts[r], ends[r]) of ``scores`` [R, N] fp32.
 
     Returns [R, topk] int32 = column + ``row_offsets[r]`` ([R] int32; None: 0) of the selected
     entries, -1 padding when a range holds fewer than ``topk`` columns. ``scores`` must be
     row-contiguous with N % 4 == 0 (the caller pads); ranges are clamped to [0, N), so columns outside
-    them, or past the buffer, are never read.
+    them, or past the buffer, are never read. ``lse`` ([R] fp32, written): each row's logsumexp of the
+    scores it selects (-inf for an empty range), computed while they are emitted.
     """
     import torch
 
@@ -525,7 +597,12 @@ def topk_rows_ranges(scores, starts, ends, topk: int, row_offsets=None, out=None
         offsets, stride = row_offsets, 1
     ties = torch.empty(R, 2, dtype=torch.int32, device=scores.device)
     view = scores.view(R, N // 4, 4)
-    build_topk(config if config is not None else config_for_rows(R, N))(view, starts, ends, offsets, stride, out, ties)
+    cfg = dict(config if config is not None else config_for_rows(R, N))
+    cfg["lse"] = lse is not None
+    if lse is not None:
+        assert lse.dtype == torch.float32 and lse.shape == (R,) and lse.stride(0) == 1
+    build_topk(cfg)(view, starts, ends, offsets, stride, out, ties,
+                    lse if lse is not None else zeros_arg(1, torch.float32, scores.device))
     build_tie_fill()(view, starts, ends, ties, offsets, stride, out)
     return out
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from ..common.indices import selected_lse
-
 _CHUNK_ELEMS = 1 << 26  # elements of the [chunk, Hi, span] product one chunk may hold
 
 
@@ -96,6 +94,13 @@ def topk_rows_reference(scores: torch.Tensor, lengths: torch.Tensor | None, topk
     vals, idx = vals[:, :k_eff], idx[:, :k_eff]
     out[:, :k_eff] = torch.where(torch.isneginf(vals), -1, idx).to(torch.int32)
     return out
+
+
+def selected_lse(scores: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """logsumexp of each row's scores at its selected columns: scores [R, W], cols [R, k] (< 0: no
+    column). Returns [R] fp32, -inf for a row without a column (the indexer loss's lse(I), DSA.md 1.2)."""
+    picked = scores.gather(1, cols.clamp_min(0).long())
+    return torch.logsumexp(picked.float().masked_fill(cols < 0, float("-inf")), dim=1)
 
 
 def indexer_topk_reference(index_q, index_k, weights, topk: int, key_start, key_end, index_k_scale=None,

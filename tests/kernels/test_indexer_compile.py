@@ -36,13 +36,10 @@ def compiled():
     jobs += [("topk", i, c) for i, c in enumerate(TK.SHIPPED_CONFIGS)]
     jobs += [("tie_fill", 0, None)]
     jobs += [("ranges", i, c) for i, c in enumerate(RANGE_TILINGS)]
-    jobs += [("selected_lse", 0, None)]
 
     def build(job):
         kind, _, cfg = job
         try:
-            if kind == "selected_lse":
-                return K.build_selected_lse(target=SM90).get_kernel_source()
             if kind == "ranges":
                 return K.build_block_ranges(*cfg, target=SM90).get_kernel_source()
             if kind == "tie_fill":
@@ -85,16 +82,13 @@ def test_block_ranges_programs_compile(compiled, i):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "i", range(len(TK.SHIPPED_CONFIGS)),
-    ids=[f"t{c['threads']}c{c['cap']}{'a' if c.get('agg') else ''}" for c in TK.SHIPPED_CONFIGS],
+    ids=[f"t{c['threads']}c{c['cap']}{'a' if c.get('agg') else ''}{'-lse' if c.get('lse') else ''}"
+         for c in TK.SHIPPED_CONFIGS],
 )
 def test_topk_configs_compile(compiled, i):
-    assert "__global__" in _src(compiled, ("topk", i))
-
-
-@pytest.mark.slow
-def test_selected_lse_program_compiles(compiled):
-    src = _src(compiled, ("selected_lse", 0))
-    assert "__global__" in src and "AllReduce" in src  # the block-wide max and sum
+    src = _src(compiled, ("topk", i))
+    assert "__global__" in src
+    assert ("Lse[" in src) == bool(TK.SHIPPED_CONFIGS[i].get("lse"))  # the lse variants write it
 
 
 @pytest.mark.slow

@@ -104,8 +104,45 @@ def causal_windows(seqlens, device="cuda"):
 
 # ---------------------------------------------------------------- radix top-k
 TOPK_CONFIGS = pytest.mark.parametrize(
-    "cfg", TK.SHIPPED_CONFIGS, ids=lambda c: f"t{c['threads']}c{c['cap']}{'a' if c.get('agg') else ''}"
+    "cfg", [c for c in TK.SHIPPED_CONFIGS if not c.get("lse")],
+    ids=lambda c: f"t{c['threads']}c{c['cap']}{'a' if c.get('agg') else ''}"
 )
+
+
+@pytest.mark.parametrize("cfg", [c for c in TK.SHIPPED_CONFIGS if c.get("lse")],
+                         ids=lambda c: f"t{c['threads']}c{c['cap']}{'a' if c.get('agg') else ''}")
+@pytest.mark.parametrize("kind", ["random", "clustered", "ties", "few_distinct"])
+def test_topk_rows_lse(kind, cfg):
+    """lse: each row's logsumexp over the scores it selected (float64 from the returned columns), through
+    every path of the select program: ranges of at most k columns (all taken) and empty ranges, the
+    shared-memory candidates, the global-memory refinement (clustered values overflow the candidates),
+    threshold ties all taken, and more ties than still needed (the tie-fill program's rows, counted)."""
+    g = torch.Generator(device="cuda").manual_seed(len(kind))
+    R, N, k = 12, 8192, 700
+    if kind == "random":
+        x = torch.randn(R, N, device="cuda", generator=g) * 4
+    elif kind == "clustered":
+        base = torch.arange(N, device="cuda", dtype=torch.int32) + (127 << 23)
+        x = torch.stack([base[torch.randperm(N, device="cuda", generator=g)] for _ in range(R)]).view(torch.float32)
+    elif kind == "ties":
+        x = torch.randint(0, 5, (R, N), device="cuda", generator=g).float()
+    else:
+        x = 1.0 + torch.randint(0, 3, (R, N), device="cuda", generator=g).float() * 2**-20
+    starts = torch.zeros(R, dtype=torch.int32, device="cuda")
+    ends = torch.full((R,), N, dtype=torch.int32, device="cuda")
+    starts[1], ends[1] = 100, 100 + k // 2  # fewer columns than k
+    starts[2], ends[2] = 50, 50  # empty
+    starts[3], ends[3] = 8, 8 + k  # exactly k
+    lse = torch.empty(R, device="cuda")
+    out = TK.topk_rows_ranges(x, starts, ends, k, config=cfg, lse=lse)
+    plain = TK.topk_rows_ranges(x, starts, ends, k, config={**cfg, "lse": False})
+    assert torch.equal(out.sort(1).values, plain.sort(1).values)
+    picked = x.double().gather(1, out.long().clamp(min=0)).masked_fill(out < 0, float("-inf"))
+    want = torch.logsumexp(picked, 1)
+    assert lse[2] == float("-inf") and torch.isfinite(lse[[0, 1, 3] + list(range(4, R))]).all()
+    keep = torch.isfinite(want)
+    err = (lse[keep].double() - want[keep]).abs().max().item()
+    assert err <= 2e-6 * max(1.0, want[keep].abs().max().item()), f"{kind}: lse max abs err {err:.3e}"
 
 
 @TOPK_CONFIGS
