@@ -52,7 +52,13 @@ def run(rank: int, cp: int, port: int, out: str, backend: str, seqlen: int = 0) 
     adapter.register()
     selected = []
     real_select = B._select
-    B._select = lambda *a, **k: selected.append(r := real_select(*a, **k)) or r
+
+    def spy_select(*a, **k):
+        r = real_select(*a, **k)
+        selected.append(r[0] if isinstance(r, tuple) else r)  # (rows, lse) where the sparse loss takes the lse
+        return r
+
+    B._select = spy_select
 
     if cuda:
         _, model = M.build(backend=backend, cp=cp, loss_coeff=0.1, sparse_loss=True, dims=M.GLM5_ATTENTION,
