@@ -57,7 +57,7 @@ def _fake_loss_kernel(seen):
     """Stands in for the TileLang loss wrappers on the CPU: records the mode it is given."""
     import torch
 
-    def run(index_q, index_k, weights, *args, grad_rows=None, deterministic=False):
+    def run(index_q, index_k, weights, *args, grad_rows=None, deterministic=False, index_lse=None):
         seen.append(deterministic)
         grads = (torch.zeros_like(index_q), torch.zeros(index_k.shape), torch.zeros(weights.shape))
         return torch.zeros(index_q.shape[0]), grads
