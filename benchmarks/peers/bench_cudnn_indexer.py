@@ -361,7 +361,8 @@ def fused_row(rows: Rows, shape: str, op: str, iq, ik, w, q, kv, idx, scale, out
             row.update(median_ms=m_bp - m_b + m_fp, tflops=float("nan"), peak_gib=max(p_b, p_bp, p_fp))
             print(f"  fused = attn_bwd+probs {m_bp:.3f} - attn_bwd {m_b:.3f} + loss_from_probs {m_fp:.3f} ms", flush=True)
             if index_lse is not None:
-                with_lse = lambda: L.indexer_kl_loss_from_probs(iq, ik, w, idx, probs, g, index_lse=index_lse)  # noqa: E731
+                with_lse = lambda: L.indexer_kl_loss_from_probs(  # noqa: E731
+                    iq, ik, w, idx, probs, g, index_lse=index_lse)
                 loss_rows, (d_iq, d_ik, d_w) = with_lse()
                 d, lse_error = _compare(_grads((loss_rows * g).sum(), d_iq, d_ik, d_w), ref)
                 print("  fused index_lse vs standalone: " + ", ".join(f"{n} {v:.2e}" for n, v in d.items()), flush=True)

@@ -21,7 +21,8 @@ Two programs, one CTA per query row:
   (:mod:`dsa_plugins.ops.fused_indexer_loss`) P comes from the attention backward instead and this
   program does not run: it is gather-bound (19 GB of kv rows at T 8192, k 2048, Dqk 576: 6 ms).
 - ``loss``: given P, the indexer logits, the row statistics and the loss (pass 1), and with
-  ``grads`` the gradients d_index_q, d_weights and d_index_k (pass 2); see _loss_program. d_index_k is
+  ``grads`` the gradients d_index_q, d_weights and d_index_k (pass 2); given lse(I) from the indexer's
+  top-k (``lse_given``), one pass does both; see _loss_program. d_index_k is
   summed with fp32 atomics, or in the deterministic mode (``det``) stored per slot and summed in a fixed
   order by :mod:`.contrib_reduce`.
 

@@ -222,9 +222,12 @@ def _factory():
         def lse_add(run, x):
             # run[0], run[1]: this thread's running max and rescaled sum of exp over the selected scores it
             # emits (``lse``); a NaN score is passed over by the max but makes the sum NaN
+            # (fmaxf drops a NaN, so a NaN is carried by the sum explicitly: once NaN, it stays NaN)
             m_old = run[0]
             run[0] = T.max(m_old, x)
-            run[1] = T.if_then_else(run[0] == neg_inf, 0.0, run[1] * T.exp(m_old - run[0]) + T.exp(x - run[0]))
+            run[1] = T.if_then_else(
+                T.Or(x != x, run[1] != run[1]), x + run[1],
+                T.if_then_else(run[0] == neg_inf, 0.0, run[1] * T.exp(m_old - run[0]) + T.exp(x - run[0])))
 
         @T.macro
         def lse_combine(run, lse_m, lse_s, tx, ties, thr, Lse, bx):
@@ -237,8 +240,8 @@ def _factory():
                 m2 = T.shfl_down(run[0], 16 >> sh)
                 s2 = T.shfl_down(run[1], 16 >> sh)
                 mm = T.max(run[0], m2)
-                if mm != neg_inf:
-                    run[1] = run[1] * T.exp(run[0] - mm) + s2 * T.exp(m2 - mm)
+                # both maxima -inf: the sums are 0, or NaN (carried)
+                run[1] = T.if_then_else(mm == neg_inf, run[1] + s2, run[1] * T.exp(run[0] - mm) + s2 * T.exp(m2 - mm))
                 run[0] = mm
             if tx % 32 == 0:
                 lse_m[tx // 32] = run[0]
@@ -250,9 +253,8 @@ def _factory():
                     mm = T.max(mm, lse_m[w])
                 s2 = T.if_then_else(ties > 0, T.cast(ties, f32) * T.exp(thr - mm), 0.0)
                 for w in T.unroll(nwarps):
-                    if lse_m[w] != neg_inf:
-                        s2 = s2 + lse_s[w] * T.exp(lse_m[w] - mm)
-                Lse[bx] = T.if_then_else(mm == neg_inf, neg_inf, mm + T.log(s2))
+                    s2 = s2 + T.if_then_else(lse_m[w] == neg_inf, lse_s[w], lse_s[w] * T.exp(lse_m[w] - mm))
+                Lse[bx] = T.if_then_else(mm == neg_inf, T.if_then_else(s2 != s2, s2, neg_inf), mm + T.log(s2))
 
         @T.prim_func
         def main(

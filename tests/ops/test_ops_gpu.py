@@ -172,6 +172,34 @@ def test_deterministic_mode_covers_the_fused_indexer_loss():
             assert all(torch.equal(a, b) for a, b in zip(got, first))
 
 
+def test_fused_indexer_loss_with_the_topk_lse():
+    """FusedIndexerLoss given the top-k's lse (the adapters' path: the loss program's single pass) gives the
+    loss value and gradients of the two-pass program, within rounding; a shifted lse shifts the value (it is
+    used, not recomputed)."""
+    t, h, hi, di, k = 300, 64, 32, 128, 128
+    q, kv, _, _ = _fresh(1, t, t, h, 576, k, False)
+    g = torch.Generator().manual_seed(4)
+    iq = torch.randn(t, hi, di, generator=g).cuda().bfloat16()
+    ik = torch.randn(t, di, generator=g).cuda().bfloat16()
+    w = (torch.randn(t, hi, generator=g) * 0.05).cuda()
+    start, end = ops.causal_key_windows(torch.tensor([0, t], device="cuda"))
+    idx, i_lse = ops.indexer_topk(iq, ik, w, k, start, end, return_lse=True)
+    dout = torch.randn(1, t, h, 512, device="cuda").bfloat16()
+    results = []
+    for given in (None, i_lse, i_lse + 0.5):
+        leaves = [x.clone().requires_grad_() for x in (q, kv, iq, ik, w)]
+        loss = ops.FusedIndexerLoss(leaves[2], leaves[3], leaves[4], weight=1.0, index_lse=given)
+        out = ops.sparse_attention(leaves[0], leaves[1], idx[None], 0.04, dv=512, backend="tilelang",
+                                   indexer_loss=loss)
+        grads = torch.autograd.grad(out, leaves, dout)
+        results.append((loss.value, grads))
+    (v0, g0), (v1, g1), (v2, _) = results
+    assert torch.isfinite(v1) and abs(v1.item() - v0.item()) <= 1e-5 * max(1.0, abs(v0.item()))
+    for a, b in zip(g1[2:], g0[2:]):
+        assert rel_err(a, b) < 1e-2
+    assert abs((v2 - v1).item() - 0.5) < 1e-3  # every row has slots and a target: the mean shifts by 0.5
+
+
 def test_no_quadratic_allocation_at_long_sequence():
     """S = Skv = 32K: a [S, Skv] fp32 score matrix would be 4 GiB; fwd+bwd must stay far below."""
     s, h, k = 32768, 16, 512
@@ -243,8 +271,9 @@ def test_memcheck_clean_on_invalid_indices(tmp_path):
     assert "ERROR SUMMARY: 0 errors" in proc.stdout
 
 
+@pytest.mark.parametrize("index_lse", [False, True], ids=["two_passes", "index_lse"])
 @pytest.mark.parametrize("with_lse", [False, True])
-def test_indexer_kl_loss_kernel_matches_reference(with_lse):
+def test_indexer_kl_loss_kernel_matches_reference(with_lse, index_lse):
     t, h, dqk, hi, di, k = 300, 64, 576, 32, 128, 100
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     q = torch.randn(t, h, dqk, generator=g).cuda().bfloat16()
@@ -253,7 +282,8 @@ def test_indexer_kl_loss_kernel_matches_reference(with_lse):
     ik = torch.randn(t, di, generator=g).cuda().bfloat16()
     w = torch.rand(t, hi, generator=g).cuda() * 0.02
     start, end = ops.causal_key_windows(torch.tensor([0, t], device="cuda"))
-    idx = ops.indexer_topk(iq, ik, w, k, start, end)
+    idx, i_lse = ops.indexer_topk(iq, ik, w, k, start, end, return_lse=True)  # (the kernels' lse: index_lse)
+    assert torch.equal(idx.sort(1).values, ops.indexer_topk(iq, ik, w, k, start, end).sort(1).values)
     lse = None
     if with_lse:
         _, lse = ops.sparse_attention(q, kv, idx, 0.04, dv=512, return_lse=True)
@@ -261,7 +291,8 @@ def test_indexer_kl_loss_kernel_matches_reference(with_lse):
     losses, grads = [], []
     for backend in ("tilelang", "torch"):
         leaves = [x.clone().requires_grad_() for x in (iq, ik, w)]
-        loss = ops.indexer_kl_loss(*leaves, q, kv, lse, 0.04, topk_indices=idx, backend=backend)
+        loss = ops.indexer_kl_loss(*leaves, q, kv, lse, 0.04, topk_indices=idx, backend=backend,
+                                   index_lse=i_lse if index_lse else None)
         loss.backward()
         losses.append(loss.float())
         grads.append([x.grad.float() for x in leaves])

@@ -49,7 +49,7 @@ def select_topk(
     q [B, S, Hi, Di] (rope applied), k_new [B, S, Di], weights [B, S, Hi] fp32 with every scale
     folded in. Returns [B, S, min(index_topk, T)] int32 key columns, -1 where none / forbidden.
     ``return_lse`` (the indexer loss): (columns, lse [B * S] fp32 of each row's selected scores, or None
-    when the mask took slots away: then it no longer matches the selection and the loss recomputes it).
+    when the mask is applied: it may take slots away, and the loss then recomputes the lse).
     """
     k = past_key_values.update_indexer(k_new, indexer.layer_idx) if past_key_values is not None else k_new
     B, S = q.shape[:2]
