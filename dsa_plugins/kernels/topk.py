@@ -226,7 +226,7 @@ def _factory():
             m_old = run[0]
             run[0] = T.max(m_old, x)
             run[1] = T.if_then_else(
-                T.Or(x != x, run[1] != run[1]), x + run[1],
+                T.Or(T.isnan(x), T.isnan(run[1])), x + run[1],
                 T.if_then_else(run[0] == neg_inf, 0.0, run[1] * T.exp(m_old - run[0]) + T.exp(x - run[0])))
 
         @T.macro
@@ -254,7 +254,7 @@ def _factory():
                 s2 = T.if_then_else(ties > 0, T.cast(ties, f32) * T.exp(thr - mm), 0.0)
                 for w in T.unroll(nwarps):
                     s2 = s2 + T.if_then_else(lse_m[w] == neg_inf, lse_s[w], lse_s[w] * T.exp(lse_m[w] - mm))
-                Lse[bx] = T.if_then_else(mm == neg_inf, T.if_then_else(s2 != s2, s2, neg_inf), mm + T.log(s2))
+                Lse[bx] = T.if_then_else(mm == neg_inf, T.if_then_else(T.isnan(s2), s2, neg_inf), mm + T.log(s2))
 
         @T.prim_func
         def main(
