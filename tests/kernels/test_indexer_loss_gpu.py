@@ -208,6 +208,22 @@ def _from_probs_inputs(t, k, tk, hi, di, kind, gen):
     return [x.cuda() for x in (iq, ik, w, idx, probs, g)]
 
 
+def _from_probs_oracle(iq, ik, w, idx, probs, g):
+    """float64 loss rows and (d_index_q, d_index_k, d_weights) of sum_t g_t * loss_t given the target probs:
+    one reference call per row, so that every row gets its own gradient weight."""
+    tk = ik.shape[0]
+    leaves = [x.double().requires_grad_() for x in (iq, ik, w)]
+    rows_idx = torch.where((idx >= 0) & (idx < tk), idx.long(), -1)
+    ref_rows, total = [], 0
+    for r in range(iq.shape[0]):
+        v = indexer_kl_loss_reference(leaves[0][r:r + 1], leaves[1], leaves[2][r:r + 1], None, None, None, None,
+                                      topk_indices=rows_idx[r:r + 1], attn_probs=probs[r:r + 1].double())
+        ref_rows.append(v.detach())
+        total = total + v * g[r].double()
+    total.backward()
+    return torch.stack(ref_rows), leaves[0].grad, leaves[1].grad, leaves[2].grad
+
+
 @pytest.mark.parametrize("case", FROM_PROBS_CASES, ids=lambda c: f"T{c[0]}-k{c[1]}-Tk{c[2]}-Hi{c[3]}-Di{c[4]}-{c[5]}")
 def test_loss_from_probs_matches_oracle(case):
     gen = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()) % (2**31))
@@ -219,23 +235,12 @@ def test_loss_from_probs_matches_oracle(case):
     for name, x in (("loss", loss), ("d_index_q", d_iq), ("d_index_k", d_ik), ("d_weights", d_w)):
         _finite(name, x)
     assert d_iq.shape == iq.shape and d_iq.dtype == torch.bfloat16 and d_w.shape == w.shape
-    # float64 oracle: one reference call per row so that every row gets its own gradient weight
-    leaves = [x.double().requires_grad_() for x in (iq, ik, w)]
-    rows_idx = torch.where(idx < tk, idx.long(), -1)
-    ref_rows, total = [], 0
-    for r in range(t):
-        v = indexer_kl_loss_reference(leaves[0][r:r + 1], leaves[1], leaves[2][r:r + 1], None, None, None, None,
-                                      topk_indices=rows_idx[r:r + 1], attn_probs=probs[r:r + 1].double())
-        ref_rows.append(v.detach())
-        total = total + v * g[r].double()
-    total.backward()
-    ref_rows = torch.stack(ref_rows)
+    ref_rows, ref_iq, ref_ik, ref_w = _from_probs_oracle(iq, ik, w, idx, probs, g)
     empty = ~((idx >= 0) & (idx < tk)).any(1)
     assert bool(empty.any()) and bool((loss[empty] == 0).all()) and bool((d_iq[empty] == 0).all())
     err = (loss.double() - ref_rows).abs().max().item()
     assert err <= 2e-4 * max(1.0, ref_rows.abs().max().item()), f"loss rows: max abs err {err:.3e}"
-    for name, got, want in (("d_weights", d_w, leaves[2].grad), ("d_index_q", d_iq, leaves[0].grad),
-                            ("d_index_k", d_ik, leaves[1].grad)):
+    for name, got, want in (("d_weights", d_w, ref_w), ("d_index_q", d_iq, ref_iq), ("d_index_k", d_ik, ref_ik)):
         tol = 2e-3 if name == "d_weights" else 2e-2
         assert rel_err(got, want) < tol, f"{name} rel err {rel_err(got, want):.3e}"
     assert d_w[:, 0].abs().sum() > 0  # zero weight, nonzero gradient
@@ -275,15 +280,8 @@ def test_deterministic_d_index_k_repeats_bitwise_and_matches(case, chunks, monke
     valid = (idx >= 0) & (idx < tk)
     named[idx[valid].long()] = True
     assert bool((d_ik[~named] == 0).all()) and bool(named.any())
-    leaves = [x.double().requires_grad_() for x in (iq, ik, w)]
-    rows_idx = torch.where(valid, idx.long(), -1)
-    total = 0
-    for r in range(t):
-        v = indexer_kl_loss_reference(leaves[0][r:r + 1], leaves[1], leaves[2][r:r + 1], None, None, None, None,
-                                      topk_indices=rows_idx[r:r + 1], attn_probs=probs[r:r + 1].double())
-        total = total + v * g[r].double()
-    total.backward()
-    assert rel_err(d_ik, leaves[1].grad) < 2e-2, f"d_index_k vs float64: {rel_err(d_ik, leaves[1].grad):.3e}"
+    ref_ik = _from_probs_oracle(iq, ik, w, idx, probs, g)[2]
+    assert rel_err(d_ik, ref_ik) < 2e-2, f"d_index_k vs float64: {rel_err(d_ik, ref_ik):.3e}"
 
 
 def test_deterministic_d_index_k_standalone_and_nan():
@@ -344,16 +342,8 @@ def test_loss_with_index_lse_skips_pass_one(case, det):
     if det:
         again = K.indexer_kl_loss_from_probs(iq, ik, w, idx, probs, g, deterministic=True, index_lse=lse.float())
         assert torch.equal(again[1][1], d_ik), "d_index_k differs between two deterministic runs"
-    leaves = [x.double().requires_grad_() for x in (iq, ik, w)]
-    rows_idx = torch.where(valid, idx.long(), -1)
-    total = 0
-    for r in range(t):
-        v = indexer_kl_loss_reference(leaves[0][r:r + 1], leaves[1], leaves[2][r:r + 1], None, None, None, None,
-                                      topk_indices=rows_idx[r:r + 1], attn_probs=probs[r:r + 1].double())
-        total = total + v * g[r].double()
-    total.backward()
-    for name, got, want in (("d_weights", d_w, leaves[2].grad), ("d_index_q", d_iq, leaves[0].grad),
-                            ("d_index_k", d_ik, leaves[1].grad)):
+    _, ref_iq, ref_ik, ref_w = _from_probs_oracle(iq, ik, w, idx, probs, g)
+    for name, got, want in (("d_weights", d_w, ref_w), ("d_index_q", d_iq, ref_iq), ("d_index_k", d_ik, ref_ik)):
         tol = 2e-3 if name == "d_weights" else 2e-2
         assert rel_err(got, want) < tol, f"{name} vs float64: rel err {rel_err(got, want):.3e}"
     shifted, _ = K.indexer_kl_loss_from_probs(iq, ik, w, idx, probs, g, index_lse=(lse + 1.0).float())
