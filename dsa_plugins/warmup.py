@@ -155,10 +155,11 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
         idx_cfgs = [indexer.default_config(dims.index_heads, dims.index_dim, rows=rows)
                     for rows in (None, indexer.DECODE_MAX_ROWS)]
         loss_cfgs = [{"kind": "attn_probs", "dim": dims.dim_qk, "lse_pass": p} for p in (False, True)]
-        loss_cfgs += [{"kind": "loss", "heads": 64, "dim": dims.index_dim, "grads": g} for g in (True, False)]
-        loss_cfgs += [{"kind": "loss", "heads": 64, "dim": dims.index_dim, "grads": True, "det": det, "lse_given": True}
-                      for det in (False, True)]  # the adapters pass the indexer's lse(I): no first pass
-        loss_cfgs += [{"kind": "loss", "heads": 64, "dim": dims.index_dim, "grads": True, "det": True}]
+        # the value-only program, and with gradients: atomic or deterministic, two passes or given the indexer's
+        # lse(I) (what the adapters pass)
+        loss_cfgs += [{"kind": "loss", "heads": 64, "dim": dims.index_dim, "grads": False}]
+        loss_cfgs += [{"kind": "loss", "heads": 64, "dim": dims.index_dim, "grads": True, "det": det, "lse_given": lg}
+                      for det in (False, True) for lg in (False, True)]
     for dqk, dv, sink in attn:
         cfg = sparse_attention_fwd.config_for(dqk, dv, sink, torch.bfloat16)
         jobs.append(KernelJob(f"attention forward {dqk}/{dv}{' sink' if sink else ''}", fwd, "build_fwd_kernel",

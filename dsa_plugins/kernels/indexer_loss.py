@@ -45,7 +45,7 @@ import torch
 
 from ..common.settings import logger
 from ..common.indices import as_int32
-from . import announce_compile, zeros_arg
+from . import announce_compile, target_key, zeros_arg
 from .contrib_reduce import DET_BUDGET_BYTES, build_reduce, slot_order_async
 
 __all__ = [
@@ -382,14 +382,13 @@ def _loss_program(heads: int, dim: int, grads: bool, det: bool = False, threads:
         return T.if_then_else(x < 0, T.cast(0, acc), x)
 
     @T.macro
-    def logits(Idx, bx, blk, buf, iq_s, w_s, lt, ival):
-        # lt = relu(IK_blk IQ^T) (slots x heads) and ival[j] = I_j (-inf for invalid slots)
+    def logits(Idx, bx, blk, buf, iq_s, w_s, lt, ival, lw):
+        # lt = L = IK_blk IQ^T (slots x heads), lw = relu(L) w (lt itself where L is not needed after) and
+        # ival[j] = I_j, the head sum of lw (-inf for invalid slots)
         T.gemm(buf, iq_s, lt, transpose_B=True, clear_accum=True)
         for j, h in T.Parallel(BK, HI):
-            lt[j, h] = relu(lt[j, h])
-        for j, h in T.Parallel(BK, HI):
-            lt[j, h] = lt[j, h] * w_s[h]  # kept relu * w: its head sum is I
-        T.reduce_sum(lt, ival, dim=1, clear=True)
+            lw[j, h] = relu(lt[j, h]) * w_s[h]
+        T.reduce_sum(lw, ival, dim=1, clear=True)
         for j in T.Parallel(BK):
             ival[j] = T.if_then_else((Idx[bx, blk * BK + j] >= 0) and (Idx[bx, blk * BK + j] < TK), ival[j], neg_inf)
 
@@ -411,22 +410,15 @@ def _loss_program(heads: int, dim: int, grads: bool, det: bool = False, threads:
     def grad_block(Idx, P, Iw, DK, bx, blk, buf, iq_s, w_s, lt, gacc, acc_q, acc_k, dl_s, d_s, row_s, lw, ival, pi_l,
                    pl_l):
         if lse_given:
-            # I_j from the logits recomputed here (an invalid slot's zero-filled row gives 0, and p_j = 0)
-            T.gemm(buf, iq_s, lt, transpose_B=True, clear_accum=True)  # L (slots x heads)
-            for j, h in T.Parallel(BK, HI):
-                lw[j, h] = relu(lt[j, h]) * w_s[h]
-            T.reduce_sum(lw, ival, dim=1, clear=True)
+            # I_j from the logits recomputed here (L stays in lt for the gradients below)
+            logits(Idx, bx, blk, buf, iq_s, w_s, lt, ival, lw)
             for j in T.Parallel(BK):
+                pj = T.if_then_else(_slot_ok(T, Idx, TK, bx, blk * BK + j), P[bx, blk * BK + j], 0.0)
                 d_s[j] = T.if_then_else(
-                    _slot_ok(T, Idx, TK, bx, blk * BK + j),
-                    row_s[4] * (T.exp(ival[j] - row_s[0]) - P[bx, blk * BK + j] * row_s[1]), 0.0)
-                # the loss value's sums P I and P log P (terms decided by p_j == 0: a NaN target stays NaN)
-                pi_l[j] += T.if_then_else(
-                    T.Or(T.Not(_slot_ok(T, Idx, TK, bx, blk * BK + j)), P[bx, blk * BK + j] == 0),
-                    0.0, P[bx, blk * BK + j] * ival[j])
-                pl_l[j] += T.if_then_else(
-                    T.Or(T.Not(_slot_ok(T, Idx, TK, bx, blk * BK + j)), P[bx, blk * BK + j] == 0),
-                    0.0, P[bx, blk * BK + j] * T.log(P[bx, blk * BK + j]))
+                    _slot_ok(T, Idx, TK, bx, blk * BK + j), row_s[4] * (T.exp(ival[j] - row_s[0]) - pj * row_s[1]), 0.0)
+                # the loss value's sums P I and P log P, as in stats_block
+                pi_l[j] += T.if_then_else(pj == 0, 0.0, pj * ival[j])
+                pl_l[j] += T.if_then_else(pj == 0, 0.0, pj * T.log(pj))
         else:
             # dI_j = G (softmax_j - p_j), with I_j from pass 1 (-inf for invalid slots)
             for j in T.Parallel(BK):
@@ -509,7 +501,7 @@ def _loss_program(heads: int, dim: int, grads: bool, det: bool = False, threads:
                     for st in (0, 1):  # static: block 2t + st computes on bufs[st], the next one lands in the other
                         issue(Idx, IK, bx, 2 * t + st + 1, bufs[1 - st], tx)
                         land()
-                        logits(Idx, bx, 2 * t + st, bufs[st], iq_s, w_s, lt, ival)
+                        logits(Idx, bx, 2 * t + st, bufs[st], iq_s, w_s, lt, ival, lt)
                         stats_block(Idx, P, Iw, bx, 2 * t + st, ival, m_l, s_l, ps_l, pi_l, pl_l)
                         T.sync_threads()  # bufs[st] is free
 
@@ -614,12 +606,6 @@ def _normalise(config: dict) -> tuple:
     return (kind,) + tuple(out)
 
 
-def _target_key(target) -> str:
-    if isinstance(target, dict):
-        return ",".join(f"{k}={target[k]}" for k in sorted(target))
-    return str(target)
-
-
 @torch.compiler.disable
 def _device_target(device: torch.device) -> dict:
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -635,7 +621,7 @@ def _build(config: dict, target):
     import tilelang
 
     key = _normalise(config)
-    tkey = _target_key(target)
+    tkey = target_key(target)
     kern = _BUILT.get((key, tkey))
     if kern is not None:
         return kern

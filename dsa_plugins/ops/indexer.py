@@ -29,19 +29,27 @@ __all__ = [
 ]
 
 
-@torch.library.custom_op("dsa_plugins::indexer_topk", mutates_args=())
-def _indexer_topk_op(
-    index_q: Tensor, index_k: Tensor, weights: Tensor, key_start: Tensor, key_end: Tensor, topk: int, backend: str,
-    index_k_scale: Tensor | None = None, rows_per_entry: int = 0, keys_per_entry: int = 0,
-) -> Tensor:
-    # rows_per_entry / keys_per_entry > 0: the rows come from a batched layout (see _batched_indexer_topk)
+def _run_indexer_topk(index_q, index_k, weights, key_start, key_end, topk, backend, index_k_scale, rows_per_entry,
+                      keys_per_entry, return_lse):
+    """The body of both indexer top-k custom ops: the kernels by the backend rules, else the reference.
+    rows_per_entry / keys_per_entry > 0: the rows come from a batched layout (see _batched_indexer_topk)."""
     reason = kernel_shape_reason("indexer_topk", num_heads=index_q.shape[1], head_dim=index_q.shape[2], topk=topk,
                                  dtype=index_q.dtype)
     if choose_kernel(backend, "indexer_topk", (index_q, index_k), reason):
         entries = (rows_per_entry, keys_per_entry) if rows_per_entry > 0 else None
         return load_kernel("indexer_topk")(index_q, index_k, weights, key_start, key_end, topk,
-                                           index_k_scale=index_k_scale, entries=entries)
-    return indexer_topk_reference(index_q, index_k, weights, topk, key_start, key_end, index_k_scale)
+                                           index_k_scale=index_k_scale, entries=entries, return_lse=return_lse)
+    return indexer_topk_reference(index_q, index_k, weights, topk, key_start, key_end, index_k_scale,
+                                  return_lse=return_lse)
+
+
+@torch.library.custom_op("dsa_plugins::indexer_topk", mutates_args=())
+def _indexer_topk_op(
+    index_q: Tensor, index_k: Tensor, weights: Tensor, key_start: Tensor, key_end: Tensor, topk: int, backend: str,
+    index_k_scale: Tensor | None = None, rows_per_entry: int = 0, keys_per_entry: int = 0,
+) -> Tensor:
+    return _run_indexer_topk(index_q, index_k, weights, key_start, key_end, topk, backend, index_k_scale,
+                             rows_per_entry, keys_per_entry, False)
 
 
 @_indexer_topk_op.register_fake
@@ -56,13 +64,8 @@ def _indexer_topk_lse_op(
     index_k_scale: Tensor | None = None, rows_per_entry: int = 0, keys_per_entry: int = 0,
 ) -> tuple[Tensor, Tensor]:
     # indexer_topk plus the logsumexp of each row's selected scores (the indexer loss's lse(I))
-    reason = kernel_shape_reason("indexer_topk", num_heads=index_q.shape[1], head_dim=index_q.shape[2], topk=topk,
-                                 dtype=index_q.dtype)
-    if choose_kernel(backend, "indexer_topk", (index_q, index_k), reason):
-        entries = (rows_per_entry, keys_per_entry) if rows_per_entry > 0 else None
-        return load_kernel("indexer_topk")(index_q, index_k, weights, key_start, key_end, topk,
-                                           index_k_scale=index_k_scale, entries=entries, return_lse=True)
-    return indexer_topk_reference(index_q, index_k, weights, topk, key_start, key_end, index_k_scale, return_lse=True)
+    return _run_indexer_topk(index_q, index_k, weights, key_start, key_end, topk, backend, index_k_scale,
+                             rows_per_entry, keys_per_entry, True)
 
 
 @_indexer_topk_lse_op.register_fake

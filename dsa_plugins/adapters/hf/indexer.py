@@ -66,8 +66,6 @@ def select_topk(
     # indexer_topk only returns keys inside each row's window; the mask is needed for holes only.
     # Asking whether there are holes reads a flag on the host (a sync, and a break in a compiled
     # graph): generation steps (few rows) and compiled graphs apply the mask instead.
-    if mask.padding is not None and (S <= _ALWAYS_MASK_ROWS or torch.compiler.is_compiling()):
-        local, lse = mask_indices(local, mask), None
-    elif mask.has_holes():
+    if (mask.padding is not None and (S <= _ALWAYS_MASK_ROWS or torch.compiler.is_compiling())) or mask.has_holes():
         local, lse = mask_indices(local, mask), None
     return (local, lse) if return_lse else local

@@ -179,12 +179,10 @@ def run_fused_dsa_attention(*, config, query, key, value, up_v_weight, q_indexer
     if dense_loss and _tp_group(pg_collection) is not None:
         return _decline("the dense indexer loss under tensor parallelism is not supported")
     sq, b, np_, _ = query.shape
-    index_lse = None
-    if loss_coeff > 0 and not dense_loss:
-        topk, index_lse = _select(q_indexer, k_indexer, indexer_weights, indexer_topk, varlen_starts, varlen_ends,
-                                  return_lse=True)
-    else:
-        topk = _select(q_indexer, k_indexer, indexer_weights, indexer_topk, varlen_starts, varlen_ends)
+    sparse_loss_on = loss_coeff > 0 and not dense_loss  # its loss takes the selection's lse
+    selected = _select(q_indexer, k_indexer, indexer_weights, indexer_topk, varlen_starts, varlen_ends,
+                       return_lse=sparse_loss_on)
+    topk, index_lse = selected if sparse_loss_on else (selected, None)
     if dense_loss:  # warm-up: sparse attention, the indexer loss over every key of the windows
         latent = _attention(query, key, topk, softmax_scale, up_v_weight.shape[-1])
         output = torch.einsum("sbhc,hdc->sbhd", latent, up_v_weight.to(latent.dtype)).reshape(sq, b, -1)
