@@ -40,6 +40,7 @@ KERNELS: dict[str, KernelSpec] = {
                    (torch.bfloat16, torch.float8_e4m3fn)),
         KernelSpec("topk_rows", "dsa_plugins.kernels.topk", "topk_rows", (torch.float32,)),
         KernelSpec("indexer_kl_loss", "dsa_plugins.kernels.indexer_loss", "indexer_kl_loss_sparse"),
+        KernelSpec("indexer_kl_loss_dense", "dsa_plugins.kernels.indexer_loss", "indexer_kl_loss_dense"),
     )
 }
 
@@ -50,7 +51,7 @@ KERNEL_GROUPS: dict[str, tuple[str, ...]] = {
     "sparse_mla": ("sparse_attention_fwd", "sparse_attention_bwd"),
     "indexer": ("indexer_topk",),
     "topk": ("topk_rows",),
-    "indexer_loss": ("indexer_kl_loss",),
+    "indexer_loss": ("indexer_kl_loss", "indexer_kl_loss_dense"),
 }
 
 

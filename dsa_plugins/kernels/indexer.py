@@ -163,7 +163,8 @@ def _factory():
                         T.copy(KScale[(lo + i) * block_k : (lo + i + 1) * block_k], ks_s)
                     T.gemm(k_s, q_s, s, transpose_B=True, clear_accum=True, policy=policy)
                     for a, b, h in T.Parallel(block_k, block_q, heads):
-                        s3[a, b, h] = T.max(s3[a, b, h], 0.0) * w_f[b, h]
+                        # not T.max(s, 0): fmaxf would turn a NaN score into 0
+                        s3[a, b, h] = T.if_then_else(s3[a, b, h] < 0.0, 0.0, s3[a, b, h]) * w_f[b, h]
                     T.reduce_sum(s3, red, dim=-1, clear=True)
                     for b, a in T.Parallel(block_q, block_k):
                         out_s[b, a] = red[a, b] * ks_s[a] if fp8 else red[a, b]
@@ -231,7 +232,129 @@ def _factory():
 
         return main
 
-    return {"indexer_scores": indexer_scores, "block_ranges": block_ranges}
+    @tilelang.jit
+    def score_grads_query(heads: int, dim: int, block_q: int, block_k: int, threads: int, num_stages: int):
+        """The scores' gradient towards index_q and the weights, query-major (one CTA per ``block_q`` rows).
+
+        DI [nq, width] fp32: d objective / d I in the score buffer's layout (a block's columns start at its
+        key block BlkLo; 0 outside the windows). Per key block: S = K_blk Q^T as in indexer_scores, then
+        G[a, (b, h)] = DI[b, a] where S > 0 (a NaN S passes it, as torch's relu gradient), else 0, in
+        bf16, and A[(b, h)] += G^T K_blk. Then DQ = A * W (bf16) and DW = <A, Q> (sum_s DI relu(S) =
+        <sum_s DI [S > 0] k_s, q>: the weights stay out of the bf16 G)."""
+        nq = T.dynamic("nq")
+        nk = T.dynamic("nk")
+        width = T.dynamic("width")
+        nqb = T.dynamic("nqb")
+        dtype, acc = T.bfloat16, T.float32
+        n = block_q * heads
+
+        @T.prim_func
+        def main(
+            Q: T.Tensor([nq * heads, dim], dtype),
+            K: T.Tensor([nk, dim], dtype),
+            W: T.Tensor([nq, heads], acc),
+            DI: T.Tensor([nq, width], acc),
+            BlkLo: T.Tensor([nqb], T.int32),
+            BlkHi: T.Tensor([nqb], T.int32),
+            DQ: T.Tensor([nq * heads, dim], dtype),
+            DW: T.Tensor([nq, heads], acc),
+        ):
+            with T.Kernel(nqb, threads=threads) as bx:
+                q_s = T.alloc_shared([n, dim], dtype)
+                k_s = T.alloc_shared([block_k, dim], dtype)
+                w_s = T.alloc_shared([block_q, heads], acc)
+                di_s = T.alloc_shared([block_q, block_k], acc)
+                g_s = T.alloc_shared([block_k, n], dtype)
+                out_s = T.alloc_shared([n, dim], dtype)
+                s = T.alloc_fragment([block_k, n], acc)
+                s3 = T.reshape(s, (block_k, block_q, heads))
+                a_f = T.alloc_fragment([n, dim], acc)
+                dw_f = T.alloc_fragment([n], acc)
+                qb = nqb - 1 - bx  # last blocks first: under a causal mask they walk the most keys
+                lo = BlkLo[qb]
+                hi = T.min(BlkHi[qb], lo + width // block_k)
+                T.copy(Q[qb * n : (qb + 1) * n, :], q_s)
+                T.copy(W[qb * block_q : (qb + 1) * block_q, :], w_s)
+                T.clear(a_f)
+                for i in T.Pipelined(T.max(hi - lo, 0), num_stages=num_stages):
+                    T.copy(K[(lo + i) * block_k : (lo + i + 1) * block_k, :], k_s)
+                    T.copy(DI[qb * block_q : (qb + 1) * block_q, i * block_k : (i + 1) * block_k], di_s)
+                    T.gemm(k_s, q_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    for a, b, h in T.Parallel(block_k, block_q, heads):
+                        g_s[a, b * heads + h] = T.if_then_else(s3[a, b, h] <= 0.0, 0.0, di_s[b, a])
+                    T.gemm(g_s, k_s, a_f, transpose_A=True)
+                for r, d in T.Parallel(n, dim):
+                    out_s[r, d] = a_f[r, d] * w_s[r // heads, r % heads]
+                for r, d in T.Parallel(n, dim):
+                    a_f[r, d] = a_f[r, d] * q_s[r, d]
+                T.reduce_sum(a_f, dw_f, dim=1)
+                T.copy(out_s, DQ[qb * n : (qb + 1) * n, :])
+                for r in T.Parallel(n):
+                    if qb * block_q + r // heads < nq:
+                        DW[qb * block_q + r // heads, r % heads] = dw_f[r]
+
+        return main
+
+    @tilelang.jit
+    def score_grads_key(heads: int, dim: int, block_q: int, block_k: int, threads: int, num_stages: int):
+        """The scores' gradient towards index_k, key-major: no atomics, so the sums are reproducible.
+
+        Grid (key blocks, splits). Key block kb0 + bx walks the query blocks that score it, listed by the
+        caller in Ent[Ptr[bx] : Ptr[bx + 1]] with their DI column block in Col; split ``by`` takes the
+        by-th part of that list and writes its partial sum to DK[by, bx * block_k ...] (the caller adds
+        the splits in order). Per query block: S = K_blk Q_blk^T, G = DI[b, a] * W[b, h] where S > 0,
+        else 0 (bf16), DK += G Q_blk."""
+        nq = T.dynamic("nq")
+        nk = T.dynamic("nk")
+        width = T.dynamic("width")
+        nkb = T.dynamic("nkb")
+        nent = T.dynamic("nent")
+        nsplit = T.dynamic("nsplit")
+        dtype, acc = T.bfloat16, T.float32
+        n = block_q * heads
+
+        @T.prim_func
+        def main(
+            Q: T.Tensor([nq * heads, dim], dtype),
+            K: T.Tensor([nk, dim], dtype),
+            W: T.Tensor([nq, heads], acc),
+            DI: T.Tensor([nq, width], acc),
+            Ptr: T.Tensor([nkb + 1], T.int32),
+            Ent: T.Tensor([nent], T.int32),
+            Col: T.Tensor([nent], T.int32),
+            kb0: T.int32,
+            DK: T.Tensor([nsplit, nkb * block_k, dim], acc),
+        ):
+            with T.Kernel(nkb, nsplit, threads=threads) as (bx, by):
+                k_s = T.alloc_shared([block_k, dim], dtype)
+                q_s = T.alloc_shared([n, dim], dtype)
+                w_s = T.alloc_shared([block_q, heads], acc)
+                di_s = T.alloc_shared([block_q, block_k], acc)
+                g_s = T.alloc_shared([block_k, n], dtype)
+                s = T.alloc_fragment([block_k, n], acc)
+                s3 = T.reshape(s, (block_k, block_q, heads))
+                dk = T.alloc_fragment([block_k, dim], acc)
+                p0 = Ptr[bx]
+                per = T.ceildiv(Ptr[bx + 1] - p0, nsplit)
+                lo = p0 + by * per
+                hi = T.min(Ptr[bx + 1], lo + per)
+                T.copy(K[(kb0 + bx) * block_k : (kb0 + bx + 1) * block_k, :], k_s)
+                T.clear(dk)
+                for j in T.Pipelined(T.max(hi - lo, 0), num_stages=num_stages):
+                    T.copy(Q[Ent[lo + j] * n : (Ent[lo + j] + 1) * n, :], q_s)
+                    T.copy(W[Ent[lo + j] * block_q : (Ent[lo + j] + 1) * block_q, :], w_s)
+                    T.copy(DI[Ent[lo + j] * block_q : (Ent[lo + j] + 1) * block_q,
+                              Col[lo + j] * block_k : (Col[lo + j] + 1) * block_k], di_s)
+                    T.gemm(k_s, q_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+                    for a, b, h in T.Parallel(block_k, block_q, heads):
+                        g_s[a, b * heads + h] = T.if_then_else(s3[a, b, h] <= 0.0, 0.0, di_s[b, a] * w_s[b, h])
+                    T.gemm(g_s, q_s, dk)
+                T.copy(dk, DK[by, bx * block_k : (bx + 1) * block_k, :])
+
+        return main
+
+    return {"indexer_scores": indexer_scores, "block_ranges": block_ranges, "score_grads_query": score_grads_query,
+            "score_grads_key": score_grads_key}
 
 
 def _norm_config(config: dict) -> tuple:
@@ -272,6 +395,31 @@ def build_indexer(config: dict, target=None):
     params = dict(key)
     ws = params.pop("ws")
     return _compiled("indexer_scores", key, params, target, _pass_configs(ws))
+
+
+def grad_config(score_config: dict) -> dict:
+    """The tiling of the score-gradient programs for buffers written with ``score_config``: its key
+    blocks (DI columns come in its tiles) and as many of a score block's rows as keep block_q * heads
+    <= 128 (two accumulators of [128, 128] fp32 per 256 threads)."""
+    cfg = dict(_norm_config(score_config))
+    block_q = cfg["block_q"]
+    while block_q > 1 and (block_q * cfg["heads"] > 128 or cfg["block_q"] % block_q):
+        block_q -= 1
+    return {"heads": cfg["heads"], "dim": cfg["dim"], "block_q": block_q, "block_k": cfg["block_k"],
+            "threads": cfg["threads"], "num_stages": 2}
+
+
+#: The score-gradient programs shipped (the dense warm-up loss): one pair per bf16 prefill tiling.
+GRAD_CONFIGS: list = [grad_config(c) for c in PREFILL_CONFIGS if not c.get("fp8")]
+
+
+def build_score_grads(side: str, config: dict, target=None):
+    """Compile ``score_grads_query`` (side "query") or ``score_grads_key`` ("key") for a GRAD_CONFIGS-like
+    dict and ``target`` (default: the current CUDA device)."""
+    if side not in ("query", "key"):
+        raise ValueError(f"side must be 'query' or 'key', got {side!r}")
+    params = {k: int(config[k]) for k in ("heads", "dim", "block_q", "block_k", "threads", "num_stages")}
+    return _compiled(f"score_grads_{side}", tuple(params.items()), params, target, _pass_configs(True))
 
 
 def build_block_ranges(block_q: int, block_k: int, target=None):

@@ -80,18 +80,25 @@ SHIPPED_CONFIGS: list = [
     {"kind": "attn_probs", "dim": 576, "lse_pass": True},
     {"kind": "attn_probs", "dim": 512, "lse_pass": False},
     {"kind": "attn_probs", "dim": 512, "lse_pass": True},
+    {"kind": "attn_probs", "dim": 576, "lse_pass": False, "dense": True},
+    {"kind": "attn_probs", "dim": 512, "lse_pass": False, "dense": True},
+    {"kind": "attn_probs", "dim": 576, "lse_pass": True, "dense": True},
+    {"kind": "attn_probs", "dim": 512, "lse_pass": True, "dense": True},
     {"kind": "loss", "heads": 64, "dim": 128, "grads": True},
     {"kind": "loss", "heads": 64, "dim": 128, "grads": False},
     {"kind": "loss", "heads": 64, "dim": 128, "grads": True, "det": True},
     {"kind": "loss", "heads": 64, "dim": 128, "grads": True, "lse_given": True},
     {"kind": "loss", "heads": 64, "dim": 128, "grads": True, "det": True, "lse_given": True},
+    {"kind": "dense_terms", "grads": True},
+    {"kind": "dense_terms", "grads": False},
 ]
 
 _KEYS = {
-    "attn_probs": ("dim", "lse_pass"),
+    "attn_probs": ("dim", "lse_pass", "dense"),
+    "dense_terms": ("grads",),
     "loss": ("heads", "dim", "grads", "det", "lse_given"),
 }
-_OPTIONAL = {"det": False, "lse_given": False}  # keys a config may leave out
+_OPTIONAL = {"det": False, "lse_given": False, "dense": False}  # keys a config may leave out
 
 
 # ----------------------------------------------------------------------------- programs
@@ -102,7 +109,7 @@ def _slot_ok(T, Idx, n_keys, row, j):
 
 
 def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather: str | None = None,
-                        chunk: int | None = None, stages: int | None = None):
+                        chunk: int | None = None, stages: int | None = None, dense: bool = False):
     """P[hb, t, j] = sum over the heads of block hb of exp(S - norm) (see the module docstring).
 
     ``gather`` "chunked" (:func:`_attn_probs_chunked`): slots as MMA rows, the kv rows gathered in column
@@ -120,8 +127,10 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
         gather = "sync"
     # "chunked" by default where it was measured and tested: the model dims 576 and 512
     gather = gather or ATTN_GATHER or ("chunked" if dim in (512, 576) else "sync")
+    if dense:  # the normaliser pass alone ("sync"), or the target given the normaliser ("chunked")
+        gather = "sync" if lse_pass else "chunked"
     if gather == "chunked":
-        return _attn_probs_chunked(dim, threads, chunk, stages)
+        return _attn_probs_chunked(dim, threads, chunk, stages, dense)
     if gather != "sync":
         raise ValueError(f"gather must be 'chunked' or 'sync', got {gather!r}")
     import tilelang.language as T
@@ -133,25 +142,30 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
     NB = NSTEP * (SLOT_STEP // BK)  # slot blocks
     neg_big = -1.0e30
 
+    def slot_ok(Idx, bx, pos):
+        if dense:  # (Base, KS, KE) per row: slot pos is key Base + pos, valid inside [KS, KE)
+            return T.And(T.And(pos >= Idx[bx, 1], pos < Idx[bx, 2]), Idx[bx, 0] + pos < TK)
+        return _slot_ok(T, Idx, TK, bx, pos)
+
     @T.macro
     def gather_rows(KV, Idx, bx, i, kv_s):
         for j, d in T.Parallel(BK, D):
-            kv_s[j, d] = KV[T.if_then_else((Idx[bx, i * BK + j] >= 0) and (Idx[bx, i * BK + j] < TK),
-                                           Idx[bx, i * BK + j], 0), d]
+            kv_s[j, d] = KV[T.if_then_else(slot_ok(Idx, bx, i * BK + j),
+                                           Idx[bx, 0] + i * BK + j if dense else Idx[bx, i * BK + j], 0), d]
 
     @T.macro
     def masked_scores(Idx, bx, i, c, q_s, kv_s, s):
         # s [heads, slots] = scale * log2(e) * Q KV_blk^T, -inf on invalid slots
         T.gemm(q_s, kv_s, s, transpose_B=True, clear_accum=True)
         for h, j in T.Parallel(HB, BK):
-            s[h, j] = T.if_then_else(_slot_ok(T, Idx, TK, bx, i * BK + j), s[h, j] * c, -T.infinity(acc))
+            s[h, j] = T.if_then_else(slot_ok(Idx, bx, i * BK + j), s[h, j] * c, -T.infinity(acc))
 
     @T.prim_func
     def main(
         Q: T.Tensor([NT, H, D], dtype),
         KV: T.Tensor([TK, D], dtype),
-        Idx: T.Tensor([NT, KP], "int32"),
-        Norm: T.Tensor([NT, H], acc),
+        Idx: T.Tensor([NT, 3 if dense else KP], "int32"),  # dense: (Base, KS, KE) per row
+        Norm: T.Tensor([NT, H], acc),  # dense (the lse pass alone): written, the normaliser in natural log
         Sink: T.Tensor([H], acc),
         scale: T.float32,
         P: T.Tensor([NHB, NT, KP], acc),
@@ -166,6 +180,9 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
             h0 = by * HB
             for h, d in T.Parallel(HB, D):
                 q_s[h, d] = T.if_then_else(h0 + h < H, Q[bx, T.min(h0 + h, H - 1), d], T.cast(0, dtype))
+            # the slot blocks walked: all, or (dense) those that hold the window
+            b0 = T.min(T.max(Idx[bx, 1], 0), KP) // BK if dense else 0
+            nb = T.max(T.ceildiv(T.min(Idx[bx, 2], KP), BK) - b0, 0) if dense else NB
             if lse_pass:
                 # per-head log-sum-exp over the slots (online), then the normaliser with the sink
                 m_i = T.alloc_fragment([HB], acc)
@@ -174,9 +191,9 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
                 rs = T.alloc_fragment([HB], acc)
                 T.fill(m_i, neg_big)
                 T.fill(l_i, 0)
-                for i in T.Pipelined(NB, num_stages=1):
-                    gather_rows(KV, Idx, bx, i, kv_s)
-                    masked_scores(Idx, bx, i, c, q_s, kv_s, s)
+                for ii in T.Pipelined(nb, num_stages=1):
+                    gather_rows(KV, Idx, bx, b0 + ii, kv_s)
+                    masked_scores(Idx, bx, b0 + ii, c, q_s, kv_s, s)
                     T.reduce_max(s, m_new, dim=1, clear=True)
                     for h in T.Parallel(HB):
                         m_new[h] = T.max(m_new[h], m_i[h])
@@ -197,31 +214,43 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
                         T.if_then_else(lse2 == -T.infinity(acc), sk,
                                        mx + T.log2(T.exp2(lse2 - mx) + T.exp2(sk - mx))))
                     norm_s[h] = T.if_then_else(h0 + h < H, nrm, T.infinity(acc))
+                    if dense and h0 + h < H:
+                        Norm[bx, h0 + h] = nrm / _LOG2E
             else:
                 for h in T.Parallel(HB):
                     norm_s[h] = T.if_then_else(h0 + h < H, Norm[bx, T.min(h0 + h, H - 1)] * _LOG2E, T.infinity(acc))
-            for i in T.Pipelined(NB, num_stages=1):
-                gather_rows(KV, Idx, bx, i, kv_s)
-                masked_scores(Idx, bx, i, c, q_s, kv_s, s)
-                for h, j in T.Parallel(HB, BK):  # exactly 0 on invalid slots, 0 on padded heads (norm +inf)
-                    s[h, j] = T.if_then_else(_slot_ok(T, Idx, TK, bx, i * BK + j), T.exp2(s[h, j] - norm_s[h]), 0.0)
-                T.reduce_sum(s, pj, dim=0, clear=True)
-                for j in T.Parallel(BK):
-                    P[by, bx, i * BK + j] = pj[j]
+            if not dense:  # (dense: the normaliser only; the chunked program makes the target)
+                for i in T.Pipelined(NB, num_stages=1):
+                    gather_rows(KV, Idx, bx, i, kv_s)
+                    masked_scores(Idx, bx, i, c, q_s, kv_s, s)
+                    for h, j in T.Parallel(HB, BK):  # exactly 0 on invalid slots, 0 on padded heads (norm +inf)
+                        s[h, j] = T.if_then_else(slot_ok(Idx, bx, i * BK + j), T.exp2(s[h, j] - norm_s[h]), 0.0)
+                    T.reduce_sum(s, pj, dim=0, clear=True)
+                    for j in T.Parallel(BK):
+                        P[by, bx, i * BK + j] = pj[j]
 
     return main
 
 
-def _attn_probs_chunked(dim: int, threads: int = THREADS, chunk: int | None = None, stages: int | None = None):
+def _attn_probs_chunked(dim: int, threads: int = THREADS, chunk: int | None = None, stages: int | None = None,
+                        dense: bool = False):
     """attn_probs with the normaliser given, the slots as MMA rows: S^T [64 slots, 64 heads] = KV_blk Q^T, so
     P's head sum is a row sum inside each thread's quad (no cross-warp reduction), and the 64 gathered kv rows
     of a block arrive in NC column chunks of ``chunk`` columns, one cp.async group each, through ``stages``
     buffers (NC a multiple of it): chunk u + stages - 1 is in flight while chunk u is multiplied (by default
     64 columns x 3 stages for dim 576, 64 x 4 for 512: q 72 KB + 24 KB of rows, two CTAs per SM). No lse
-    pass: one that kept a running max and sum per (slot, head) position measured slower than "sync"'s."""
+    pass: one that kept a running max and sum per (slot, head) position measured slower than "sync"'s.
+
+    ``dense`` (the dense warm-up loss): no slot lists. Row t's slot j is key Base[t] + j, valid for KS[t] <= j
+    < KE[t] (Idx [T, 3] = (Base, KS, KE); the two rows of a CTA share Base). A CTA takes two rows (256
+    threads, one warpgroup per row: q 144 KB, one CTA per SM), so each block of kv rows crosses L2 once for
+    both (the slot pass is bound by L2-to-SM bytes), and walks only the slot blocks that hold their windows
+    (P elsewhere is not written). CTAs go longest rows first (causal windows grow with the row)."""
     import tilelang.language as T
 
     BK, HB, D = 64, BLOCK_H, dim
+    RC = 2 if dense else 1  # query rows per CTA
+    threads = 128 * RC if dense else threads
     DC = chunk or 64  # columns per chunk
     assert D % DC == 0 and DC % 16 == 0, "dim must be a multiple of the chunk, the chunk of 16"
     NC = D // DC  # chunks per block
@@ -240,73 +269,106 @@ def _attn_probs_chunked(dim: int, threads: int = THREADS, chunk: int | None = No
     assert (BK * CCOLS) % threads == 0
     pass_ids = tuple(range(BK * CCOLS // threads))
 
+    def slot_key(Idx, row, pos):
+        # the key of slot pos of the CTA's rows (any value where the slot is not valid)
+        return Idx[row, 0] + pos if dense else Idx[row, T.min(pos, KP - 1)]
+
+    def slot_valid(Idx, row, pos):
+        # slot pos of query row `row` names a key it sees
+        if dense:
+            return T.And(T.And(row < NT, T.And(pos >= Idx[T.min(row, NT - 1), 1], pos < Idx[T.min(row, NT - 1), 2])),
+                         Idx[T.min(row, NT - 1), 0] + pos < TK)
+        return _slot_ok(T, Idx, TK, row, pos)
+
+    def any_valid(Idx, r0, pos):
+        # the slot is loaded when a row of the CTA sees it
+        if dense:
+            return T.Or(slot_valid(Idx, r0, pos), slot_valid(Idx, r0 + 1, pos))
+        return slot_valid(Idx, r0, pos)
+
     @T.macro
-    def issue(KV, Idx, bx, blk, ch, buf, tx):
+    def issue(KV, Idx, r0, blk, ch, buf, tx):
         # columns ch * DC .. of the kv rows of slot block blk into buf (zeros for invalid / past-the-end
         # slots: never read), one commit group
         for p in pass_ids:
             row = (tx + p * threads) // CCOLS
             col = ((tx + p * threads) % CCOLS) * VEC
             pos = blk * BK + row
-            idx = Idx[bx, T.min(pos, KP - 1)]
-            ok = (pos < KP) and (idx >= 0) and (idx < TK)
+            idx = slot_key(Idx, r0, pos)
+            ok = T.And(pos < KP, any_valid(Idx, r0, T.min(pos, KP - 1)))
             T.ptx_cp_async(T.access_ptr(buf[row, col], "w", VEC),
                            T.access_ptr(KV[T.if_then_else(ok, idx, 0), ch * DC + col], "r", VEC), VEC, ok)
         T.ptx_commit_group()
 
     @T.macro
-    def block_scores(KV, Idx, bx, b, c, q_s, bufs, s, tx):
-        # s [slots, heads] = scale * log2(e) * KV_blk Q^T for slot block b, -inf on invalid slots; chunk
+    def block_scores(KV, Idx, r0, b, c, q_s, bufs, s, tx):
+        # s [slots, RC x heads] = scale * log2(e) * KV_blk Q^T for slot block b, -inf on invalid slots; chunk
         # (b, ch) lives in bufs[ch % S] (NC a multiple of S: static), the chunk S - 1 ahead in the flat order
         # goes into the buffer the previous chunk freed
         for ch in tuple(range(NC)):  # static (a tuple, not range: TileLang makes range a loop)
             ahead = ch + S - 1  # the chunk to issue, counted from block b's first
-            issue(KV, Idx, bx, b + ahead // NC, ahead % NC, bufs[ahead % S], tx)
+            issue(KV, Idx, r0, b + ahead // NC, ahead % NC, bufs[ahead % S], tx)
             T.ptx_wait_group(S - 1)  # chunk (b, ch) has landed; the S - 1 issued after it may not have
             T.sync_threads()
             T.fence_proxy_async()
-            T.gemm(bufs[ch % S], q_s[:, ch * DC:(ch + 1) * DC], s, transpose_B=True, clear_accum=ch == 0)
+            T.gemm(bufs[ch % S], q_s[:, ch * DC:(ch + 1) * DC], s, transpose_B=True, clear_accum=ch == 0,
+                   policy=T.GemmWarpPolicy.FullCol)
             T.sync_threads()  # bufs[ch % S] is free for the next issue
-        for j, h in T.Parallel(BK, HB):
-            s[j, h] = T.if_then_else(_slot_ok(T, Idx, TK, bx, b * BK + j), s[j, h] * c, -T.infinity(acc))
+        for j, hh in T.Parallel(BK, RC * HB):
+            s[j, hh] = T.if_then_else(slot_valid(Idx, r0 + hh // HB, b * BK + j), s[j, hh] * c, -T.infinity(acc))
 
     @T.macro
-    def prologue(KV, Idx, bx, bufs, tx):
+    def prologue(KV, Idx, r0, b0, bufs, tx):
         for u in tuple(range(S - 1)):  # the first S - 1 chunks of the flat order
-            issue(KV, Idx, bx, u // NC, u % NC, bufs[u], tx)
+            issue(KV, Idx, r0, b0 + u // NC, u % NC, bufs[u], tx)
 
     @T.prim_func
     def main(
         Q: T.Tensor([NT, H, D], dtype),
         KV: T.Tensor([TK, D], dtype),
-        Idx: T.Tensor([NT, KP], "int32"),
+        Idx: T.Tensor([NT, 3 if dense else KP], "int32"),  # dense: (Base, KS, KE) per row
         Norm: T.Tensor([NT, H], acc),
         Sink: T.Tensor([H], acc),
         scale: T.float32,
         P: T.Tensor([NHB, NT, KP], acc),
     ):
-        with T.Kernel(NT, NHB, threads=threads) as (bx, by):
-            q_s = T.alloc_shared([HB, D], dtype)
+        with T.Kernel(T.ceildiv(NT, RC), NHB, threads=threads) as (bx, by):
+            q_s = T.alloc_shared([RC * HB, D], dtype)
             bufs = tuple(T.alloc_shared([BK, DC], dtype) for _ in range(S))
-            norm_s = T.alloc_shared([HB], acc)
-            s = T.alloc_fragment([BK, HB], acc)  # slots x heads
-            pj = T.alloc_fragment([BK], acc)
+            norm_s = T.alloc_shared([RC * HB], acc)
+            s = T.alloc_fragment([BK, RC * HB], acc)  # slots x (rows, heads)
+            s3 = T.reshape(s, (BK, RC, HB))
+            pj = T.alloc_fragment([BK, RC], acc)
             tx = T.get_thread_binding()
             c = scale * _LOG2E
             h0 = by * HB
-            for h, d in T.Parallel(HB, D):
-                q_s[h, d] = T.if_then_else(h0 + h < H, Q[bx, T.min(h0 + h, H - 1), d], T.cast(0, dtype))
-            for h in T.Parallel(HB):
-                norm_s[h] = T.if_then_else(h0 + h < H, Norm[bx, T.min(h0 + h, H - 1)] * _LOG2E, T.infinity(acc))
+            # the CTA's first row: the last rows first in the dense layout (the longest windows start early)
+            r0 = (T.ceildiv(NT, RC) - 1 - bx) * RC if dense else bx
+            for hh, d in T.Parallel(RC * HB, D):
+                q_s[hh, d] = T.if_then_else(T.And(h0 + hh % HB < H, r0 + hh // HB < NT),
+                                            Q[T.min(r0 + hh // HB, NT - 1), T.min(h0 + hh % HB, H - 1), d],
+                                            T.cast(0, dtype))
+            for hh in T.Parallel(RC * HB):
+                norm_s[hh] = T.if_then_else(T.And(h0 + hh % HB < H, r0 + hh // HB < NT),
+                                            Norm[T.min(r0 + hh // HB, NT - 1), T.min(h0 + hh % HB, H - 1)] * _LOG2E,
+                                            T.infinity(acc))
             T.sync_threads()  # norm_s written
-            prologue(KV, Idx, bx, bufs, tx)
-            for b in T.serial(NB):
-                block_scores(KV, Idx, bx, b, c, q_s, bufs, s, tx)
-                for j, h in T.Parallel(BK, HB):  # exactly 0 on invalid slots, 0 on padded heads (norm +inf)
-                    s[j, h] = T.if_then_else(_slot_ok(T, Idx, TK, bx, b * BK + j), T.exp2(s[j, h] - norm_s[h]), 0.0)
-                T.reduce_sum(s, pj, dim=1, clear=True)
-                for j in T.Parallel(BK):
-                    P[by, bx, b * BK + j] = pj[j]
+            # the slot blocks walked: all, or (dense) those holding the rows' windows
+            lo_pos = T.min(Idx[r0, 1], Idx[T.min(r0 + 1, NT - 1), 1]) if dense else 0
+            hi_pos = T.max(Idx[r0, 2], Idx[T.min(r0 + 1, NT - 1), 2]) if dense else 0
+            b0 = T.min(T.max(lo_pos, 0), KP) // BK if dense else 0
+            nb = T.max(T.ceildiv(T.min(hi_pos, KP), BK) - b0, 0) if dense else NB
+            prologue(KV, Idx, r0, b0, bufs, tx)
+            for bb in T.serial(nb):
+                b = b0 + bb
+                block_scores(KV, Idx, r0, b, c, q_s, bufs, s, tx)
+                for j, hh in T.Parallel(BK, RC * HB):  # exactly 0 on invalid slots, 0 on padded heads (norm +inf)
+                    s[j, hh] = T.if_then_else(slot_valid(Idx, r0 + hh // HB, b * BK + j),
+                                              T.exp2(s[j, hh] - norm_s[hh]), 0.0)
+                T.reduce_sum(s3, pj, dim=2, clear=True)
+                for j, r in T.Parallel(BK, RC):
+                    if r0 + r < NT:
+                        P[by, r0 + r, b * BK + j] = pj[j, r]
             T.ptx_wait_group(0)
 
     return main
@@ -577,9 +639,119 @@ def _loss_program(heads: int, dim: int, grads: bool, det: bool = False, threads:
     return main
 
 
+def _dense_terms_program(grads: bool, threads: int = 256):
+    """The dense loss's row statistics, loss rows and dI, one CTA per row of a chunk's buffers.
+
+    I [R, W] fp32: the indexer logits (the score program's buffer), P [R, W] fp32: the target's head sums,
+    both read only inside the row's window [KS, KE) (buffer columns); G [R] fp32: d objective / d loss row.
+    Pass 1: lse(I) (online max and sum; a NaN logit makes it NaN) and sum(P); pass 2: the loss row
+    sum p (log p - I + lse) with p = P / sum(P) (a term is 0 where p == 0), and with ``grads``
+    dI = G (exp(I - lse) - p), written over I on the whole row (0 outside the window)."""
+    import tilelang.language as T
+
+    f32 = "float32"
+    R, W = T.dynamic("rows, width")
+    strides = []
+    n = threads // 2
+    while n >= 1:
+        strides.append(n)
+        n //= 2
+    strides = tuple(strides)
+
+    @T.macro
+    def tree_sum(red, tx):
+        # red[0] = the sum of red[0:threads] (a NaN anywhere makes it NaN)
+        for stride in strides:
+            T.sync_threads()
+            if tx < stride:
+                red[tx] = red[tx] + red[tx + stride]
+        T.sync_threads()
+
+    @T.macro
+    def tree_max(red, tx):
+        for stride in strides:
+            T.sync_threads()
+            if tx < stride:
+                red[tx] = T.max(red[tx], red[tx + stride])
+        T.sync_threads()
+
+    @T.prim_func
+    def main(
+        I: T.Tensor([R, W], f32),
+        P: T.Tensor([R, W], f32),
+        KS: T.Tensor([R], "int32"),
+        KE: T.Tensor([R], "int32"),
+        G: T.Tensor([R], f32),
+        Loss: T.Tensor([R], f32),
+    ):
+        with T.Kernel(R, threads=threads) as bx:
+            tx = T.get_thread_binding()
+            red = T.alloc_shared([threads], f32)
+            red2 = T.alloc_shared([threads], f32)
+            m = T.alloc_var(f32)
+            se = T.alloc_var(f32)
+            ps = T.alloc_var(f32)
+            nz = T.alloc_var(f32)
+            m_row = T.alloc_var(f32)
+            lse = T.alloc_var(f32)
+            psum = T.alloc_var(f32)
+            acc = T.alloc_var(f32)
+            ks = T.max(KS[bx], 0)
+            ke = T.min(KE[bx], W)
+            m = -T.infinity(f32)
+            se = 0.0
+            ps = 0.0
+            nz = 0.0  # 0, or a NaN logit of the thread's (fmaxf drops NaN: it is carried by a sum)
+            for i in T.serial(T.ceildiv(T.max(ke - ks, 0), threads)):
+                c = ks + i * threads + tx
+                if c < ke:
+                    x = I[bx, c]
+                    ps = ps + P[bx, c]
+                    if T.isnan(x):
+                        nz = x
+                    elif x > m:
+                        se = se * T.exp2((m - x) * _LOG2E) + 1.0
+                        m = x
+                    else:
+                        se = se + T.exp2((x - m) * _LOG2E)
+            red[tx] = m
+            tree_max(red, tx)
+            m_row = red[0]
+            T.sync_threads()
+            red[tx] = T.if_then_else(m == -T.infinity(f32), 0.0, se * T.exp2((m - m_row) * _LOG2E))
+            red2[tx] = ps + nz * 0.0
+            tree_sum(red, tx)
+            lse = m_row + T.log(red[0])  # -inf for a row without a key
+            T.sync_threads()
+            red[tx] = nz
+            tree_sum(red, tx)
+            lse = lse + red[0]  # + 0, or NaN
+            tree_sum(red2, tx)
+            psum = red2[0]
+            T.sync_threads()
+            acc = 0.0
+            for i in T.serial(T.ceildiv(W, threads)):
+                c = i * threads + tx
+                if c < W:
+                    inside = T.And(c >= ks, c < ke)
+                    p = T.if_then_else(psum == 0.0, 0.0, T.if_then_else(inside, P[bx, c], 0.0) / psum)
+                    logq = I[bx, c] - lse
+                    if inside and p != 0.0:
+                        acc = acc + p * (T.log(T.max(p, 1.1754944e-38)) - logq)
+                    if grads:
+                        I[bx, c] = T.if_then_else(inside, (T.exp2(logq * _LOG2E) - p) * G[bx], 0.0)
+            red[tx] = acc
+            tree_sum(red, tx)
+            if tx == 0:
+                Loss[bx] = red[0]
+
+    return main
+
+
 _PROGRAMS = {
     "attn_probs": _attn_probs_program,
     "loss": _loss_program,
+    "dense_terms": _dense_terms_program,
 }
 
 
@@ -593,13 +765,13 @@ def _normalise(config: dict) -> tuple:
         if k not in config and k not in _OPTIONAL:
             raise ValueError(f"{kind} config needs {k!r}")
         v = config.get(k, _OPTIONAL.get(k))
-        out.append((k, bool(v) if k in ("lse_pass", "grads", "det", "lse_given") else int(v)))
+        out.append((k, bool(v) if k in ("lse_pass", "grads", "det", "lse_given", "dense") else int(v)))
     params = dict(out)
     if params.get("det") and not params["grads"]:
         raise ValueError("a deterministic loss program (det) needs grads: it changes how d_index_k is summed")
     if params.get("lse_given") and not params["grads"]:
         raise ValueError("a loss program with lse_given needs grads: the value alone needs the logits' pass anyway")
-    if params["dim"] % 16 != 0 or not 16 <= params["dim"] <= 1024:
+    if "dim" in params and (params["dim"] % 16 != 0 or not 16 <= params["dim"] <= 1024):
         raise ValueError(f"dim must be a multiple of 16 in [16, 1024], got {params['dim']}")
     if "heads" in params and params["heads"] != 64:
         raise ValueError(f"indexer heads are padded to 64, got {params['heads']}")
@@ -641,9 +813,9 @@ def _build(config: dict, target):
         return _BUILT.setdefault((key, tkey), kern)
 
 
-def build_attn_probs(dim: int, lse_pass: bool, target="auto"):
-    """Compile the attention-probability program for Dqk ``dim``."""
-    return _build({"kind": "attn_probs", "dim": dim, "lse_pass": lse_pass}, target)
+def build_attn_probs(dim: int, lse_pass: bool, target="auto", dense: bool = False):
+    """Compile the attention-probability program for Dqk ``dim``; ``dense``: windows instead of slot lists."""
+    return _build({"kind": "attn_probs", "dim": dim, "lse_pass": lse_pass, "dense": dense}, target)
 
 
 def build_loss(dim: int, grads: bool, target="auto", det: bool = False, lse_given: bool = False):
@@ -651,6 +823,11 @@ def build_loss(dim: int, grads: bool, target="auto", det: bool = False, lse_give
     contribution rows for the deterministic reduce; ``lse_given``: lse(I) is an input (no pass 1)."""
     return _build({"kind": "loss", "heads": 64, "dim": dim, "grads": grads, "det": det, "lse_given": lse_given},
                   target)
+
+
+def build_dense_terms(grads: bool, target="auto"):
+    """Compile the dense loss's row program (row statistics, loss rows, and with ``grads`` dI)."""
+    return _build({"kind": "dense_terms", "grads": grads}, target)
 
 
 def build_config(config: dict, target="auto"):
@@ -690,9 +867,9 @@ def _check(name, t, dtypes, ndim, device=None):
         raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
 
 
-def _pad_heads(index_q, weights):
+def _pad_heads(index_q, weights, hp: int = 64):
+    """index_q and fp32 weights padded to ``hp`` heads (zero queries and weights: they add nothing)."""
     hi = index_q.shape[1]
-    hp = 64
     iq = index_q.contiguous()
     w = weights.float().contiguous()
     if hp != hi:
@@ -818,24 +995,9 @@ def _check_index_lse(index_lse, t, device):
                              f"got {tuple(index_lse.shape)}")
 
 
-def indexer_kl_loss_sparse(index_q, index_k, weights, q, kv, attn_lse, topk_indices, scale: float, sink=None,
-                           grad_rows=None, deterministic: bool = False, index_lse=None):
-    """The standalone loss: the target recomputed from the attention inputs.
-
-    index_q [T,Hi,Di] bf16, index_k [Tk,Di] bf16, weights [T,Hi] fp32, q [T,H,Dqk] bf16, kv [Tk,Dqk] bf16,
-    attn_lse [T,H] fp32 or None (None: normaliser = logsumexp over the selected slots), topk_indices [T,k]
-    int32 global rows (-1 / out of range = no slot), sink [H] fp32 or None (then normaliser =
-    logaddexp(lse, sink)); grad_rows [T] fp32 (d objective / d loss row) or None (no gradients).
-    Returns (loss_rows [T] fp32 = per-row KL(p || softmax_J(I)), and with grad_rows the gradients
-    (d_index_q [T,Hi,Di] bf16, d_index_k [Tk,Di] fp32, d_weights [T,Hi] fp32), else None), where
-    p[t,j] = sum_h exp(scale*<q[t,h],kv[idx_j]> - norm[t,h]) L1-normalised over valid slots.
-    deterministic=True: d_index_k bitwise reproducible (per-slot rows summed in a fixed order, not fp32
-    atomics); the other results are so in either mode. index_lse [T] fp32 or None: logsumexp of the indexer
-    logits I over each row's valid slots (-inf for a row without one), as the indexer's forward saw them
-    (``indexer_topk(..., return_lse=True)``); with gradients the loss program then skips its first pass."""
-    _check_indexer(index_q, index_k, weights, topk_indices, grad_rows)
+def _check_attention(index_q, index_k, q, kv, attn_lse, sink, scale) -> float:
+    """Checks of the attention inputs of the target beside checked indexer inputs; returns scale as a float."""
     dev = index_q.device
-    _check_index_lse(index_lse, index_q.shape[0], dev)
     t, hi, di = index_q.shape
     _check("q", q, (torch.bfloat16,), 3, dev)
     _check("kv", kv, (torch.bfloat16,), 2, dev)
@@ -859,13 +1021,60 @@ def indexer_kl_loss_sparse(index_q, index_k, weights, q, kv, attn_lse, topk_indi
     scale = float(scale)
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite float, got {scale!r}")
+    return scale
+
+
+def indexer_kl_loss_sparse(index_q, index_k, weights, q, kv, attn_lse, topk_indices, scale: float, sink=None,
+                           grad_rows=None, deterministic: bool = False, index_lse=None):
+    """The standalone loss: the target recomputed from the attention inputs.
+
+    index_q [T,Hi,Di] bf16, index_k [Tk,Di] bf16, weights [T,Hi] fp32, q [T,H,Dqk] bf16, kv [Tk,Dqk] bf16,
+    attn_lse [T,H] fp32 or None (None: normaliser = logsumexp over the selected slots), topk_indices [T,k]
+    int32 global rows (-1 / out of range = no slot), sink [H] fp32 or None (then normaliser =
+    logaddexp(lse, sink)); grad_rows [T] fp32 (d objective / d loss row) or None (no gradients).
+    Returns (loss_rows [T] fp32 = per-row KL(p || softmax_J(I)), and with grad_rows the gradients
+    (d_index_q [T,Hi,Di] bf16, d_index_k [Tk,Di] fp32, d_weights [T,Hi] fp32), else None), where
+    p[t,j] = sum_h exp(scale*<q[t,h],kv[idx_j]> - norm[t,h]) L1-normalised over valid slots.
+    deterministic=True: d_index_k bitwise reproducible (per-slot rows summed in a fixed order, not fp32
+    atomics); the other results are so in either mode. index_lse [T] fp32 or None: logsumexp of the indexer
+    logits I over each row's valid slots (-inf for a row without one), as the indexer's forward saw them
+    (``indexer_topk(..., return_lse=True)``); with gradients the loss program then skips its first pass."""
+    _check_indexer(index_q, index_k, weights, topk_indices, grad_rows)
+    dev = index_q.device
+    _check_index_lse(index_lse, index_q.shape[0], dev)
+    t, hi, di = index_q.shape
+    scale = _check_attention(index_q, index_k, q, kv, attn_lse, sink, scale)
+    h, tk = q.shape[1], kv.shape[0]
     idx, _, kp = _slots(topk_indices, tk)
     nhb = -(-h // BLOCK_H)
     if max(q.numel(), kv.numel(), t * kp * nhb) >= 2**31:
         raise ValueError("indexer_kl_loss_sparse: tensors of 2**31 or more elements are not supported (int32 offsets)")
     if t == 0 or tk == 0:
         return _run_loss(index_q, index_k, weights, idx, torch.zeros(t, kp, device=dev), grad_rows, deterministic)
+    P = _attention_target(q, kv, attn_lse, sink, scale, idx)
+    return _run_loss(index_q, index_k, weights, idx, P, grad_rows, deterministic, index_lse)
+
+
+def _attention_target(q, kv, attn_lse, sink, scale, idx, width=None):
+    """P [T, kp] fp32: the head sums of exp(scale <q, kv[slot]> - norm) over checked inputs, 0 on invalid slots;
+    norm = attn_lse (logaddexp'ed with the sink), or with attn_lse None the log-sum-exp over the row's slots
+    and the sink (the attn_probs program's lse pass). Slots: idx [T, kp] int32 slot lists (kp a multiple of
+    SLOT_STEP, -1 = none), or with ``width`` (kp, a multiple of SLOT_STEP) idx [T, 3] int32 (base, start,
+    end): slot j of row t is key base + j, valid for start <= j < end (P is then written only in the slot
+    blocks that hold the window; without attn_lse a first pass over them computes the normaliser)."""
+    dev = q.device
+    t, h, dqk = q.shape
+    nhb = -(-h // BLOCK_H)
+    dense = width is not None
     lse_pass = attn_lse is None
+    if dense and lse_pass:  # a pass for the normaliser over the windows (with the sink), then the target
+        norm = torch.empty(t, h, dtype=torch.float32, device=dev)
+        sink_t = sink.contiguous() if sink is not None else torch.full((h,), -math.inf, device=dev)
+        P = torch.empty(nhb, t, width, dtype=torch.float32, device=dev)
+        with torch.cuda.device(dev):
+            build_attn_probs(dqk, True, _device_target(dev), dense=True)(q.contiguous(), kv.contiguous(), idx, norm,
+                                                                         sink_t, scale, P)
+        attn_lse, sink, lse_pass = norm, None, False
     if lse_pass:
         norm = torch.empty(t, h, dtype=torch.float32, device=dev)  # unused by the program
         sink_t = sink.contiguous() if sink is not None else torch.full((h,), -math.inf, device=dev)
@@ -873,12 +1082,11 @@ def indexer_kl_loss_sparse(index_q, index_k, weights, q, kv, attn_lse, topk_indi
         norm = attn_lse if sink is None else torch.logaddexp(attn_lse, sink[None, :])
         norm = norm.contiguous()
         sink_t = torch.full((h,), -math.inf, device=dev)
-    P = torch.empty(nhb, t, kp, dtype=torch.float32, device=dev)
+    P = torch.empty(nhb, t, width if dense else idx.shape[1], dtype=torch.float32, device=dev)
     with torch.cuda.device(dev):
-        build_attn_probs(dqk, lse_pass, _device_target(dev))(q.contiguous(), kv.contiguous(), idx, norm, sink_t,
-                                                             scale, P)
-    P = P[0] if nhb == 1 else P.sum(0)
-    return _run_loss(index_q, index_k, weights, idx, P, grad_rows, deterministic, index_lse)
+        build_attn_probs(dqk, lse_pass, _device_target(dev), dense=dense)(q.contiguous(), kv.contiguous(), idx, norm,
+                                                                          sink_t, scale, P)
+    return P[0] if nhb == 1 else P.sum(0)
 
 
 def indexer_kl_loss_from_probs(index_q, index_k, weights, topk_indices, attn_probs, grad_rows=None,
@@ -909,3 +1117,155 @@ def indexer_kl_loss_from_probs(index_q, index_k, weights, topk_indices, attn_pro
     if kp != k:
         probs = torch.nn.functional.pad(probs, (0, kp - k))
     return _run_loss(index_q, index_k, weights, idx, probs, grad_rows, deterministic, index_lse)
+
+
+#: Bytes of one fp32 [rows, width] buffer of a row chunk of the dense loss (the scores, the target, and a few
+#: torch temporaries of that size live at once).
+DENSE_CHUNK_BYTES = 128 << 20
+
+
+def indexer_kl_loss_dense(index_q, index_k, weights, q, kv, attn_lse, key_start, key_end, scale: float, sink=None,
+                          grad_rows=None, max_chunk_bytes: int | None = None):
+    """The dense warm-up loss: every key of each row's window [key_start, key_end) is a slot.
+
+    Blockwise, in chunks of rows whose fp32 [rows, width] buffers stay under ``max_chunk_bytes``
+    (default DENSE_CHUNK_BYTES):
+    the indexer's score program writes the logits I of the chunk (tiles of key blocks, as the
+    indexer's forward), attn_probs the target over the same columns, torch the row statistics, the
+    loss rows and dI = g (softmax(I) - p); then the score-gradient programs of :mod:`.indexer` give
+    d_index_q and d_weights (query-major) and d_index_k (key-major, its splits added in order: no
+    atomics, so every result is reproducible bit for bit). Never [T, T] at once.
+
+    index_q [T,Hi,Di] bf16, index_k [Tk,Di] bf16, weights [T,Hi] float, q [T,H,Dqk] bf16, kv [Tk,Dqk]
+    bf16, attn_lse [T,H] fp32 or None (None: normaliser = log-sum-exp over the window), key_start /
+    key_end [T] int, sink [H] fp32 or None, grad_rows [T] fp32 or None. Returns (loss_rows [T] fp32,
+    and with grad_rows (d_index_q [T,Hi,Di] bf16, d_index_k [Tk,Di] fp32, d_weights [T,Hi] fp32), else None).
+    """
+    from . import indexer as _indexer
+
+    _check("index_q", index_q, (torch.bfloat16,), 3)
+    dev = index_q.device
+    t, hi, di = index_q.shape
+    _check("index_k", index_k, (torch.bfloat16,), 2, dev)
+    _check("weights", weights, (torch.float32, torch.bfloat16, torch.float16), 2, dev)
+    if tuple(weights.shape) != (t, hi):
+        raise ValueError(f"weights must be [{t}, {hi}], got {tuple(weights.shape)}")
+    if index_k.shape[1] != di:
+        raise ValueError(f"index_k must be [Tk, Di={di}], got {tuple(index_k.shape)}")
+    for name, x in (("key_start", key_start), ("key_end", key_end)):
+        _check(name, x, (torch.int32, torch.int64), 1, dev)
+        if x.shape[0] != t:
+            raise ValueError(f"{name} must be [T={t}], got {tuple(x.shape)}")
+    if grad_rows is not None:
+        _check("grad_rows", grad_rows, (torch.float32,), 1, dev)
+        if grad_rows.shape[0] != t:
+            raise ValueError(f"grad_rows must be [T={t}], got {tuple(grad_rows.shape)}")
+    scale = _check_attention(index_q, index_k, q, kv, attn_lse, sink, scale)
+    tk = index_k.shape[0]
+    if max(q.numel(), kv.numel(), t * hi * di) >= 2**31:
+        raise ValueError("indexer_kl_loss_dense: tensors of 2**31 or more elements are not supported (int32 offsets)")
+    # index heads padded to a shipped score tiling (zero queries and weights: they add nothing)
+    hp = 32 if hi <= 32 else 64
+    iq, w, _ = _pad_heads(index_q, weights, hp)
+    ik, q, kv = index_k.contiguous(), q.contiguous(), kv.contiguous()
+    # windows clamped to the keys (int32 is then exact)
+    ks = key_start.clamp(0, tk).to(torch.int32)
+    ke = key_end.clamp(0, tk).to(torch.int32)
+    loss = torch.zeros(t, dtype=torch.float32, device=dev)
+    grads = None
+    if grad_rows is not None:
+        grads = (torch.zeros(t, hp, di, dtype=torch.bfloat16, device=dev),
+                 torch.zeros(tk, di, dtype=torch.float32, device=dev),
+                 torch.zeros(t, hp, dtype=torch.float32, device=dev))
+    if t == 0 or tk == 0:
+        return loss, None if grads is None else (grads[0][:, :hi], grads[1], grads[2][:, :hi])
+    plan = _indexer._Plan(iq, ik, w, ks, ke, None, DENSE_CHUNK_BYTES if max_chunk_bytes is None else max_chunk_bytes)
+    gcfg = _indexer.grad_config(plan.cfg)
+    with torch.cuda.device(dev):
+        for chunk in plan.chunks:
+            r0, r1, scores = plan.chunk_scores(chunk)
+            if scores is None:
+                continue
+            loss[r0:r1], d_scores = _dense_chunk_terms(plan, r0, r1, scores, q, kv, attn_lse, sink, scale,
+                                                       None if grad_rows is None else grad_rows[r0:r1])
+            del scores
+            if grads is not None:
+                _dense_chunk_grads(plan, gcfg, chunk, r0, r1, d_scores, iq, ik, w, grads)
+    if grads is None:
+        return loss, None
+    d_iq, d_ik, d_w = grads
+    return loss, ((d_iq[:, :hi].contiguous(), d_ik, d_w[:, :hi].contiguous()) if hp != hi else grads)
+
+
+def _dense_chunk_terms(plan, r0, r1, scores, q, kv, attn_lse, sink, scale, grad_rows):
+    """(loss rows [R], dI [R, W] (over the scores' buffer) or None) of rows r0..r1 from their score buffer
+    [R, W] (column c is key base[row] + c)."""
+    rows, width = scores.shape
+    dev = scores.device
+    ks, ke, base = plan.ks[r0:r1], plan.ke[r0:r1], plan.base[r0:r1]
+    kp = -(-width // SLOT_STEP) * SLOT_STEP
+    # the windows themselves: each row walks only the blocks of its window
+    lse = None if attn_lse is None else attn_lse[r0:r1].contiguous()
+    probs = _attention_target(q[r0:r1], kv, lse, sink, scale, torch.stack([base, ks, ke], 1).contiguous(), width=kp)
+    if kp != width:
+        probs = probs[:, :width].contiguous()
+    loss_rows = torch.empty(rows, dtype=torch.float32, device=dev)
+    grads = grad_rows is not None
+    g = grad_rows.contiguous() if grads else zeros_arg(rows, torch.float32, dev)
+    with torch.cuda.device(dev):
+        build_dense_terms(grads, _device_target(dev))(scores, probs, ks, ke, g, loss_rows)
+    return loss_rows, (scores if grads else None)
+
+
+def _dense_chunk_grads(plan, gcfg, chunk, r0, r1, d_scores, iq, ik, w, grads):
+    """Adds the gradients of rows r0..r1 (dI [R, W] in the score buffer's layout) into grads."""
+    from . import indexer as _indexer
+
+    d_iq, d_ik, d_w = grads
+    dev = d_scores.device
+    rows = r1 - r0
+    hi, di = iq.shape[1], iq.shape[2]
+    bq, bk = gcfg["block_q"], gcfg["block_k"]
+    per_score_block = plan.bq // bq
+    qb0, qb1, _ = chunk
+    nqb = -(-rows // bq)
+    # each gradient block of bq rows keeps its score block's key range (the DI columns start there)
+    lo = plan.blk_lo[qb0:qb1].repeat_interleave(per_score_block)[:nqb].contiguous()
+    hi_b = plan.blk_hi[qb0:qb1].repeat_interleave(per_score_block)[:nqb].contiguous()
+    q_rows = plan.q[r0 * hi : r1 * hi]
+    w_rows = w[r0:r1]
+    target = _device_target(dev)
+    _indexer.build_score_grads("query", gcfg, target)(q_rows, ik, w_rows, d_scores, lo, hi_b,
+                                                      d_iq[r0:r1].view(rows * hi, di), d_w[r0:r1])
+    entries = key_block_entries(lo, hi_b)
+    if entries is None:
+        return
+    kb0, kb1, ptr, ent, col = entries
+    nkb = kb1 - kb0
+    splits = max(1, min(32, -(-4 * _indexer._sm_count(dev) // nkb)))
+    dk = torch.empty(splits, nkb * bk, di, dtype=torch.float32, device=dev)
+    _indexer.build_score_grads("key", gcfg, target)(q_rows, ik, w_rows, d_scores, ptr, ent, col, kb0, dk)
+    end = min(kb1 * bk, d_ik.shape[0])
+    d_ik[kb0 * bk : end] += dk.sum(0)[: end - kb0 * bk]
+
+
+def key_block_entries(lo: torch.Tensor, hi: torch.Tensor):
+    """The key-major work list of the score-gradient program: lo/hi [nqb] int32, each query block's key
+    blocks [lo, hi) (empty when hi <= lo). Returns None when no block has a key, else (kb0, kb1, ptr
+    [kb1 - kb0 + 1] int32, ent [n] int32, col [n] int32): key block kb0 + i is scored by the query blocks
+    ent[ptr[i]:ptr[i + 1]] (ascending), kb - lo[ent] being its column block in their buffer. One host sync."""
+    dev = lo.device
+    lo64 = lo.long()
+    count = (hi.long() - lo64).clamp_min(0)
+    stats = torch.stack([count.sum(), torch.where(count > 0, lo64, 2**31).min(),
+                         torch.where(count > 0, hi.long(), 0).max()]).tolist()
+    total, kb0, kb1 = (int(v) for v in stats)
+    if total == 0:
+        return None
+    owner = torch.repeat_interleave(torch.arange(lo.shape[0], device=dev), count, output_size=total)
+    first = torch.cumsum(count, 0) - count
+    key_block = lo64[owner] + torch.arange(total, device=dev) - first[owner]
+    key_block, order = torch.sort(key_block, stable=True)
+    owner = owner[order]
+    ptr = torch.searchsorted(key_block, torch.arange(kb0, kb1 + 1, device=dev)).to(torch.int32)
+    return kb0, kb1, ptr, owner.to(torch.int32), (key_block - lo64[owner]).to(torch.int32)

@@ -257,8 +257,8 @@ def indexer_kl_loss(
     row_weights [T] (optional): each row's factor in place of the mean's 1 / T (e.g. 1 / n_real on
     real rows and 0 on padding, or 1 for a per-token sum).
     Both stages run on the TileLang kernels (bf16, Hopper) by the backend rules, else on the torch
-    reference; the dense warm-up loss goes through the kernels in chunks of rows whose windows
-    become left-aligned slot lists (:func:`dense_loss_chunks`), never [T, T] at once.
+    reference; the dense warm-up loss goes through the kernels blockwise in chunks of rows
+    (``kernels.indexer_loss.indexer_kl_loss_dense``), never [T, T] at once.
     Inside torch.autocast, float32 index_q, index_k, q and kv run in the autocast dtype.
     index_lse [T] (sparse stage, optional): the logsumexp of each row's selected indexer scores, as
     ``indexer_topk(..., return_lse=True)`` returns it; the kernels then skip their own pass over the
@@ -317,44 +317,12 @@ def indexer_kl_loss(
     )
 
 
-# Slots per chunk of the dense loss (rows x longest window): the kernels' per-slot buffers (slot list,
-# logits, target: 4 bytes each, the target once per 64 query heads) stay near 128 MiB apiece.
-DENSE_LOSS_SLOTS_PER_CHUNK = 1 << 25
-# Rows per chunk at most: a chunk pads every row to its longest window, so short chunks waste little
-# on causal windows (rows t0..t1 see t0+1..t1 keys: at most (t1 - t0) / 2 padding slots per row).
-DENSE_LOSS_MAX_ROWS = 1024
-
-
-def dense_loss_chunks(key_start: Tensor, key_end: Tensor, slots_per_chunk: int = DENSE_LOSS_SLOTS_PER_CHUNK,
-                      max_rows: int = DENSE_LOSS_MAX_ROWS) -> list[tuple[int, int, int]]:
-    """Row chunks (t0, t1, n) of the dense loss: n = the longest window among rows t0..t1 (at least
-    1), (t1 - t0) * n <= slots_per_chunk unless one row alone is longer. One host sync (the lengths)."""
-    lengths = (key_end.long() - key_start.long()).clamp_min(0).cpu()
-    t = lengths.shape[0]
-    rows = max(1, min(max_rows, slots_per_chunk // max(1, int(lengths.max()) if t else 1)))
-    chunks = []
-    for t0 in range(0, t, rows):
-        t1 = min(t0 + rows, t)
-        chunks.append((t0, t1, max(1, int(lengths[t0:t1].max()))))
-    return chunks
-
-
-def dense_loss_slots(key_start: Tensor, key_end: Tensor, t0: int, t1: int, n: int) -> Tensor:
-    """The windows of rows t0..t1 as slot lists [t1 - t0, n] int32: row t holds key_start[t] ..
-    key_end[t] - 1 left-aligned, then -1 (no key)."""
-    start = key_start[t0:t1].to(torch.int64).unsqueeze(1)
-    length = (key_end[t0:t1].to(torch.int64).unsqueeze(1) - start).clamp_min(0)
-    col = torch.arange(n, device=key_start.device).unsqueeze(0)
-    return torch.where(col < length, start + col, -1).to(torch.int32)
-
-
 class _IndexerKLLossKernel(torch.autograd.Function):
     """Indexer KL loss through the TileLang kernels: per-row losses, weighted sum over rows (the
-    mean's 1 / T unless row weights are given). The loss program yields the gradients in the same
-    pass as the value, so the forward keeps them and the backward only scales them. Sparse: one
-    call over the top-k slots. Dense: the windows in chunks of rows (dense_loss_chunks), each a
-    sparse call over its rows' slot lists with the normaliser recomputed over the same slots (the
-    dense attention's), d_index_k summed over the chunks."""
+    mean's 1 / T unless row weights are given). The kernels yield the gradients in the same
+    call as the value, so the forward keeps them and the backward only scales them. Sparse: the
+    loss program over the top-k slots. Dense: the blockwise dense programs over the windows (the
+    normaliser, when not given, recomputed over the same keys: the dense attention's)."""
 
     @staticmethod
     def forward(ctx, index_q, index_k, weights, q, kv, attn_lse, topk_indices, key_start, key_end, scale, sink,
@@ -362,17 +330,18 @@ class _IndexerKLLossKernel(torch.autograd.Function):
         t = index_q.shape[0]
         wants_grad = any(ctx.needs_input_grad[:3])
         factor = row_weights if row_weights is not None else torch.full((t,), 1.0 / max(t, 1), device=index_q.device)
-        loss_rows = load_kernel("indexer_kl_loss")
+        grad_rows = factor if wants_grad else None
         if topk_indices is not None:
-            rows, grads = loss_rows(
+            rows, grads = load_kernel("indexer_kl_loss")(
                 index_q.contiguous(), index_k.contiguous(), weights.contiguous(), q.contiguous(), kv.contiguous(),
-                attn_lse, topk_indices, scale, sink, grad_rows=factor if wants_grad else None,
-                deterministic=deterministic, index_lse=index_lse,
+                attn_lse, topk_indices, scale, sink, grad_rows=grad_rows, deterministic=deterministic,
+                index_lse=index_lse,
             )
-        else:
-            rows, grads = _dense_loss_rows(loss_rows, index_q.contiguous(), index_k.contiguous(),
-                                           weights.contiguous(), q.contiguous(), kv.contiguous(), attn_lse, key_start,
-                                           key_end, scale, sink, factor if wants_grad else None, deterministic)
+        else:  # reproducible in either mode (no atomics)
+            rows, grads = load_kernel("indexer_kl_loss_dense")(
+                index_q.contiguous(), index_k.contiguous(), weights.contiguous(), q.contiguous(), kv.contiguous(),
+                attn_lse, key_start, key_end, scale, sink, grad_rows=grad_rows,
+            )
         ctx.grads = grads
         ctx.dtypes = (index_q.dtype, index_k.dtype, weights.dtype)
         return (rows * factor).sum()
@@ -384,26 +353,3 @@ class _IndexerKLLossKernel(torch.autograd.Function):
         g = grad.float()
         dt_q, dt_k, dt_w = ctx.dtypes
         return ((d_iq.float() * g).to(dt_q), (d_ik * g).to(dt_k), (d_w * g).to(dt_w)) + (None,) * 11
-
-
-def _dense_loss_rows(loss_rows, index_q, index_k, weights, q, kv, attn_lse, key_start, key_end, scale, sink,
-                     grad_rows, deterministic=False):
-    """(loss rows [T], (d_index_q, d_index_k, d_weights) or None) of the dense loss, chunk by chunk."""
-    t = index_q.shape[0]
-    rows = torch.zeros(t, dtype=torch.float32, device=index_q.device)
-    grads = None
-    if grad_rows is not None:
-        grads = (torch.empty_like(index_q), torch.zeros(index_k.shape, dtype=torch.float32, device=index_k.device),
-                 torch.empty(weights.shape, dtype=torch.float32, device=weights.device))
-    for t0, t1, n in dense_loss_chunks(key_start, key_end):
-        slots = dense_loss_slots(key_start, key_end, t0, t1, n)
-        r, g = loss_rows(index_q[t0:t1], index_k, weights[t0:t1], q[t0:t1], kv,
-                         None if attn_lse is None else attn_lse[t0:t1].contiguous(), slots, scale, sink,
-                         grad_rows=None if grad_rows is None else grad_rows[t0:t1].contiguous(),
-                         deterministic=deterministic)
-        rows[t0:t1] = r
-        if grads is not None:
-            grads[0][t0:t1] = g[0]
-            grads[1].add_(g[1])
-            grads[2][t0:t1] = g[2]
-    return rows, grads

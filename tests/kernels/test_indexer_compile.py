@@ -36,6 +36,7 @@ def compiled():
     jobs += [("topk", i, c) for i, c in enumerate(TK.SHIPPED_CONFIGS)]
     jobs += [("tie_fill", 0, None)]
     jobs += [("ranges", i, c) for i, c in enumerate(RANGE_TILINGS)]
+    jobs += [(f"grads_{side}", i, c) for side in ("query", "key") for i, c in enumerate(K.GRAD_CONFIGS)]
 
     def build(job):
         kind, _, cfg = job
@@ -44,6 +45,8 @@ def compiled():
                 return K.build_block_ranges(*cfg, target=SM90).get_kernel_source()
             if kind == "tie_fill":
                 return TK.build_tie_fill(target=SM90).get_kernel_source()
+            if kind.startswith("grads_"):
+                return K.build_score_grads(kind[len("grads_"):], cfg, target=SM90).get_kernel_source()
             fn = K.build_indexer if kind == "indexer" else TK.build_topk
             return fn(cfg, target=SM90).get_kernel_source()
         except Exception as exc:  # reported by the test of that configuration
@@ -89,6 +92,28 @@ def test_topk_configs_compile(compiled, i):
     src = _src(compiled, ("topk", i))
     assert "__global__" in src
     assert ("Lse[" in src) == bool(TK.SHIPPED_CONFIGS[i].get("lse"))  # the lse variants write it
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("side", ["query", "key"])
+@pytest.mark.parametrize("i", range(len(K.GRAD_CONFIGS)),
+                         ids=[f"h{c['heads']}d{c['dim']}q{c['block_q']}k{c['block_k']}" for c in K.GRAD_CONFIGS])
+def test_score_gradient_programs_compile(compiled, side, i):
+    src = _src(compiled, (f"grads_{side}", i))
+    assert src.count("wgmma_ss") >= 2  # S and the gradient GEMM on Hopper tensor cores
+    assert "atomic" not in src.lower()  # reproducible sums: no atomics
+
+
+def test_gradient_tiling_follows_the_score_buffers():
+    for cfg in K.PREFILL_CONFIGS:
+        if cfg.get("fp8"):
+            continue
+        g = K.grad_config(cfg)
+        assert g in K.GRAD_CONFIGS
+        assert g["block_k"] == cfg["block_k"] and cfg["block_q"] % g["block_q"] == 0
+        assert g["block_q"] * g["heads"] <= 128 or g["block_q"] == 1
+    with pytest.raises(ValueError, match="side"):
+        K.build_score_grads("both", K.GRAD_CONFIGS[0])
 
 
 @pytest.mark.slow
