@@ -79,6 +79,8 @@ def phases(iq, ik, w, q, kv, lse, ks, ke, scale):
     build_grads, build_terms = K.build_score_grads, L.build_dense_terms
     K.build_score_grads = lambda side, *a, **k: timed(f"grads {side}-major", build_grads(side, *a, **k))
     L.build_dense_terms = lambda *a, **k: timed("row terms", build_terms(*a, **k))
+    entries = L.key_block_entries
+    L.key_block_entries = timed("key-major list", entries)
     K._Plan.chunk_scores = timed("scores", K._Plan.chunk_scores)
     L._attention_target = timed("attention target", L._attention_target)
     L._dense_chunk_terms = timed("target + row terms", L._dense_chunk_terms)
@@ -98,6 +100,7 @@ def phases(iq, ik, w, q, kv, lse, ks, ke, scale):
     finally:
         (K._Plan.chunk_scores, L._attention_target, L._dense_chunk_terms, L._dense_chunk_grads, K.build_score_grads,
          L.build_dense_terms) = saved
+        L.key_block_entries = entries
 
 
 if __name__ == "__main__":

@@ -255,8 +255,9 @@ def _attn_probs_chunked(dim: int, threads: int = THREADS, chunk: int | None = No
     assert D % DC == 0 and DC % 16 == 0, "dim must be a multiple of the chunk, the chunk of 16"
     NC = D // DC  # chunks per block
     # buffers; chunk u of the flat order (block, chunk) lives in bufs[u % S]. 64 x 3 (dim 576; 64 x 4 for 512):
-    # q 72 KB + 24 KB of rows, two CTAs per SM
-    S = stages or next((n for n in (3, 4, 2) if NC % n == 0), None)
+    # q 72 KB + 24 KB of rows, two CTAs per SM. Dense: a whole block in flight (q 144 KB + 72 KB for 576, 128 +
+    # 64 KB for 512): the pass is bound by the latency of the row copies, not by L2's bytes
+    S = stages or next((n for n in ((NC,) if dense else (3, 4, 2)) if NC % n == 0), None)
     if S is None or NC % S != 0 or S < 2:
         raise ValueError(f"attn_probs 'chunked' needs the {NC} chunks of {DC} columns per block (dim {D}) to be a "
                          f"multiple of its stages (2, 3 or 4), got stages={stages}")
