@@ -143,15 +143,15 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
     neg_big = -1.0e30
 
     def slot_ok(Idx, bx, pos):
-        if dense:  # (Base, KS, KE) per row: slot pos is key Base + pos, valid inside [KS, KE)
-            return T.And(T.And(pos >= Idx[bx, 1], pos < Idx[bx, 2]), Idx[bx, 0] + pos < TK)
+        if dense:  # Idx = the row's (base, start, end) as scalars: slot pos is key base + pos inside [start, end)
+            return T.And(T.And(pos >= Idx[1], pos < Idx[2]), Idx[0] + pos < TK)
         return _slot_ok(T, Idx, TK, bx, pos)
 
     @T.macro
     def gather_rows(KV, Idx, bx, i, kv_s):
         for j, d in T.Parallel(BK, D):
             kv_s[j, d] = KV[T.if_then_else(slot_ok(Idx, bx, i * BK + j),
-                                           Idx[bx, 0] + i * BK + j if dense else Idx[bx, i * BK + j], 0), d]
+                                           Idx[0] + i * BK + j if dense else Idx[bx, i * BK + j], 0), d]
 
     @T.macro
     def masked_scores(Idx, bx, i, c, q_s, kv_s, s):
@@ -180,9 +180,17 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
             h0 = by * HB
             for h, d in T.Parallel(HB, D):
                 q_s[h, d] = T.if_then_else(h0 + h < H, Q[bx, T.min(h0 + h, H - 1), d], T.cast(0, dtype))
-            # the slot blocks walked: all, or (dense) those that hold the window
-            b0 = T.min(T.max(Idx[bx, 1], 0), KP) // BK if dense else 0
-            nb = T.max(T.ceildiv(T.min(Idx[bx, 2], KP), BK) - b0, 0) if dense else NB
+            # the slot blocks walked: all, or (dense) those that hold the window (read once, as scalars)
+            rows = Idx
+            b0 = 0
+            nb = NB
+            if dense:
+                base = Idx[bx, 0]
+                start = Idx[bx, 1]
+                end = Idx[bx, 2]
+                rows = (base, start, end)
+                b0 = T.min(T.max(start, 0), KP) // BK
+                nb = T.max(T.ceildiv(T.min(end, KP), BK) - b0, 0)
             if lse_pass:
                 # per-head log-sum-exp over the slots (online), then the normaliser with the sink
                 m_i = T.alloc_fragment([HB], acc)
@@ -192,8 +200,8 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
                 T.fill(m_i, neg_big)
                 T.fill(l_i, 0)
                 for ii in T.Pipelined(nb, num_stages=1):
-                    gather_rows(KV, Idx, bx, b0 + ii, kv_s)
-                    masked_scores(Idx, bx, b0 + ii, c, q_s, kv_s, s)
+                    gather_rows(KV, rows, bx, b0 + ii, kv_s)
+                    masked_scores(rows, bx, b0 + ii, c, q_s, kv_s, s)
                     T.reduce_max(s, m_new, dim=1, clear=True)
                     for h in T.Parallel(HB):
                         m_new[h] = T.max(m_new[h], m_i[h])
@@ -270,22 +278,23 @@ def _attn_probs_chunked(dim: int, threads: int = THREADS, chunk: int | None = No
     assert (BK * CCOLS) % threads == 0
     pass_ids = tuple(range(BK * CCOLS // threads))
 
-    def slot_key(Idx, row, pos):
+    # dense: Idx stands for win_s, the CTA's windows staged once in shared memory (base, start and end of
+    # row 0, start and end of row 1; a row past the end has an empty window)
+    def slot_key(Idx, r0, pos):
         # the key of slot pos of the CTA's rows (any value where the slot is not valid)
-        return Idx[row, 0] + pos if dense else Idx[row, T.min(pos, KP - 1)]
+        return Idx[0] + pos if dense else Idx[r0, T.min(pos, KP - 1)]
 
-    def slot_valid(Idx, row, pos):
-        # slot pos of query row `row` names a key it sees
+    def slot_valid(Idx, r0, r, pos):
+        # slot pos of the CTA's row r0 + r names a key that row sees
         if dense:
-            return T.And(T.And(row < NT, T.And(pos >= Idx[T.min(row, NT - 1), 1], pos < Idx[T.min(row, NT - 1), 2])),
-                         Idx[T.min(row, NT - 1), 0] + pos < TK)
-        return _slot_ok(T, Idx, TK, row, pos)
+            return T.And(T.And(pos >= Idx[1 + 2 * r], pos < Idx[2 + 2 * r]), Idx[0] + pos < TK)
+        return _slot_ok(T, Idx, TK, r0, pos)
 
     def any_valid(Idx, r0, pos):
         # the slot is loaded when a row of the CTA sees it
         if dense:
-            return T.Or(slot_valid(Idx, r0, pos), slot_valid(Idx, r0 + 1, pos))
-        return slot_valid(Idx, r0, pos)
+            return T.Or(slot_valid(Idx, r0, 0, pos), slot_valid(Idx, r0, 1, pos))
+        return slot_valid(Idx, r0, 0, pos)
 
     @T.macro
     def issue(KV, Idx, r0, blk, ch, buf, tx):
@@ -316,7 +325,7 @@ def _attn_probs_chunked(dim: int, threads: int = THREADS, chunk: int | None = No
                    policy=T.GemmWarpPolicy.FullCol)
             T.sync_threads()  # bufs[ch % S] is free for the next issue
         for j, hh in T.Parallel(BK, RC * HB):
-            s[j, hh] = T.if_then_else(slot_valid(Idx, r0 + hh // HB, b * BK + j), s[j, hh] * c, -T.infinity(acc))
+            s[j, hh] = T.if_then_else(slot_valid(Idx, r0, hh // HB, b * BK + j), s[j, hh] * c, -T.infinity(acc))
 
     @T.macro
     def prologue(KV, Idx, r0, b0, bufs, tx):
@@ -353,18 +362,26 @@ def _attn_probs_chunked(dim: int, threads: int = THREADS, chunk: int | None = No
                 norm_s[hh] = T.if_then_else(T.And(h0 + hh % HB < H, r0 + hh // HB < NT),
                                             Norm[T.min(r0 + hh // HB, NT - 1), T.min(h0 + hh % HB, H - 1)] * _LOG2E,
                                             T.infinity(acc))
-            T.sync_threads()  # norm_s written
+            rows = Idx
+            if dense:
+                win_s = T.alloc_shared([5], "int32")
+                for u in T.Parallel(5):
+                    win_s[u] = T.if_then_else(
+                        u == 0, Idx[r0, 0], T.if_then_else(
+                            r0 + (u - 1) // 2 < NT, Idx[T.min(r0 + (u - 1) // 2, NT - 1), 1 + (u - 1) % 2], 0))
+                rows = win_s
+            T.sync_threads()  # norm_s (and win_s) written
             # the slot blocks walked: all, or (dense) those holding the rows' windows
             lo_pos = T.min(Idx[r0, 1], Idx[T.min(r0 + 1, NT - 1), 1]) if dense else 0
             hi_pos = T.max(Idx[r0, 2], Idx[T.min(r0 + 1, NT - 1), 2]) if dense else 0
             b0 = T.min(T.max(lo_pos, 0), KP) // BK if dense else 0
             nb = T.max(T.ceildiv(T.min(hi_pos, KP), BK) - b0, 0) if dense else NB
-            prologue(KV, Idx, r0, b0, bufs, tx)
+            prologue(KV, rows, r0, b0, bufs, tx)
             for bb in T.serial(nb):
                 b = b0 + bb
-                block_scores(KV, Idx, r0, b, c, q_s, bufs, s, tx)
+                block_scores(KV, rows, r0, b, c, q_s, bufs, s, tx)
                 for j, hh in T.Parallel(BK, RC * HB):  # exactly 0 on invalid slots, 0 on padded heads (norm +inf)
-                    s[j, hh] = T.if_then_else(slot_valid(Idx, r0 + hh // HB, b * BK + j),
+                    s[j, hh] = T.if_then_else(slot_valid(rows, r0, hh // HB, b * BK + j),
                                               T.exp2(s[j, hh] - norm_s[hh]), 0.0)
                 T.reduce_sum(s3, pj, dim=2, clear=True)
                 for j, r in T.Parallel(BK, RC):
