@@ -181,14 +181,14 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
             for h, d in T.Parallel(HB, D):
                 q_s[h, d] = T.if_then_else(h0 + h < H, Q[bx, T.min(h0 + h, H - 1), d], T.cast(0, dtype))
             # the slot blocks walked: all, or (dense) those that hold the window (read once, as scalars)
-            rows = Idx
+            win = Idx  # what the macros index: Idx, or (dense) the row's window
             b0 = 0
             nb = NB
             if dense:
                 base = Idx[bx, 0]
                 start = Idx[bx, 1]
                 end = Idx[bx, 2]
-                rows = (base, start, end)
+                win = (base, start, end)
                 b0 = T.min(T.max(start, 0), KP) // BK
                 nb = T.max(T.ceildiv(T.min(end, KP), BK) - b0, 0)
             if lse_pass:
@@ -200,8 +200,8 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
                 T.fill(m_i, neg_big)
                 T.fill(l_i, 0)
                 for ii in T.Pipelined(nb, num_stages=1):
-                    gather_rows(KV, rows, bx, b0 + ii, kv_s)
-                    masked_scores(rows, bx, b0 + ii, c, q_s, kv_s, s)
+                    gather_win(KV, win, bx, b0 + ii, kv_s)
+                    masked_scores(win, bx, b0 + ii, c, q_s, kv_s, s)
                     T.reduce_max(s, m_new, dim=1, clear=True)
                     for h in T.Parallel(HB):
                         m_new[h] = T.max(m_new[h], m_i[h])
@@ -362,26 +362,26 @@ def _attn_probs_chunked(dim: int, threads: int = THREADS, chunk: int | None = No
                 norm_s[hh] = T.if_then_else(T.And(h0 + hh % HB < H, r0 + hh // HB < NT),
                                             Norm[T.min(r0 + hh // HB, NT - 1), T.min(h0 + hh % HB, H - 1)] * _LOG2E,
                                             T.infinity(acc))
-            rows = Idx
+            win = Idx  # what the macros index: Idx, or (dense) the row's window
             if dense:
                 win_s = T.alloc_shared([5], "int32")
                 for u in T.Parallel(5):
                     win_s[u] = T.if_then_else(
                         u == 0, Idx[r0, 0], T.if_then_else(
                             r0 + (u - 1) // 2 < NT, Idx[T.min(r0 + (u - 1) // 2, NT - 1), 1 + (u - 1) % 2], 0))
-                rows = win_s
+                win = win_s
             T.sync_threads()  # norm_s (and win_s) written
             # the slot blocks walked: all, or (dense) those holding the rows' windows
             lo_pos = T.min(Idx[r0, 1], Idx[T.min(r0 + 1, NT - 1), 1]) if dense else 0
             hi_pos = T.max(Idx[r0, 2], Idx[T.min(r0 + 1, NT - 1), 2]) if dense else 0
             b0 = T.min(T.max(lo_pos, 0), KP) // BK if dense else 0
             nb = T.max(T.ceildiv(T.min(hi_pos, KP), BK) - b0, 0) if dense else NB
-            prologue(KV, rows, r0, b0, bufs, tx)
+            prologue(KV, win, r0, b0, bufs, tx)
             for bb in T.serial(nb):
                 b = b0 + bb
-                block_scores(KV, rows, r0, b, c, q_s, bufs, s, tx)
+                block_scores(KV, win, r0, b, c, q_s, bufs, s, tx)
                 for j, hh in T.Parallel(BK, RC * HB):  # exactly 0 on invalid slots, 0 on padded heads (norm +inf)
-                    s[j, hh] = T.if_then_else(slot_valid(rows, r0, hh // HB, b * BK + j),
+                    s[j, hh] = T.if_then_else(slot_valid(win, r0, hh // HB, b * BK + j),
                                               T.exp2(s[j, hh] - norm_s[hh]), 0.0)
                 T.reduce_sum(s3, pj, dim=2, clear=True)
                 for j, r in T.Parallel(BK, RC):
