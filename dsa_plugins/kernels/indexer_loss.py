@@ -200,7 +200,7 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
                 T.fill(m_i, neg_big)
                 T.fill(l_i, 0)
                 for ii in T.Pipelined(nb, num_stages=1):
-                    gather_win(KV, win, bx, b0 + ii, kv_s)
+                    gather_rows(KV, win, bx, b0 + ii, kv_s)
                     masked_scores(win, bx, b0 + ii, c, q_s, kv_s, s)
                     T.reduce_max(s, m_new, dim=1, clear=True)
                     for h in T.Parallel(HB):
