@@ -127,8 +127,8 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
         gather = "sync"
     # "chunked" by default where it was measured and tested: the model dims 576 and 512
     gather = gather or ATTN_GATHER or ("chunked" if dim in (512, 576) else "sync")
-    if dense:  # windows: "sync" unless an A/B run asks for "chunked" (the normaliser given)
-        gather = "chunked" if ATTN_GATHER == "chunked" and not lse_pass else "sync"
+    if dense:  # the normaliser pass alone ("sync"), or the target given the normaliser ("chunked")
+        gather = "sync" if lse_pass else "chunked"
     if gather == "chunked":
         return _attn_probs_chunked(dim, threads, chunk, stages, dense)
     if gather != "sync":
@@ -165,7 +165,7 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
         Q: T.Tensor([NT, H, D], dtype),
         KV: T.Tensor([TK, D], dtype),
         Idx: T.Tensor([NT, 3 if dense else KP], "int32"),  # dense: (Base, KS, KE) per row
-        Norm: T.Tensor([NT, H], acc),
+        Norm: T.Tensor([NT, H], acc),  # dense (the lse pass alone): written, the normaliser in natural log
         Sink: T.Tensor([H], acc),
         scale: T.float32,
         P: T.Tensor([NHB, NT, KP], acc),
@@ -222,18 +222,20 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
                         T.if_then_else(lse2 == -T.infinity(acc), sk,
                                        mx + T.log2(T.exp2(lse2 - mx) + T.exp2(sk - mx))))
                     norm_s[h] = T.if_then_else(h0 + h < H, nrm, T.infinity(acc))
+                    if dense and h0 + h < H:
+                        Norm[bx, h0 + h] = nrm / _LOG2E
             else:
                 for h in T.Parallel(HB):
                     norm_s[h] = T.if_then_else(h0 + h < H, Norm[bx, T.min(h0 + h, H - 1)] * _LOG2E, T.infinity(acc))
-            for ii in T.Pipelined(nb, num_stages=1):
-                i = b0 + ii
-                gather_rows(KV, win, bx, i, kv_s)
-                masked_scores(win, bx, i, c, q_s, kv_s, s)
-                for h, j in T.Parallel(HB, BK):  # exactly 0 on invalid slots, 0 on padded heads (norm +inf)
-                    s[h, j] = T.if_then_else(slot_ok(win, bx, i * BK + j), T.exp2(s[h, j] - norm_s[h]), 0.0)
-                T.reduce_sum(s, pj, dim=0, clear=True)
-                for j in T.Parallel(BK):
-                    P[by, bx, i * BK + j] = pj[j]
+            if not dense:  # (dense: the normaliser only; the chunked program makes the target)
+                for i in T.Pipelined(NB, num_stages=1):
+                    gather_rows(KV, Idx, bx, i, kv_s)
+                    masked_scores(Idx, bx, i, c, q_s, kv_s, s)
+                    for h, j in T.Parallel(HB, BK):  # exactly 0 on invalid slots, 0 on padded heads (norm +inf)
+                        s[h, j] = T.if_then_else(slot_ok(Idx, bx, i * BK + j), T.exp2(s[h, j] - norm_s[h]), 0.0)
+                    T.reduce_sum(s, pj, dim=0, clear=True)
+                    for j in T.Parallel(BK):
+                        P[by, bx, i * BK + j] = pj[j]
 
     return main
 
@@ -1077,12 +1079,20 @@ def _attention_target(q, kv, attn_lse, sink, scale, idx, width=None):
     and the sink (the attn_probs program's lse pass). Slots: idx [T, kp] int32 slot lists (kp a multiple of
     SLOT_STEP, -1 = none), or with ``width`` (kp, a multiple of SLOT_STEP) idx [T, 3] int32 (base, start,
     end): slot j of row t is key base + j, valid for start <= j < end (P is then written only in the slot
-    blocks that hold the window)."""
+    blocks that hold the window; without attn_lse a first pass over them computes the normaliser)."""
     dev = q.device
     t, h, dqk = q.shape
     nhb = -(-h // BLOCK_H)
     dense = width is not None
     lse_pass = attn_lse is None
+    if dense and lse_pass:  # a pass for the normaliser over the windows (with the sink), then the target
+        norm = torch.empty(t, h, dtype=torch.float32, device=dev)
+        sink_t = sink.contiguous() if sink is not None else torch.full((h,), -math.inf, device=dev)
+        P = torch.empty(nhb, t, width, dtype=torch.float32, device=dev)
+        with torch.cuda.device(dev):
+            build_attn_probs(dqk, True, _device_target(dev), dense=True)(q.contiguous(), kv.contiguous(), idx, norm,
+                                                                         sink_t, scale, P)
+        attn_lse, sink, lse_pass = norm, None, False
     if lse_pass:
         norm = torch.empty(t, h, dtype=torch.float32, device=dev)  # unused by the program
         sink_t = sink.contiguous() if sink is not None else torch.full((h,), -math.inf, device=dev)
