@@ -299,10 +299,10 @@ def _factory():
     def score_grads_key(heads: int, dim: int, block_q: int, block_k: int, threads: int, num_stages: int):
         """The scores' gradient towards index_k, key-major: no atomics, so the sums are reproducible.
 
-        Grid (key blocks, splits). Key block kb0 + bx walks the query blocks that score it, listed by the
-        caller in Ent[Ptr[bx] : Ptr[bx + 1]] with their DI column block in Col; split ``by`` takes the
-        by-th part of that list and writes its partial sum to DK[by, bx * block_k ...] (the caller adds
-        the splits in order). Per query block: S = K_blk Q_blk^T, G = DI[b, a] * W[b, h] where S > 0,
+        Grid (key blocks, splits). Key block bx walks the query blocks that score it, listed by the caller
+        in Ent[Ptr[bx] : Ptr[bx + 1]] with their DI column block in Col; split ``by`` takes the by-th part
+        of that list and writes its partial sum to DK[by, bx * block_k ...] (the caller adds the splits
+        in order). Per query block: S = K_blk Q_blk^T, G = DI[b, a] * W[b, h] where S > 0,
         else 0 (bf16), DK += G Q_blk."""
         nq = T.dynamic("nq")
         nk = T.dynamic("nk")
@@ -322,7 +322,6 @@ def _factory():
             Ptr: T.Tensor([nkb + 1], T.int32),
             Ent: T.Tensor([nent], T.int32),
             Col: T.Tensor([nent], T.int32),
-            kb0: T.int32,
             DK: T.Tensor([nsplit, nkb * block_k, dim], acc),
         ):
             with T.Kernel(nkb, nsplit, threads=threads) as (bx, by):
@@ -338,7 +337,7 @@ def _factory():
                 per = T.ceildiv(Ptr[bx + 1] - p0, nsplit)
                 lo = p0 + by * per
                 hi = T.min(Ptr[bx + 1], lo + per)
-                T.copy(K[(kb0 + bx) * block_k : (kb0 + bx + 1) * block_k, :], k_s)
+                T.copy(K[bx * block_k : (bx + 1) * block_k, :], k_s)
                 T.clear(dk)
                 for j in T.Pipelined(T.max(hi - lo, 0), num_stages=num_stages):
                     T.copy(Q[Ent[lo + j] * n : (Ent[lo + j] + 1) * n, :], q_s)

@@ -1255,35 +1255,27 @@ def _dense_chunk_grads(plan, gcfg, chunk, r0, r1, d_scores, iq, ik, w, grads):
     target = _device_target(dev)
     _indexer.build_score_grads("query", gcfg, target)(q_rows, ik, w_rows, d_scores, lo, hi_b,
                                                       d_iq[r0:r1].view(rows * hi, di), d_w[r0:r1])
-    entries = key_block_entries(lo, hi_b)
-    if entries is None:
-        return
-    kb0, kb1, ptr, ent, col = entries
-    nkb = kb1 - kb0
+    # every key block (those no row of the chunk sees get an empty list): no host sync
+    nkb = -(-d_ik.shape[0] // bk)
+    ptr, ent, col = key_block_entries(lo, hi_b, max(1, chunk[2]), nkb)
     splits = max(1, min(32, -(-4 * _indexer._sm_count(dev) // nkb)))
     dk = torch.empty(splits, nkb * bk, di, dtype=torch.float32, device=dev)
-    _indexer.build_score_grads("key", gcfg, target)(q_rows, ik, w_rows, d_scores, ptr, ent, col, kb0, dk)
-    end = min(kb1 * bk, d_ik.shape[0])
-    d_ik[kb0 * bk : end] += dk.sum(0)[: end - kb0 * bk]
+    _indexer.build_score_grads("key", gcfg, target)(q_rows, ik, w_rows, d_scores, ptr, ent, col, dk)
+    d_ik += dk.sum(0)[: d_ik.shape[0]]  # the splits in order: reproducible
 
 
-def key_block_entries(lo: torch.Tensor, hi: torch.Tensor):
-    """The key-major work list of the score-gradient program: lo/hi [nqb] int32, each query block's key
-    blocks [lo, hi) (empty when hi <= lo). Returns None when no block has a key, else (kb0, kb1, ptr
-    [kb1 - kb0 + 1] int32, ent [n] int32, col [n] int32): key block kb0 + i is scored by the query blocks
-    ent[ptr[i]:ptr[i + 1]] (ascending), kb - lo[ent] being its column block in their buffer. One host sync."""
+def key_block_entries(lo: torch.Tensor, hi: torch.Tensor, width_blocks: int, n_key_blocks: int):
+    """The key-major work list of the score-gradient program, without a host sync: lo/hi [nqb] int32, each
+    query block's key blocks [lo, hi) (empty when hi <= lo; hi - lo <= width_blocks), key blocks
+    0..n_key_blocks - 1. Returns (ptr [n_key_blocks + 1] int32, ent [nqb * width_blocks] int32, col [same]
+    int32): key block kb is scored by the query blocks ent[ptr[kb]:ptr[kb + 1]] (ascending), kb - lo[ent]
+    being its column block in their buffer; entries past ptr[-1] are padding."""
     dev = lo.device
     lo64 = lo.long()
-    count = (hi.long() - lo64).clamp_min(0)
-    stats = torch.stack([count.sum(), torch.where(count > 0, lo64, 2**31).min(),
-                         torch.where(count > 0, hi.long(), 0).max()]).tolist()
-    total, kb0, kb1 = (int(v) for v in stats)
-    if total == 0:
-        return None
-    owner = torch.repeat_interleave(torch.arange(lo.shape[0], device=dev), count, output_size=total)
-    first = torch.cumsum(count, 0) - count
-    key_block = lo64[owner] + torch.arange(total, device=dev) - first[owner]
+    key_block = lo64[:, None] + torch.arange(width_blocks, device=dev)[None, :]
+    key_block = torch.where(key_block < hi.long()[:, None], key_block, n_key_blocks).reshape(-1)  # padding last
     key_block, order = torch.sort(key_block, stable=True)
-    owner = owner[order]
-    ptr = torch.searchsorted(key_block, torch.arange(kb0, kb1 + 1, device=dev)).to(torch.int32)
-    return kb0, kb1, ptr, owner.to(torch.int32), (key_block - lo64[owner]).to(torch.int32)
+    owner = torch.div(order, width_blocks, rounding_mode="floor")
+    ptr = torch.searchsorted(key_block, torch.arange(n_key_blocks + 1, device=dev)).to(torch.int32)
+    col = torch.where(key_block < n_key_blocks, key_block - lo64[owner], 0).to(torch.int32)
+    return ptr, owner.to(torch.int32), col

@@ -27,21 +27,15 @@ def _packed_causal_windows(lengths, device="cpu"):
 def test_key_block_entries_list_each_query_block_of_each_key_block_once(ranges):
     lo = torch.tensor([r[0] for r in ranges], dtype=torch.int32)
     hi = torch.tensor([r[1] for r in ranges], dtype=torch.int32)
-    got = key_block_entries(lo, hi)
-    want = {kb: [qb for qb, (a, b) in enumerate(ranges) if a <= kb < b] for kb in range(16)}
-    if not any(want.values()):
-        assert got is None
-        return
-    kb0, kb1, ptr, ent, col = got
-    assert ptr.dtype == ent.dtype == col.dtype == torch.int32
-    assert kb0 == min(kb for kb, v in want.items() if v) and kb1 == max(kb for kb, v in want.items() if v) + 1
-    for kb in range(16):
-        if not kb0 <= kb < kb1:
-            assert not want[kb]
-            continue
-        sl = slice(int(ptr[kb - kb0]), int(ptr[kb - kb0 + 1]))
-        assert ent[sl].tolist() == want[kb]  # ascending: the sums run in a fixed order
-        assert col[sl].tolist() == [kb - ranges[qb][0] for qb in want[kb]]
+    width, nkb = max(max(b - a, 0) for a, b in ranges) or 1, 12
+    ptr, ent, col = key_block_entries(lo, hi, width, nkb)
+    assert ptr.dtype == ent.dtype == col.dtype == torch.int32 and ptr.shape == (nkb + 1,) and int(ptr[0]) == 0
+    for kb in range(nkb):
+        sl = slice(int(ptr[kb]), int(ptr[kb + 1]))
+        want = [qb for qb, (a, b) in enumerate(ranges) if a <= kb < b]
+        assert ent[sl].tolist() == want  # ascending: the sums run in a fixed order
+        assert col[sl].tolist() == [kb - ranges[qb][0] for qb in want]
+    assert int(ptr[-1]) == sum(max(b - a, 0) for a, b in ranges)
 
 
 def test_dense_loss_row_weights_on_the_reference_path():
