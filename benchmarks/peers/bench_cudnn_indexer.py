@@ -1,6 +1,7 @@
 """Indexer forward and the sparse and dense indexer KL losses: ours (TileLang) beside cuDNN frontend's Hopper kernels.
 
-    python benchmarks/peers/bench_cudnn_indexer.py [--t 8192,32768] [--skip-loss] [--skip-dense] [--out DIR]
+    python benchmarks/peers/bench_cudnn_indexer.py [--t 8192,32768] [--skip-loss] [--skip-sparse] [--skip-dense]
+        [--out DIR]
 
 One causal sequence of T tokens; indexer sizes of DeepSeek-V3.2 / GLM-5 (Hi 64, Di 128, k 2048), attention
 sizes of GLM-5 for the loss target (H 64, Dqk 576, Dv 512). Ours and the peer run in one process on the
@@ -559,6 +560,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-loss", action="store_true", help="skip both losses: time the indexer forward only")
     ap.add_argument("--skip-fwd", action="store_true", help="skip the indexer forward + top-k")
     ap.add_argument("--skip-dense", action="store_true", help="skip the dense (warm-up) indexer loss")
+    ap.add_argument("--skip-sparse", action="store_true", help="skip the sparse indexer loss")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -574,7 +576,7 @@ def main(argv=None) -> int:
         bench_indexer_fwd(rows, t, dsa)
         rows.write()
         torch.cuda.empty_cache()
-    if not args.skip_loss:
+    if not (args.skip_loss or args.skip_sparse):
         for t in ts:
             bench_loss(rows, t, dsa)
             rows.write()
