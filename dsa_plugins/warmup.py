@@ -142,6 +142,7 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
         bwd_cfgs = [dict(c) for c in sparse_attention_bwd.SHIPPED_CONFIGS]
         idx_cfgs = [dict(c) for c in indexer.SHIPPED_CONFIGS]
         loss_cfgs = [dict(c) for c in indexer_loss.SHIPPED_CONFIGS]
+        grad_cfgs = [dict(c) for c in indexer.GRAD_CONFIGS]
     else:
         attn = [(dims.dim_qk, dims.dim_v, dims.sink)]
         reason = sparse_attention_fwd.unsupported_reason(dims.heads, dims.dim_qk, dims.dim_v, dims.sink, torch.bfloat16)
@@ -160,6 +161,14 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
         loss_cfgs += [{"kind": "loss", "heads": 64, "dim": dims.index_dim, "grads": False}]
         loss_cfgs += [{"kind": "loss", "heads": 64, "dim": dims.index_dim, "grads": True, "det": det, "lse_given": lg}
                       for det in (False, True) for lg in (False, True)]
+        # the dense warm-up loss: the windowed target, the row program, the score-gradient programs (index
+        # heads padded to 32 or 64, as indexer_kl_loss_dense does)
+        loss_cfgs += [{"kind": "attn_probs", "dim": dims.dim_qk, "lse_pass": p, "dense": True} for p in (False, True)]
+        loss_cfgs += [{"kind": "dense_terms", "grads": g} for g in (False, True)]
+        dense_scores = indexer.default_config(32 if dims.index_heads <= 32 else 64, dims.index_dim)
+        grad_cfgs = [indexer.grad_config(dense_scores)]
+        if training and dense_scores not in idx_cfgs:
+            idx_cfgs.append(dense_scores)
     for dqk, dv, sink in attn:
         cfg = sparse_attention_fwd.config_for(dqk, dv, sink, torch.bfloat16)
         jobs.append(KernelJob(f"attention forward {dqk}/{dv}{' sink' if sink else ''}", fwd, "build_fwd_kernel",
@@ -209,6 +218,10 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
             jobs.append(KernelJob(f"indexer loss {cfg['kind']} " + " ".join(f"{k}={v}" for k, v in cfg.items()
                                                                               if k != "kind"),
                                   loss, "build_config", (cfg,), seconds=15))
+        for cfg in grad_cfgs:  # the dense warm-up loss's d_index_q / d_weights and d_index_k
+            for side in ("query", "key"):
+                jobs.append(KernelJob(f"indexer score gradients Hi{cfg['heads']} Di{cfg['dim']} {side}-major", idx,
+                                      "build_score_grads", (side, cfg), gpu_target="auto", seconds=6))
         # the deterministic loss's d_index_k reduce (the attention's reduce is one of its backward programs)
         for di in sorted({c["dim"] for c in loss_cfgs if c.get("det")}):
             jobs.append(KernelJob(f"indexer loss d_index_k reduce Di{di} (deterministic mode)", contrib_reduce.__name__,

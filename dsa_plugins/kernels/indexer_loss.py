@@ -1252,15 +1252,14 @@ def _dense_chunk_grads(plan, gcfg, chunk, r0, r1, d_scores, iq, ik, w, grads):
     hi_b = plan.blk_hi[qb0:qb1].repeat_interleave(per_score_block)[:nqb].contiguous()
     q_rows = plan.q[r0 * hi : r1 * hi]
     w_rows = w[r0:r1]
-    target = _device_target(dev)
-    _indexer.build_score_grads("query", gcfg, target)(q_rows, ik, w_rows, d_scores, lo, hi_b,
+    _indexer.build_score_grads("query", gcfg)(q_rows, ik, w_rows, d_scores, lo, hi_b,
                                                       d_iq[r0:r1].view(rows * hi, di), d_w[r0:r1])
     # every key block (those no row of the chunk sees get an empty list): no host sync
     nkb = -(-d_ik.shape[0] // bk)
     ptr, ent, col = key_block_entries(lo, hi_b, max(1, chunk[2]), nkb)
     splits = max(1, min(32, -(-4 * _indexer._sm_count(dev) // nkb)))
     dk = torch.empty(splits, nkb * bk, di, dtype=torch.float32, device=dev)
-    _indexer.build_score_grads("key", gcfg, target)(q_rows, ik, w_rows, d_scores, ptr, ent, col, dk)
+    _indexer.build_score_grads("key", gcfg)(q_rows, ik, w_rows, d_scores, ptr, ent, col, dk)
     d_ik += dk.sum(0)[: d_ik.shape[0]]  # the splits in order: reproducible
 
 
