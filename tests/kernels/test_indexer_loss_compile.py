@@ -4,6 +4,7 @@ and the wrapper rejects bad inputs with a message that names the tensor (no GPU 
 import importlib.util
 import logging
 import os
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,8 +18,11 @@ HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
 
 
 def _cfg_id(cfg):
+    if cfg["kind"] == "dense_terms":
+        return f"dense_terms-grads{int(cfg['grads'])}"
     extra = f"-lse{int(cfg['lse_pass'])}" if "lse_pass" in cfg else f"-h{cfg['heads']}-grads{int(cfg['grads'])}"
-    return f"{cfg['kind']}-d{cfg['dim']}{extra}" + ("-det" if cfg.get("det") else "")
+    return f"{cfg['kind']}-d{cfg['dim']}{extra}" + ("-det" if cfg.get("det") else "") + (
+        "-dense" if cfg.get("dense") else "") + ("-lsegiven" if cfg.get("lse_given") else "")
 
 
 def test_module_imports_without_tilelang_side_effects():
@@ -26,11 +30,14 @@ def test_module_imports_without_tilelang_side_effects():
     keys = {mod._normalise(c) for c in mod.SHIPPED_CONFIGS}
     assert len(keys) == len(mod.SHIPPED_CONFIGS), "SHIPPED_CONFIGS has duplicates"
     kinds = {c["kind"] for c in mod.SHIPPED_CONFIGS}
-    assert kinds == {"attn_probs", "loss"}
+    assert kinds == {"attn_probs", "loss", "dense_terms"}
     assert {c["grads"] for c in mod.SHIPPED_CONFIGS if c["kind"] == "loss"} == {True, False}
     # both attention families (absorbed MLA 576, V4 512) with and without the in-kernel lse pass
     shapes = {(c["dim"], c["lse_pass"]) for c in mod.SHIPPED_CONFIGS if c["kind"] == "attn_probs"}
     assert shapes == {(576, False), (576, True), (512, False), (512, True)}
+    # ... over slot lists and over windows (the dense warm-up loss)
+    assert {c.get("dense", False) for c in mod.SHIPPED_CONFIGS if c["kind"] == "attn_probs"} == {False, True}
+    assert {c["grads"] for c in mod.SHIPPED_CONFIGS if c["kind"] == "dense_terms"} == {True, False}
 
 
 def test_unsupported_reason():
@@ -131,11 +138,20 @@ def test_shipped_config_compiles_for_sm90a(compiled, i, caplog):
     if isinstance(src, Exception):
         raise src
     cfg = mod.SHIPPED_CONFIGS[i]
+    if cfg["kind"] == "dense_terms":  # the row program: two passes over a row, block reductions, no MMA
+        assert "rows" in src and "width" in src and "__syncthreads" in src
+        # dI is written over I only with the gradients
+        assert bool(re.search(r"\bI\[[^;]*\] = ", src)) == cfg["grads"]
+        return
     assert "wgmma" in src  # the GEMMs run on Hopper tensor cores
     assert "cp_async" in src or "cp.async" in src  # gathered rows land through predicated async copies
     for name in ("n_rows", "n_keys", "slot_steps"):
         assert name in src, f"{name} is not a runtime parameter"
-    if cfg["kind"] == "attn_probs" and not cfg["lse_pass"]:
+    if cfg["kind"] == "attn_probs" and cfg.get("dense") and not cfg["lse_pass"]:
+        # windows, the normaliser given: two rows per CTA (256 threads) and a whole block of row copies in flight
+        stages = cfg["dim"] // 64
+        assert "__launch_bounds__(256" in src and f"cp_async_wait<{stages - 1}>" in src
+    elif cfg["kind"] == "attn_probs" and not cfg["lse_pass"]:
         # attn_lse given: slots as MMA rows, the gathered rows in 64-column chunks through 3 cp.async buffers
         # (576: 9 chunks a block) or 4 (512: 8 chunks), the next ones in flight while one is multiplied
         stages = 3 if cfg["dim"] == 576 else 4
