@@ -232,6 +232,15 @@ def _factory():
 
         return main
 
+    @T.macro
+    def relu_grad_tile(k_s, q_s, s, s3, di_s, w_s, g_s, block_k, block_q, heads):
+        # S = K_blk Q^T (keys as rows, as indexer_scores), then G[a, (b, h)] = DI[b, a] (times W[b, h] when
+        # w_s is given) where S > 0 (a NaN S passes it, as torch's relu gradient), else 0, in bf16
+        T.gemm(k_s, q_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+        for a, b, h in T.Parallel(block_k, block_q, heads):
+            g_s[a, b * heads + h] = T.if_then_else(
+                s3[a, b, h] <= 0.0, 0.0, di_s[b, a] if w_s is None else di_s[b, a] * w_s[b, h])
+
     @tilelang.jit
     def score_grads_query(heads: int, dim: int, block_q: int, block_k: int, threads: int, num_stages: int):
         """The scores' gradient towards index_q and the weights, query-major (one CTA per ``block_q`` rows).
@@ -279,9 +288,7 @@ def _factory():
                 for i in T.Pipelined(T.max(hi - lo, 0), num_stages=num_stages):
                     T.copy(K[(lo + i) * block_k : (lo + i + 1) * block_k, :], k_s)
                     T.copy(DI[qb * block_q : (qb + 1) * block_q, i * block_k : (i + 1) * block_k], di_s)
-                    T.gemm(k_s, q_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                    for a, b, h in T.Parallel(block_k, block_q, heads):
-                        g_s[a, b * heads + h] = T.if_then_else(s3[a, b, h] <= 0.0, 0.0, di_s[b, a])
+                    relu_grad_tile(k_s, q_s, s, s3, di_s, None, g_s, block_k, block_q, heads)
                     T.gemm(g_s, k_s, a_f, transpose_A=True)
                 for r, d in T.Parallel(n, dim):
                     out_s[r, d] = a_f[r, d] * w_s[r // heads, r % heads]
@@ -344,9 +351,7 @@ def _factory():
                     T.copy(W[Ent[lo + j] * block_q : (Ent[lo + j] + 1) * block_q, :], w_s)
                     T.copy(DI[Ent[lo + j] * block_q : (Ent[lo + j] + 1) * block_q,
                               Col[lo + j] * block_k : (Col[lo + j] + 1) * block_k], di_s)
-                    T.gemm(k_s, q_s, s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                    for a, b, h in T.Parallel(block_k, block_q, heads):
-                        g_s[a, b * heads + h] = T.if_then_else(s3[a, b, h] <= 0.0, 0.0, di_s[b, a] * w_s[b, h])
+                    relu_grad_tile(k_s, q_s, s, s3, di_s, w_s, g_s, block_k, block_q, heads)
                     T.gemm(g_s, q_s, dk)
                 T.copy(dk, DK[by, bx * block_k : (bx + 1) * block_k, :])
 

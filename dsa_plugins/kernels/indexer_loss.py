@@ -896,15 +896,22 @@ def _pad_heads(index_q, weights, hp: int = 64):
     return iq, w, hp
 
 
-def _check_indexer(index_q, index_k, weights, topk_indices, grad_rows):
+def _check_indexer(index_q, index_k, weights, topk_indices, grad_rows, windows=None):
+    """Checks of the indexer inputs and the slots: topk_indices [T, k] (sparse), or windows = (key_start,
+    key_end) [T] each (dense)."""
     _check("index_q", index_q, (torch.bfloat16,), 3)
     dev = index_q.device
     t, hi, di = index_q.shape
     _check("index_k", index_k, (torch.bfloat16,), 2, dev)
     _check("weights", weights, (torch.float32, torch.bfloat16, torch.float16), 2, dev)
-    _check("topk_indices", topk_indices, (torch.int32, torch.int64), 2, dev)
-    if topk_indices.shape[0] != t:
-        raise ValueError(f"topk_indices must be [T={t}, k], got {tuple(topk_indices.shape)}")
+    if windows is None:
+        _check("topk_indices", topk_indices, (torch.int32, torch.int64), 2, dev)
+        if topk_indices.shape[0] != t:
+            raise ValueError(f"topk_indices must be [T={t}, k], got {tuple(topk_indices.shape)}")
+    for name, x in zip(("key_start", "key_end"), windows or ()):
+        _check(name, x, (torch.int32, torch.int64), 1, dev)
+        if x.shape[0] != t:
+            raise ValueError(f"{name} must be [T={t}], got {tuple(x.shape)}")
     if tuple(weights.shape) != (t, hi):
         raise ValueError(f"weights must be [{t}, {hi}], got {tuple(weights.shape)}")
     if index_k.shape[1] != di:
@@ -1161,23 +1168,9 @@ def indexer_kl_loss_dense(index_q, index_k, weights, q, kv, attn_lse, key_start,
     """
     from . import indexer as _indexer
 
-    _check("index_q", index_q, (torch.bfloat16,), 3)
+    _check_indexer(index_q, index_k, weights, None, grad_rows, windows=(key_start, key_end))
     dev = index_q.device
     t, hi, di = index_q.shape
-    _check("index_k", index_k, (torch.bfloat16,), 2, dev)
-    _check("weights", weights, (torch.float32, torch.bfloat16, torch.float16), 2, dev)
-    if tuple(weights.shape) != (t, hi):
-        raise ValueError(f"weights must be [{t}, {hi}], got {tuple(weights.shape)}")
-    if index_k.shape[1] != di:
-        raise ValueError(f"index_k must be [Tk, Di={di}], got {tuple(index_k.shape)}")
-    for name, x in (("key_start", key_start), ("key_end", key_end)):
-        _check(name, x, (torch.int32, torch.int64), 1, dev)
-        if x.shape[0] != t:
-            raise ValueError(f"{name} must be [T={t}], got {tuple(x.shape)}")
-    if grad_rows is not None:
-        _check("grad_rows", grad_rows, (torch.float32,), 1, dev)
-        if grad_rows.shape[0] != t:
-            raise ValueError(f"grad_rows must be [T={t}], got {tuple(grad_rows.shape)}")
     scale = _check_attention(index_q, index_k, q, kv, attn_lse, sink, scale)
     tk = index_k.shape[0]
     if max(q.numel(), kv.numel(), t * hi * di) >= 2**31:
