@@ -162,10 +162,10 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
         loss_cfgs += [{"kind": "loss", "heads": 64, "dim": dims.index_dim, "grads": True, "det": det, "lse_given": lg}
                       for det in (False, True) for lg in (False, True)]
         # the dense warm-up loss: the windowed target, the row program, the score-gradient programs (index
-        # heads padded to 32 or 64, as indexer_kl_loss_dense does)
+        # heads padded as indexer_kl_loss_dense pads them)
         loss_cfgs += [{"kind": "attn_probs", "dim": dims.dim_qk, "lse_pass": p, "dense": True} for p in (False, True)]
         loss_cfgs += [{"kind": "dense_terms", "grads": g} for g in (False, True)]
-        dense_scores = indexer.default_config(32 if dims.index_heads <= 32 else 64, dims.index_dim)
+        dense_scores = indexer.default_config(indexer_loss.dense_index_heads(dims.index_heads), dims.index_dim)
         grad_cfgs = [indexer.grad_config(dense_scores)]
         if training and dense_scores not in idx_cfgs:
             idx_cfgs.append(dense_scores)

@@ -1088,29 +1088,24 @@ def _attention_target(q, kv, attn_lse, sink, scale, idx, width=None):
     end): slot j of row t is key base + j, valid for start <= j < end (P is then written only in the slot
     blocks that hold the window; without attn_lse a first pass over them computes the normaliser)."""
     dev = q.device
+    q, kv = q.contiguous(), kv.contiguous()
     t, h, dqk = q.shape
     nhb = -(-h // BLOCK_H)
     dense = width is not None
     lse_pass = attn_lse is None
-    if dense and lse_pass:  # a pass for the normaliser over the windows (with the sink), then the target
-        norm = torch.empty(t, h, dtype=torch.float32, device=dev)
-        sink_t = sink.contiguous() if sink is not None else torch.full((h,), -math.inf, device=dev)
-        P = torch.empty(nhb, t, width, dtype=torch.float32, device=dev)
-        with torch.cuda.device(dev):
-            build_attn_probs(dqk, True, _device_target(dev), dense=True)(q.contiguous(), kv.contiguous(), idx, norm,
-                                                                         sink_t, scale, P)
-        attn_lse, sink, lse_pass = norm, None, False
-    if lse_pass:
-        norm = torch.empty(t, h, dtype=torch.float32, device=dev)  # unused by the program
-        sink_t = sink.contiguous() if sink is not None else torch.full((h,), -math.inf, device=dev)
-    else:
-        norm = attn_lse if sink is None else torch.logaddexp(attn_lse, sink[None, :])
-        norm = norm.contiguous()
-        sink_t = torch.full((h,), -math.inf, device=dev)
+    no_sink = torch.full((h,), -math.inf, device=dev)
     P = torch.empty(nhb, t, width if dense else idx.shape[1], dtype=torch.float32, device=dev)
+    if lse_pass:  # the program computes the normaliser (with the sink); norm is its output over windows
+        norm = torch.empty(t, h, dtype=torch.float32, device=dev)
+        sink_t = sink.contiguous() if sink is not None else no_sink
+    else:
+        norm = (attn_lse if sink is None else torch.logaddexp(attn_lse, sink[None, :])).contiguous()
+        sink_t = no_sink
     with torch.cuda.device(dev):
-        build_attn_probs(dqk, lse_pass, _device_target(dev), dense=dense)(q.contiguous(), kv.contiguous(), idx, norm,
-                                                                          sink_t, scale, P)
+        if dense and lse_pass:  # windows: a pass for the normaliser alone, then the target given it
+            build_attn_probs(dqk, True, _device_target(dev), dense=True)(q, kv, idx, norm, sink_t, scale, P)
+            lse_pass, sink_t = False, no_sink
+        build_attn_probs(dqk, lse_pass, _device_target(dev), dense=dense)(q, kv, idx, norm, sink_t, scale, P)
     return P[0] if nhb == 1 else P.sum(0)
 
 
@@ -1144,6 +1139,12 @@ def indexer_kl_loss_from_probs(index_q, index_k, weights, topk_indices, attn_pro
     return _run_loss(index_q, index_k, weights, idx, probs, grad_rows, deterministic, index_lse)
 
 
+def dense_index_heads(index_heads: int) -> int:
+    """The index heads the dense loss runs with: padded to a shipped score tiling (zero queries and weights
+    add nothing)."""
+    return 32 if index_heads <= 32 else 64
+
+
 #: Bytes of one fp32 [rows, width] buffer of a row chunk of the dense loss (the scores, the target, and a few
 #: torch temporaries of that size live at once).
 DENSE_CHUNK_BYTES = 128 << 20
@@ -1156,8 +1157,8 @@ def indexer_kl_loss_dense(index_q, index_k, weights, q, kv, attn_lse, key_start,
     Blockwise, in chunks of rows whose fp32 [rows, width] buffers stay under ``max_chunk_bytes``
     (default DENSE_CHUNK_BYTES):
     the indexer's score program writes the logits I of the chunk (tiles of key blocks, as the
-    indexer's forward), attn_probs the target over the same columns, torch the row statistics, the
-    loss rows and dI = g (softmax(I) - p); then the score-gradient programs of :mod:`.indexer` give
+    indexer's forward), attn_probs the target over the same columns, the dense_terms program the row
+    statistics, the loss rows and dI = g (softmax(I) - p) over I; then the score-gradient programs of :mod:`.indexer` give
     d_index_q and d_weights (query-major) and d_index_k (key-major, its splits added in order: no
     atomics, so every result is reproducible bit for bit). Never [T, T] at once.
 
@@ -1175,8 +1176,7 @@ def indexer_kl_loss_dense(index_q, index_k, weights, q, kv, attn_lse, key_start,
     tk = index_k.shape[0]
     if max(q.numel(), kv.numel(), t * hi * di) >= 2**31:
         raise ValueError("indexer_kl_loss_dense: tensors of 2**31 or more elements are not supported (int32 offsets)")
-    # index heads padded to a shipped score tiling (zero queries and weights: they add nothing)
-    hp = 32 if hi <= 32 else 64
+    hp = dense_index_heads(hi)
     iq, w, _ = _pad_heads(index_q, weights, hp)
     ik, q, kv = index_k.contiguous(), q.contiguous(), kv.contiguous()
     # windows clamped to the keys (int32 is then exact)
