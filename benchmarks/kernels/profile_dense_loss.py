@@ -74,7 +74,7 @@ def phases(iq, ik, w, q, kv, lse, ks, ke, scale):
             return out
         return run
 
-    saved = (K._Plan.chunk_scores, L._attention_target, L._dense_chunk_terms, L._dense_chunk_grads,
+    saved = (K._Plan.chunk_scores, L._dense_target, L._dense_chunk_terms, L._dense_chunk_grads,
              K.build_score_grads, L.build_dense_terms)
     build_grads, build_terms = K.build_score_grads, L.build_dense_terms
     K.build_score_grads = lambda side, *a, **k: timed(f"grads {side}-major", build_grads(side, *a, **k))
@@ -82,7 +82,7 @@ def phases(iq, ik, w, q, kv, lse, ks, ke, scale):
     entries = L.key_block_entries
     L.key_block_entries = timed("key-major list", entries)
     K._Plan.chunk_scores = timed("scores", K._Plan.chunk_scores)
-    L._attention_target = timed("attention target", L._attention_target)
+    L._dense_target = timed("attention target", L._dense_target)
     L._dense_chunk_terms = timed("target + row terms", L._dense_chunk_terms)
     L._dense_chunk_grads = timed("gradient programs", L._dense_chunk_grads)
     try:
@@ -98,7 +98,7 @@ def phases(iq, ik, w, q, kv, lse, ks, ke, scale):
         print(f"phases (synchronised after each, so the sum exceeds a plain call): total {total:.2f} ms; "
               + ", ".join(f"{k} {v:.2f}" for k, v in times.items()), flush=True)
     finally:
-        (K._Plan.chunk_scores, L._attention_target, L._dense_chunk_terms, L._dense_chunk_grads, K.build_score_grads,
+        (K._Plan.chunk_scores, L._dense_target, L._dense_chunk_terms, L._dense_chunk_grads, K.build_score_grads,
          L.build_dense_terms) = saved
         L.key_block_entries = entries
 

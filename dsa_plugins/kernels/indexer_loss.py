@@ -80,10 +80,12 @@ SHIPPED_CONFIGS: list = [
     {"kind": "attn_probs", "dim": 576, "lse_pass": True},
     {"kind": "attn_probs", "dim": 512, "lse_pass": False},
     {"kind": "attn_probs", "dim": 512, "lse_pass": True},
-    {"kind": "attn_probs", "dim": 576, "lse_pass": False, "dense": True},
-    {"kind": "attn_probs", "dim": 512, "lse_pass": False, "dense": True},
     {"kind": "attn_probs", "dim": 576, "lse_pass": True, "dense": True},
     {"kind": "attn_probs", "dim": 512, "lse_pass": True, "dense": True},
+    {"kind": "dense_target", "heads": 64, "dim": 576, "block_q": 4, "block_k": 128},
+    {"kind": "dense_target", "heads": 128, "dim": 576, "block_q": 4, "block_k": 128},
+    {"kind": "dense_target", "heads": 64, "dim": 512, "block_q": 4, "block_k": 128},
+    {"kind": "dense_target", "heads": 128, "dim": 512, "block_q": 4, "block_k": 128},
     {"kind": "loss", "heads": 64, "dim": 128, "grads": True},
     {"kind": "loss", "heads": 64, "dim": 128, "grads": False},
     {"kind": "loss", "heads": 64, "dim": 128, "grads": True, "det": True},
@@ -95,6 +97,7 @@ SHIPPED_CONFIGS: list = [
 
 _KEYS = {
     "attn_probs": ("dim", "lse_pass", "dense"),
+    "dense_target": ("heads", "dim", "block_q", "block_k"),
     "dense_terms": ("grads",),
     "loss": ("heads", "dim", "grads", "det", "lse_given"),
 }
@@ -127,10 +130,13 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
         gather = "sync"
     # "chunked" by default where it was measured and tested: the model dims 576 and 512
     gather = gather or ATTN_GATHER or ("chunked" if dim in (512, 576) else "sync")
-    if dense:  # the normaliser pass alone ("sync"), or the target given the normaliser ("chunked")
-        gather = "sync" if lse_pass else "chunked"
+    if dense:  # the dense loss's normaliser pass alone ("sync"); its target is _dense_target_program
+        if not lse_pass:
+            raise ValueError("a dense attn_probs program is the normaliser pass (lse_pass): the dense target given "
+                             "the normaliser is the 'dense_target' program")
+        gather = "sync"
     if gather == "chunked":
-        return _attn_probs_chunked(dim, threads, chunk, stages, dense)
+        return _attn_probs_chunked(dim, threads, chunk, stages)
     if gather != "sync":
         raise ValueError(f"gather must be 'chunked' or 'sync', got {gather!r}")
     import tilelang.language as T
@@ -240,32 +246,23 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
     return main
 
 
-def _attn_probs_chunked(dim: int, threads: int = THREADS, chunk: int | None = None, stages: int | None = None,
-                        dense: bool = False):
+def _attn_probs_chunked(dim: int, threads: int = THREADS, chunk: int | None = None, stages: int | None = None):
     """attn_probs with the normaliser given, the slots as MMA rows: S^T [64 slots, 64 heads] = KV_blk Q^T, so
     P's head sum is a row sum inside each thread's quad (no cross-warp reduction), and the 64 gathered kv rows
     of a block arrive in NC column chunks of ``chunk`` columns, one cp.async group each, through ``stages``
     buffers (NC a multiple of it): chunk u + stages - 1 is in flight while chunk u is multiplied (by default
     64 columns x 3 stages for dim 576, 64 x 4 for 512: q 72 KB + 24 KB of rows, two CTAs per SM). No lse
     pass: one that kept a running max and sum per (slot, head) position measured slower than "sync"'s.
-
-    ``dense`` (the dense warm-up loss): no slot lists. Row t's slot j is key Base[t] + j, valid for KS[t] <= j
-    < KE[t] (Idx [T, 3] = (Base, KS, KE); the two rows of a CTA share Base). A CTA takes two rows (256
-    threads, one warpgroup per row: q 144 KB, one CTA per SM), so each block of kv rows crosses L2 once for
-    both (the slot pass is bound by L2-to-SM bytes), and walks only the slot blocks that hold their windows
-    (P elsewhere is not written). CTAs go longest rows first (causal windows grow with the row)."""
+    (The dense loss's target has its own program, :func:`_dense_target_program`: its keys need no gather.)"""
     import tilelang.language as T
 
     BK, HB, D = 64, BLOCK_H, dim
-    RC = 2 if dense else 1  # query rows per CTA
-    threads = 128 * RC if dense else threads
     DC = chunk or 64  # columns per chunk
     assert D % DC == 0 and DC % 16 == 0, "dim must be a multiple of the chunk, the chunk of 16"
     NC = D // DC  # chunks per block
     # buffers; chunk u of the flat order (block, chunk) lives in bufs[u % S]. 64 x 3 (dim 576; 64 x 4 for 512):
-    # q 72 KB + 24 KB of rows, two CTAs per SM. Dense: a whole block in flight (q 144 KB + 72 KB for 576, 128 +
-    # 64 KB for 512): the pass is bound by the latency of the row copies, not by L2's bytes
-    S = stages or next((n for n in ((NC,) if dense else (3, 4, 2)) if NC % n == 0), None)
+    # q 72 KB + 24 KB of rows, two CTAs per SM
+    S = stages or next((n for n in (3, 4, 2) if NC % n == 0), None)
     if S is None or NC % S != 0 or S < 2:
         raise ValueError(f"attn_probs 'chunked' needs the {NC} chunks of {DC} columns per block (dim {D}) to be a "
                          f"multiple of its stages (2, 3 or 4), got stages={stages}")
@@ -278,116 +275,153 @@ def _attn_probs_chunked(dim: int, threads: int = THREADS, chunk: int | None = No
     assert (BK * CCOLS) % threads == 0
     pass_ids = tuple(range(BK * CCOLS // threads))
 
-    # dense: Idx stands for win_s, the CTA's windows staged once in shared memory (base, start and end of
-    # row 0, start and end of row 1; a row past the end has an empty window)
-    def slot_key(Idx, r0, pos):
-        # the key of slot pos of the CTA's rows (any value where the slot is not valid)
-        return Idx[0] + pos if dense else Idx[r0, T.min(pos, KP - 1)]
-
-    def slot_valid(Idx, r0, r, pos):
-        # slot pos of the CTA's row r0 + r names a key that row sees
-        if dense:
-            return T.And(T.And(pos >= Idx[1 + 2 * r], pos < Idx[2 + 2 * r]), Idx[0] + pos < TK)
-        return _slot_ok(T, Idx, TK, r0, pos)
-
-    def any_valid(Idx, r0, pos):
-        # the slot is loaded when a row of the CTA sees it
-        if dense:
-            return T.Or(slot_valid(Idx, r0, 0, pos), slot_valid(Idx, r0, 1, pos))
-        return slot_valid(Idx, r0, 0, pos)
-
     @T.macro
-    def issue(KV, Idx, r0, blk, ch, buf, tx):
+    def issue(KV, Idx, bx, blk, ch, buf, tx):
         # columns ch * DC .. of the kv rows of slot block blk into buf (zeros for invalid / past-the-end
         # slots: never read), one commit group
         for p in pass_ids:
             row = (tx + p * threads) // CCOLS
             col = ((tx + p * threads) % CCOLS) * VEC
             pos = blk * BK + row
-            idx = slot_key(Idx, r0, pos)
-            ok = T.And(pos < KP, any_valid(Idx, r0, T.min(pos, KP - 1)))
+            idx = Idx[bx, T.min(pos, KP - 1)]
+            ok = T.And(pos < KP, _slot_ok(T, Idx, TK, bx, T.min(pos, KP - 1)))
             T.ptx_cp_async(T.access_ptr(buf[row, col], "w", VEC),
                            T.access_ptr(KV[T.if_then_else(ok, idx, 0), ch * DC + col], "r", VEC), VEC, ok)
         T.ptx_commit_group()
 
     @T.macro
-    def block_scores(KV, Idx, r0, b, c, q_s, bufs, s, tx):
-        # s [slots, RC x heads] = scale * log2(e) * KV_blk Q^T for slot block b, -inf on invalid slots; chunk
+    def block_scores(KV, Idx, bx, b, c, q_s, bufs, s, tx):
+        # s [slots, heads] = scale * log2(e) * KV_blk Q^T for slot block b, -inf on invalid slots; chunk
         # (b, ch) lives in bufs[ch % S] (NC a multiple of S: static), the chunk S - 1 ahead in the flat order
         # goes into the buffer the previous chunk freed
         for ch in tuple(range(NC)):  # static (a tuple, not range: TileLang makes range a loop)
             ahead = ch + S - 1  # the chunk to issue, counted from block b's first
-            issue(KV, Idx, r0, b + ahead // NC, ahead % NC, bufs[ahead % S], tx)
+            issue(KV, Idx, bx, b + ahead // NC, ahead % NC, bufs[ahead % S], tx)
             T.ptx_wait_group(S - 1)  # chunk (b, ch) has landed; the S - 1 issued after it may not have
             T.sync_threads()
             T.fence_proxy_async()
             T.gemm(bufs[ch % S], q_s[:, ch * DC:(ch + 1) * DC], s, transpose_B=True, clear_accum=ch == 0,
                    policy=T.GemmWarpPolicy.FullCol)
             T.sync_threads()  # bufs[ch % S] is free for the next issue
-        for j, hh in T.Parallel(BK, RC * HB):
-            s[j, hh] = T.if_then_else(slot_valid(Idx, r0, hh // HB, b * BK + j), s[j, hh] * c, -T.infinity(acc))
-
-    @T.macro
-    def prologue(KV, Idx, r0, b0, bufs, tx):
-        for u in tuple(range(S - 1)):  # the first S - 1 chunks of the flat order
-            issue(KV, Idx, r0, b0 + u // NC, u % NC, bufs[u], tx)
+        for j, hh in T.Parallel(BK, HB):
+            s[j, hh] = T.if_then_else(_slot_ok(T, Idx, TK, bx, b * BK + j), s[j, hh] * c, -T.infinity(acc))
 
     @T.prim_func
     def main(
         Q: T.Tensor([NT, H, D], dtype),
         KV: T.Tensor([TK, D], dtype),
-        Idx: T.Tensor([NT, 3 if dense else KP], "int32"),  # dense: (Base, KS, KE) per row
+        Idx: T.Tensor([NT, KP], "int32"),
         Norm: T.Tensor([NT, H], acc),
         Sink: T.Tensor([H], acc),
         scale: T.float32,
         P: T.Tensor([NHB, NT, KP], acc),
     ):
-        with T.Kernel(T.ceildiv(NT, RC), NHB, threads=threads) as (bx, by):
-            q_s = T.alloc_shared([RC * HB, D], dtype)
+        with T.Kernel(NT, NHB, threads=threads) as (bx, by):
+            q_s = T.alloc_shared([HB, D], dtype)
             bufs = tuple(T.alloc_shared([BK, DC], dtype) for _ in range(S))
-            norm_s = T.alloc_shared([RC * HB], acc)
-            s = T.alloc_fragment([BK, RC * HB], acc)  # slots x (rows, heads)
-            s3 = T.reshape(s, (BK, RC, HB))
-            pj = T.alloc_fragment([BK, RC], acc)
+            norm_s = T.alloc_shared([HB], acc)
+            s = T.alloc_fragment([BK, HB], acc)  # slots x heads
+            pj = T.alloc_fragment([BK], acc)
             tx = T.get_thread_binding()
             c = scale * _LOG2E
             h0 = by * HB
-            # the CTA's first row: the last rows first in the dense layout (the longest windows start early)
-            r0 = (T.ceildiv(NT, RC) - 1 - bx) * RC if dense else bx
-            for hh, d in T.Parallel(RC * HB, D):
-                q_s[hh, d] = T.if_then_else(T.And(h0 + hh % HB < H, r0 + hh // HB < NT),
-                                            Q[T.min(r0 + hh // HB, NT - 1), T.min(h0 + hh % HB, H - 1), d],
-                                            T.cast(0, dtype))
-            for hh in T.Parallel(RC * HB):
-                norm_s[hh] = T.if_then_else(T.And(h0 + hh % HB < H, r0 + hh // HB < NT),
-                                            Norm[T.min(r0 + hh // HB, NT - 1), T.min(h0 + hh % HB, H - 1)] * _LOG2E,
-                                            T.infinity(acc))
-            win = Idx  # what the macros index: Idx, or (dense) the row's window
-            if dense:
-                win_s = T.alloc_shared([5], "int32")
-                for u in T.Parallel(5):
-                    win_s[u] = T.if_then_else(
-                        u == 0, Idx[r0, 0], T.if_then_else(
-                            r0 + (u - 1) // 2 < NT, Idx[T.min(r0 + (u - 1) // 2, NT - 1), 1 + (u - 1) % 2], 0))
-                win = win_s
-            T.sync_threads()  # norm_s (and win_s) written
-            # the slot blocks walked: all, or (dense) those holding the rows' windows
-            lo_pos = T.min(Idx[r0, 1], Idx[T.min(r0 + 1, NT - 1), 1]) if dense else 0
-            hi_pos = T.max(Idx[r0, 2], Idx[T.min(r0 + 1, NT - 1), 2]) if dense else 0
-            b0 = T.min(T.max(lo_pos, 0), KP) // BK if dense else 0
-            nb = T.max(T.ceildiv(T.min(hi_pos, KP), BK) - b0, 0) if dense else NB
-            prologue(KV, win, r0, b0, bufs, tx)
-            for bb in T.serial(nb):
-                b = b0 + bb
-                block_scores(KV, win, r0, b, c, q_s, bufs, s, tx)
-                for j, hh in T.Parallel(BK, RC * HB):  # exactly 0 on invalid slots, 0 on padded heads (norm +inf)
-                    s[j, hh] = T.if_then_else(slot_valid(win, r0, hh // HB, b * BK + j),
-                                              T.exp2(s[j, hh] - norm_s[hh]), 0.0)
-                T.reduce_sum(s3, pj, dim=2, clear=True)
-                for j, r in T.Parallel(BK, RC):
-                    if r0 + r < NT:
-                        P[by, r0 + r, b * BK + j] = pj[j, r]
+            for hh, d in T.Parallel(HB, D):
+                q_s[hh, d] = T.if_then_else(h0 + hh < H, Q[bx, T.min(h0 + hh, H - 1), d], T.cast(0, dtype))
+            for hh in T.Parallel(HB):
+                norm_s[hh] = T.if_then_else(h0 + hh < H, Norm[bx, T.min(h0 + hh, H - 1)] * _LOG2E, T.infinity(acc))
+            T.sync_threads()  # norm_s written
+            for u in tuple(range(S - 1)):  # the first S - 1 chunks of the flat order
+                issue(KV, Idx, bx, u // NC, u % NC, bufs[u], tx)
+            for b in T.serial(NB):
+                block_scores(KV, Idx, bx, b, c, q_s, bufs, s, tx)
+                for j, hh in T.Parallel(BK, HB):  # exactly 0 on invalid slots, 0 on padded heads (norm +inf)
+                    s[j, hh] = T.if_then_else(_slot_ok(T, Idx, TK, bx, b * BK + j), T.exp2(s[j, hh] - norm_s[hh]), 0.0)
+                T.reduce_sum(s, pj, dim=1, clear=True)
+                for j in T.Parallel(BK):
+                    P[by, bx, b * BK + j] = pj[j]
             T.ptx_wait_group(0)
+
+    return main
+
+
+#: Query heads the tiled dense target takes (compile-time: the head sum is a fixed-size group of MMA columns);
+#: other head counts are padded up to one of them, or split into groups of 128.
+DENSE_TARGET_HEADS = (16, 32, 64, 128)
+
+
+def _dense_target_program(heads: int, dim: int, block_q: int, block_k: int, chunk: int = 64, num_stages: int = 4):
+    """The dense loss's attention target given the normaliser, in the tiles of the indexer's logits: for each
+    score block of ``block_q`` rows and each of its key blocks [BlkLo, BlkHi) of ``block_k`` keys, the tile
+    P[row, col] = sum_h exp2(c <q[row, h], kv[key]> - Norm[row, h]), col = key - BlkLo * block_k.
+
+    A GEMM over flat query rows: S^T [block_k keys, RQ rows x heads] = KV_blk Q_blk^T, the keys the MMA rows
+    (one warpgroup per 64; the head sum a row sum inside each thread's quad), both operands streamed in
+    ``chunk``-column tiles by TMA (dense keys are contiguous rows: nothing to gather; a warp-specialised
+    producer) through one pipeline over (key block, chunk), so the copies of the next key block overlap the
+    epilogue of this one. RQ = min(block_q, 256 // heads) rows a CTA (the MMA's 256 columns); heads 128 take
+    a score block of 4 rows in two CTAs. Entries outside a row's window (future keys, another sequence's
+    keys, keys past the end, read as zeros) are written but mean nothing: the row program reads only the
+    window. Q [nq * heads, dim] bf16, KV [nk, dim] bf16, Norm [nq, heads] fp32 = the normaliser * log2(e)
+    (+inf on padded heads), c = scale * log2(e), P [nq, width] fp32."""
+    import tilelang.language as T
+
+    if heads not in DENSE_TARGET_HEADS:
+        raise ValueError(f"the tiled dense target takes {DENSE_TARGET_HEADS} heads, got {heads}")
+    if dim % chunk != 0:
+        raise ValueError(f"dim must be a multiple of the chunk {chunk}, got {dim}")
+    if block_k not in (64, 128):
+        raise ValueError(f"block_k must be 64 or 128 (one or two consumer warpgroups), got {block_k}")
+    BQ, BK = block_q, block_k
+    RQ = min(BQ, 256 // heads)  # rows a CTA
+    if BQ % RQ:
+        raise ValueError(f"block_q {BQ} must be a multiple of the {RQ} rows a CTA takes at {heads} heads")
+    SUB = BQ // RQ  # CTAs a score block
+    N = RQ * heads
+    NC = dim // chunk
+    threads = 128 * (BK // 64)
+    dtype, acc = "bfloat16", "float32"
+    nq, nk, width, nqb = T.dynamic("nq, nk, width, nqb")
+
+    @T.prim_func
+    def main(
+        Q: T.Tensor([nq * heads, dim], dtype),
+        KV: T.Tensor([nk, dim], dtype),
+        Norm: T.Tensor([nq, heads], acc),
+        BlkLo: T.Tensor([nqb], "int32"),
+        BlkHi: T.Tensor([nqb], "int32"),
+        c: T.float32,
+        P: T.Tensor([nq, width], acc),
+    ):
+        with T.Kernel(nqb * SUB, threads=threads) as bx:
+            q_s = T.alloc_shared([N, chunk], dtype)
+            k_s = T.alloc_shared([BK, chunk], dtype)
+            s = T.alloc_fragment([BK, N], acc)
+            s3 = T.reshape(s, (BK, RQ, heads))
+            nrm = T.alloc_fragment([RQ, heads], acc)
+            red = T.alloc_fragment([BK, RQ], acc)
+            out_s = T.alloc_shared([RQ, BK], acc)
+            # last score blocks first: under a causal mask they have the most key blocks
+            g = nqb * SUB - 1 - bx
+            qb = g // SUB
+            r0 = qb * BQ + (g % SUB) * RQ
+            lo = BlkLo[qb]
+            hi = T.min(BlkHi[qb], lo + width // BK)  # never past the buffer
+            T.copy(Norm[r0 : r0 + RQ, :], nrm)
+            T.clear(s)
+            for it in T.Pipelined(T.max(hi - lo, 0) * NC, num_stages=num_stages):
+                kb = lo + it // NC
+                ch = it % NC
+                T.copy(KV[kb * BK : (kb + 1) * BK, ch * chunk : (ch + 1) * chunk], k_s)
+                T.copy(Q[r0 * heads : (r0 + RQ) * heads, ch * chunk : (ch + 1) * chunk], q_s)
+                T.gemm(k_s, q_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                if ch == NC - 1:
+                    for a, b, h in T.Parallel(BK, RQ, heads):
+                        s3[a, b, h] = T.exp2(s3[a, b, h] * c - nrm[b, h])
+                    T.reduce_sum(s3, red, dim=-1, clear=True)
+                    for b, a in T.Parallel(RQ, BK):
+                        out_s[b, a] = red[a, b]
+                    T.copy(out_s, P[r0 : r0 + RQ, (kb - lo) * BK : (kb - lo + 1) * BK])
+                    T.clear(s)
 
     return main
 
@@ -768,6 +802,7 @@ def _dense_terms_program(grads: bool, threads: int = 256):
 
 _PROGRAMS = {
     "attn_probs": _attn_probs_program,
+    "dense_target": _dense_target_program,
     "loss": _loss_program,
     "dense_terms": _dense_terms_program,
 }
@@ -791,8 +826,13 @@ def _normalise(config: dict) -> tuple:
         raise ValueError("a loss program with lse_given needs grads: the value alone needs the logits' pass anyway")
     if "dim" in params and (params["dim"] % 16 != 0 or not 16 <= params["dim"] <= 1024):
         raise ValueError(f"dim must be a multiple of 16 in [16, 1024], got {params['dim']}")
-    if "heads" in params and params["heads"] != 64:
+    if kind == "loss" and params["heads"] != 64:
         raise ValueError(f"indexer heads are padded to 64, got {params['heads']}")
+    if kind == "dense_target" and params["heads"] not in DENSE_TARGET_HEADS:
+        raise ValueError(f"the dense target takes heads in {DENSE_TARGET_HEADS}, got {params['heads']}")
+    if kind == "attn_probs" and params["dense"] and not params["lse_pass"]:
+        raise ValueError("a dense attn_probs config is the normaliser pass: lse_pass=True (the target given the "
+                         "normaliser is kind 'dense_target')")
     return (kind,) + tuple(out)
 
 
@@ -832,8 +872,16 @@ def _build(config: dict, target):
 
 
 def build_attn_probs(dim: int, lse_pass: bool, target="auto", dense: bool = False):
-    """Compile the attention-probability program for Dqk ``dim``; ``dense``: windows instead of slot lists."""
+    """Compile the attention-probability program for Dqk ``dim``; ``dense`` (with ``lse_pass``): the dense
+    loss's normaliser pass over windows instead of slot lists."""
     return _build({"kind": "attn_probs", "dim": dim, "lse_pass": lse_pass, "dense": dense}, target)
+
+
+def build_dense_target(heads: int, dim: int, block_q: int = 4, block_k: int = 128, target="auto"):
+    """Compile the dense loss's tiled attention target for ``heads`` query heads (DENSE_TARGET_HEADS), Dqk
+    ``dim`` and the indexer plan's score blocks (``block_q`` rows x ``block_k`` keys)."""
+    return _build({"kind": "dense_target", "heads": heads, "dim": dim, "block_q": block_q, "block_k": block_k},
+                  target)
 
 
 def build_loss(dim: int, grads: bool, target="auto", det: bool = False, lse_given: bool = False):
@@ -1080,33 +1128,76 @@ def indexer_kl_loss_sparse(index_q, index_k, weights, q, kv, attn_lse, topk_indi
     return _run_loss(index_q, index_k, weights, idx, P, grad_rows, deterministic, index_lse)
 
 
-def _attention_target(q, kv, attn_lse, sink, scale, idx, width=None):
+def _attention_target(q, kv, attn_lse, sink, scale, idx):
     """P [T, kp] fp32: the head sums of exp(scale <q, kv[slot]> - norm) over checked inputs, 0 on invalid slots;
     norm = attn_lse (logaddexp'ed with the sink), or with attn_lse None the log-sum-exp over the row's slots
     and the sink (the attn_probs program's lse pass). Slots: idx [T, kp] int32 slot lists (kp a multiple of
-    SLOT_STEP, -1 = none), or with ``width`` (kp, a multiple of SLOT_STEP) idx [T, 3] int32 (base, start,
-    end): slot j of row t is key base + j, valid for start <= j < end (P is then written only in the slot
-    blocks that hold the window; without attn_lse a first pass over them computes the normaliser)."""
+    SLOT_STEP, -1 = none)."""
     dev = q.device
     q, kv = q.contiguous(), kv.contiguous()
     t, h, dqk = q.shape
     nhb = -(-h // BLOCK_H)
-    dense = width is not None
     lse_pass = attn_lse is None
-    no_sink = torch.full((h,), -math.inf, device=dev)
-    P = torch.empty(nhb, t, width if dense else idx.shape[1], dtype=torch.float32, device=dev)
-    if lse_pass:  # the program computes the normaliser (with the sink); norm is its output over windows
-        norm = torch.empty(t, h, dtype=torch.float32, device=dev)
-        sink_t = sink.contiguous() if sink is not None else no_sink
-    else:
-        norm = (attn_lse if sink is None else torch.logaddexp(attn_lse, sink[None, :])).contiguous()
-        sink_t = no_sink
+    P = torch.empty(nhb, t, idx.shape[1], dtype=torch.float32, device=dev)
+    norm, sink_t = _normaliser_inputs(attn_lse, sink, t, h, dev)
     with torch.cuda.device(dev):
-        if dense and lse_pass:  # windows: a pass for the normaliser alone, then the target given it
-            build_attn_probs(dqk, True, _device_target(dev), dense=True)(q, kv, idx, norm, sink_t, scale, P)
-            lse_pass, sink_t = False, no_sink
-        build_attn_probs(dqk, lse_pass, _device_target(dev), dense=dense)(q, kv, idx, norm, sink_t, scale, P)
+        build_attn_probs(dqk, lse_pass, _device_target(dev))(q, kv, idx, norm, sink_t, scale, P)
     return P[0] if nhb == 1 else P.sum(0)
+
+
+def _normaliser_inputs(attn_lse, sink, t, h, dev):
+    """(norm [t, h] fp32, sink [h] fp32) for the attn_probs programs: given attn_lse, norm = attn_lse
+    logaddexp'ed with the sink and no sink (-inf); without it, an empty norm for the lse pass to write and
+    the sink (-inf where None)."""
+    no_sink = torch.full((h,), -math.inf, device=dev)
+    if attn_lse is None:
+        norm = torch.empty(t, h, dtype=torch.float32, device=dev)
+        return norm, (sink.contiguous() if sink is not None else no_sink)
+    return (attn_lse if sink is None else torch.logaddexp(attn_lse, sink[None, :])).contiguous(), no_sink
+
+
+def dense_target_heads(num_heads: int) -> int:
+    """The query heads the tiled dense target runs with: ``num_heads`` padded up to one of DENSE_TARGET_HEADS
+    (zero queries, norm +inf: they add nothing); above 128, groups of 128."""
+    return next(n for n in DENSE_TARGET_HEADS if n >= min(num_heads, DENSE_TARGET_HEADS[-1]))
+
+
+def _dense_target(plan, chunk, q, kv, attn_lse, sink, scale, width):
+    """P [R, width] fp32 for the rows r0..r1 of an indexer plan's chunk (q [R, H, Dqk], attn_lse [R, H] or None
+    of those rows), in the layout of the chunk's logits: column c of row r is key base[r] + c; only each row's
+    window (plan.ks / plan.ke) holds its target. Given attn_lse the normaliser is it (logaddexp'ed with the
+    sink); without it, the windowed lse pass of attn_probs computes it first."""
+    dev = q.device
+    rows, h, dqk = q.shape
+    qb0, qb1, _ = chunk
+    r0 = qb0 * plan.bq
+    P = torch.empty(rows, width, dtype=torch.float32, device=dev)
+    norm, sink_t = _normaliser_inputs(attn_lse, sink, rows, h, dev)
+    with torch.cuda.device(dev):
+        if attn_lse is None:  # the normaliser over each row's window (the program writes it; P is not written)
+            win = torch.stack([plan.base[r0:r0 + rows], plan.ks[r0:r0 + rows], plan.ke[r0:r0 + rows]], 1)
+            nhb, kp = -(-h // BLOCK_H), -(-width // SLOT_STEP) * SLOT_STEP
+            unused = P.view(1, rows, width) if (nhb, kp) == (1, width) else torch.empty(
+                nhb, rows, kp, dtype=torch.float32, device=dev)
+            build_attn_probs(dqk, True, _device_target(dev), dense=True)(q, kv, win.contiguous(), norm, sink_t,
+                                                                         scale, unused)
+            del unused
+        hp = dense_target_heads(h)
+        groups = -(-h // hp)
+        norm2 = norm * _LOG2E
+        if groups * hp != h:  # padded heads: zero queries whose norm is +inf
+            q = torch.nn.functional.pad(q, (0, 0, 0, groups * hp - h))
+            norm2 = torch.nn.functional.pad(norm2, (0, groups * hp - h), value=math.inf)
+        kern = build_dense_target(hp, dqk, plan.bq, plan.bk, _device_target(dev))
+        lo, hi = plan.blk_lo[qb0:qb1], plan.blk_hi[qb0:qb1]
+        for g in range(groups):
+            part = P if g == 0 else torch.empty_like(P)
+            heads = slice(g * hp, (g + 1) * hp)
+            kern(q[:, heads].contiguous().view(rows * hp, dqk), kv, norm2[:, heads].contiguous(), lo, hi,
+                 scale * _LOG2E, part)
+            if g:
+                P += part
+    return P
 
 
 def indexer_kl_loss_from_probs(index_q, index_k, weights, topk_indices, attn_probs, grad_rows=None,
@@ -1197,7 +1288,7 @@ def indexer_kl_loss_dense(index_q, index_k, weights, q, kv, attn_lse, key_start,
             r0, r1, scores = plan.chunk_scores(chunk)
             if scores is None:
                 continue
-            loss[r0:r1], d_scores = _dense_chunk_terms(plan, r0, r1, scores, q, kv, attn_lse, sink, scale,
+            loss[r0:r1], d_scores = _dense_chunk_terms(plan, chunk, r0, r1, scores, q, kv, attn_lse, sink, scale,
                                                        None if grad_rows is None else grad_rows[r0:r1])
             del scores
             if grads is not None:
@@ -1208,18 +1299,14 @@ def indexer_kl_loss_dense(index_q, index_k, weights, q, kv, attn_lse, key_start,
     return loss, ((d_iq[:, :hi].contiguous(), d_ik, d_w[:, :hi].contiguous()) if hp != hi else grads)
 
 
-def _dense_chunk_terms(plan, r0, r1, scores, q, kv, attn_lse, sink, scale, grad_rows):
-    """(loss rows [R], dI [R, W] (over the scores' buffer) or None) of rows r0..r1 from their score buffer
-    [R, W] (column c is key base[row] + c)."""
+def _dense_chunk_terms(plan, chunk, r0, r1, scores, q, kv, attn_lse, sink, scale, grad_rows):
+    """(loss rows [R], dI [R, W] (over the scores' buffer) or None) of rows r0..r1 of a plan's chunk from their
+    score buffer [R, W] (column c is key base[row] + c)."""
     rows, width = scores.shape
     dev = scores.device
-    ks, ke, base = plan.ks[r0:r1], plan.ke[r0:r1], plan.base[r0:r1]
-    kp = -(-width // SLOT_STEP) * SLOT_STEP
-    # the windows themselves: each row walks only the blocks of its window
-    lse = None if attn_lse is None else attn_lse[r0:r1].contiguous()
-    probs = _attention_target(q[r0:r1], kv, lse, sink, scale, torch.stack([base, ks, ke], 1).contiguous(), width=kp)
-    if kp != width:
-        probs = probs[:, :width].contiguous()
+    ks, ke = plan.ks[r0:r1], plan.ke[r0:r1]
+    probs = _dense_target(plan, chunk, q[r0:r1], kv, None if attn_lse is None else attn_lse[r0:r1].contiguous(),
+                          sink, scale, width)
     loss_rows = torch.empty(rows, dtype=torch.float32, device=dev)
     grads = grad_rows is not None
     g = grad_rows.contiguous() if grads else zeros_arg(rows, torch.float32, dev)

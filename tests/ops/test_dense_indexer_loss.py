@@ -59,15 +59,19 @@ def test_dense_loss_row_weights_on_the_reference_path():
         ops.indexer_kl_loss(iq, ik, w, q, kv, None, d ** -0.5, row_weights=torch.ones(t + 1), **kw)
 
 
-# (sequence lengths, query heads H, Dqk, index heads Hi, chunk bytes, attn_lse given): packed sequences,
-# odd lengths, every index head count of the models (and one padded), chunks forced small so several run
+# (sequence lengths, query heads H, Dqk, index heads Hi, chunk bytes, attn_lse given, sink): packed sequences,
+# odd lengths, every head count of the models (and some the target pads: 20 -> 32, 192 -> 2 x 128), chunks
+# forced small so several run
 GPU_CASES = [
-    ([257], 64, 576, 64, 128 << 20, False),
-    ([100, 1, 333, 70], 128, 576, 64, 64 << 10, False),
-    ([513], 16, 576, 32, 128 << 20, True),
-    ([190, 67], 32, 512, 64, 32 << 10, True),
-    ([77, 140], 64, 576, 12, 128 << 20, False),
-    ([1000], 64, 576, 64, 1 << 20, True),
+    ([257], 64, 576, 64, 128 << 20, False, False),
+    ([100, 1, 333, 70], 128, 576, 64, 64 << 10, False, False),
+    ([513], 16, 576, 32, 128 << 20, True, False),
+    ([190, 67], 32, 512, 64, 32 << 10, True, False),
+    ([77, 140], 64, 576, 12, 128 << 20, False, False),
+    ([1000], 64, 576, 64, 1 << 20, True, False),
+    ([129, 300], 128, 512, 64, 128 << 20, True, True),
+    ([211, 5], 20, 576, 32, 128 << 20, False, True),
+    ([150], 192, 576, 64, 128 << 20, True, False),
 ]
 
 
@@ -92,9 +96,10 @@ def _dense_attention_lse(q, kv, start, end, scale):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("case", GPU_CASES,
-                         ids=lambda c: f"L{'-'.join(map(str, c[0]))}-H{c[1]}-D{c[2]}-Hi{c[3]}-B{c[4]}-lse{int(c[5])}")
+                         ids=lambda c: f"L{'-'.join(map(str, c[0]))}-H{c[1]}-D{c[2]}-Hi{c[3]}-B{c[4]}-lse{int(c[5])}"
+                                       f"-sink{int(c[6])}")
 def test_dense_loss_kernel_route_matches_reference(case, monkeypatch):
-    lengths, h, dqk, hi, budget, with_lse = case
+    lengths, h, dqk, hi, budget, with_lse, with_sink = case
     from dsa_plugins.kernels import indexer_loss
 
     monkeypatch.setattr(indexer_loss, "DENSE_CHUNK_BYTES", budget)
@@ -109,12 +114,14 @@ def test_dense_loss_kernel_route_matches_reference(case, monkeypatch):
     rw[3] = 0.0
     scale = dqk ** -0.5
     lse = _dense_attention_lse(q, kv, start, end, scale) if with_lse else None
+    sink = (torch.randn(h, generator=g) + 2.0).cuda() if with_sink else None
     leaves = [x.clone().requires_grad_() for x in (iq, ik, w)]
     loss = ops.indexer_kl_loss(*leaves, q, kv, lse, scale, key_start=start, key_end=end, backend="tilelang",
-                               row_weights=rw)
+                               row_weights=rw, sink=sink)
     ref_leaves = [x.detach().double().requires_grad_() for x in (iq, ik, w)]
     ref = indexer_kl_loss_reference(*ref_leaves, q.double(), kv.double(), None if lse is None else lse.double(),
-                                    scale, key_start=start, key_end=end, row_weights=rw.double())
+                                    scale, key_start=start, key_end=end, row_weights=rw.double(),
+                                    sink=None if sink is None else sink.double())
     assert torch.isfinite(loss) and abs(loss.item() - ref.item()) <= 1e-2 * abs(ref.item()) + 1e-5, (loss, ref, seed)
     got = torch.autograd.grad(loss, leaves)
     want = torch.autograd.grad(ref, ref_leaves)
@@ -149,3 +156,52 @@ def test_dense_loss_is_bitwise_reproducible_and_keeps_nan(monkeypatch):
     out = run(bad)
     assert torch.isnan(out[0])  # the row's logits are NaN: so is the loss
     assert torch.isnan(out[1][5]).any() and torch.isnan(out[2]).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("h, dqk", [(64, 576), (128, 512), (16, 576), (32, 512), (40, 576)])
+def test_dense_target_tiles_match_float64(h, dqk):
+    """The tiled target alone, in the layout of the chunk's logits: inside each row's window it is the float64
+    head sum of exp(scale <q, kv> - norm) (packed sequences, a partial last score block, an empty window);
+    a NaN query makes its row NaN inside the window and leaves the other rows alone."""
+    from dsa_plugins.kernels import indexer as K
+    from dsa_plugins.kernels import indexer_loss
+
+    lengths = [131, 2, 260]
+    t = sum(lengths)
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, h, dqk, generator=g).cuda().bfloat16()
+    kv = torch.randn(t, dqk, generator=g).cuda().bfloat16()
+    start, end = _packed_causal_windows(lengths, "cuda")
+    end = end.clone()
+    end[7] = start[7]  # a row without a key
+    scale = dqk ** -0.5
+    lse = _dense_attention_lse(q, kv, start, end, scale)
+    lse[7] = 0.0
+    plan = K._Plan(torch.zeros(t, 64, 128, device="cuda", dtype=torch.bfloat16),
+                   torch.zeros(t, 128, device="cuda", dtype=torch.bfloat16), torch.zeros(t, 64, device="cuda"),
+                   start.int(), end.int(), None, 1 << 40)
+    (chunk,) = plan.chunks
+    width = chunk[2] * plan.bk
+
+    def target(q_in):
+        return indexer_loss._dense_target(plan, chunk, q_in, kv, lse, None, scale, width)
+
+    got = target(q)
+    keys = plan.base[:, None].long() + torch.arange(width, device="cuda")[None, :]
+    inside = (torch.arange(width, device="cuda")[None, :] >= plan.ks[:, None]) & (
+        torch.arange(width, device="cuda")[None, :] < plan.ke[:, None])
+    s = torch.einsum("thd,tcd->thc", q.double(), kv.double()[keys.clamp(max=t - 1)]) * scale
+    want = torch.exp(s - lse.double()[:, :, None]).sum(1)
+    assert inside.sum() == (end - start).clamp(min=0).sum()
+    assert not torch.isnan(got[inside]).any()
+    assert rel_err(got[inside], want[inside]) < 1e-2, seed
+    bad = q.clone()
+    bad[40, h - 1, 3] = float("nan")
+    again = target(bad)
+    assert torch.isnan(again[40][inside[40]]).all()
+    others = inside.clone()
+    others[40] = False
+    assert torch.equal(again[others], got[others])
