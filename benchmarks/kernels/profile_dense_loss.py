@@ -19,7 +19,14 @@ def main(argv=None) -> int:
     ap.add_argument("--lse", action="store_true", help="give the dense attention LSE")
     ap.add_argument("--rows", type=int, default=40)
     ap.add_argument("--phases", action="store_true", help="also time each phase of the kernel route (CUDA events)")
+    ap.add_argument("--gaps", action="store_true", help="also list where the GPU idles inside a call (host time)")
+    ap.add_argument("--sync-plan", action="store_true",
+                    help="plan the row chunks from the windows (a host sync) instead of from the sizes alone")
     args = ap.parse_args(argv)
+    from dsa_plugins.bench.runner import median_ms
+    from dsa_plugins.kernels import indexer_loss
+
+    indexer_loss.DENSE_SYNC_FREE = not args.sync_plan
     from bench_cudnn_indexer import DQK, _loss_tensors, dense_attn_lse
     from dsa_plugins.ops import causal_key_windows, indexer_kl_loss
 
@@ -43,15 +50,40 @@ def main(argv=None) -> int:
         run()
     stop.record()
     torch.cuda.synchronize()
-    print(f"T {t} attn_lse {'given' if args.lse else 'recomputed'}: {start.elapsed_time(stop) / 5:.2f} ms per call "
-          f"(value + gradients), peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB", flush=True)
+    peak = torch.cuda.max_memory_allocated() / 2**30  # (before do_bench's L2-flush buffer)
+    print(f"T {t} attn_lse {'given' if args.lse else 'recomputed'}"
+          f"{', chunks planned from the windows' if args.sync_plan else ''}: {start.elapsed_time(stop) / 5:.2f} ms "
+          f"per call (value + gradients; do_bench median {median_ms(run):.2f}), peak {peak:.2f} GiB", flush=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
     if args.phases:
         phases(iq, ik, w, q, kv, lse, ks, ke, scale)
+    if args.gaps:
+        gaps(prof)
     return 0
+
+
+def gaps(prof, top: int = 12):
+    """GPU busy time of the profiled call (the union of its kernels and copies) against its span, and the
+    longest idle gaps with the kernels on either side (host time: launches, a host sync)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not spans:
+        return
+    busy, holes, end, prev = 0.0, [], spans[0][0], spans[0][2]
+    for s, e, name in spans:
+        if s > end:
+            holes.append((s - end, prev, name))
+        busy += max(0.0, e - max(s, end))
+        if e > end:
+            end, prev = e, name
+    span = end - spans[0][0]
+    print(f"GPU busy {busy / 1e3:.2f} of {span / 1e3:.2f} ms ({len(spans)} kernels and copies); idle gaps "
+          f"{sum(h[0] for h in holes) / 1e3:.2f} ms, the longest:", flush=True)
+    for us, a, b in sorted(holes, reverse=True)[:top]:
+        print(f"  {us:8.1f} us  after {a[:60]}  before {b[:60]}")
 
 
 def phases(iq, ik, w, q, kv, lse, ks, ke, scale):

@@ -522,7 +522,7 @@ class _Plan:
     """Inputs normalised once, per-query-block key ranges, and the chunk split."""
 
     def __init__(self, index_q, index_k, weights, key_start, key_end, config, max_chunk_bytes, index_k_scale=None,
-                 entries=None):
+                 entries=None, sync_free=False):
         import torch
 
         fp8 = isinstance(index_q, torch.Tensor) and index_q.dtype == torch.float8_e4m3fn
@@ -598,6 +598,11 @@ class _Plan:
             width = min(width, -(-spanned * keys_per_entry // bk) + 1)
         if Tq * width * bk * 4 <= max_chunk_bytes:
             self.chunks = [(0, nqb, width)]  # one buffer: no host sync (CUDA-graph capturable)
+        elif sync_free:
+            # chunks of as many blocks as fit at the widest range, planned from the sizes alone: no host sync
+            # (a causal chunk's buffer is wider than its rows need: more chunks than the windows would allow)
+            per = max(1, max_chunk_bytes // (bq * width * bk * 4))
+            self.chunks = [(a, min(a + per, nqb), width) for a in range(0, nqb, per)]
         else:
             lohi = torch.stack([self.blk_lo, self.blk_hi]).cpu().numpy()  # the one host sync
             self.chunks = _plan_chunks(lohi[0], lohi[1], bq, bk, max_chunk_bytes)

@@ -1239,6 +1239,9 @@ def dense_index_heads(index_heads: int) -> int:
 #: Bytes of one fp32 [rows, width] buffer of a row chunk of the dense loss (the scores, the target, and a few
 #: torch temporaries of that size live at once).
 DENSE_CHUNK_BYTES = 128 << 20
+#: Row chunks of the dense loss planned from the sizes alone (no host sync), not from the windows (a host sync,
+#: fewer chunks under a causal mask). A module switch for A/B runs (benchmarks/kernels/profile_dense_loss.py).
+DENSE_SYNC_FREE = True
 
 
 def indexer_kl_loss_dense(index_q, index_k, weights, q, kv, attn_lse, key_start, key_end, scale: float, sink=None,
@@ -1281,7 +1284,9 @@ def indexer_kl_loss_dense(index_q, index_k, weights, q, kv, attn_lse, key_start,
                  torch.zeros(t, hp, dtype=torch.float32, device=dev))
     if t == 0 or tk == 0:
         return loss, None if grads is None else (grads[0][:, :hi], grads[1], grads[2][:, :hi])
-    plan = _indexer._Plan(iq, ik, w, ks, ke, None, DENSE_CHUNK_BYTES if max_chunk_bytes is None else max_chunk_bytes)
+    # chunks planned from the sizes alone (no host sync: the GPU's queue stays full, in training too)
+    plan = _indexer._Plan(iq, ik, w, ks, ke, None, DENSE_CHUNK_BYTES if max_chunk_bytes is None else max_chunk_bytes,
+                          sync_free=DENSE_SYNC_FREE)
     gcfg = _indexer.grad_config(plan.cfg)
     with torch.cuda.device(dev):
         for chunk in plan.chunks:

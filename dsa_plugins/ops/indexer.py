@@ -352,4 +352,5 @@ class _IndexerKLLossKernel(torch.autograd.Function):
         ctx.grads = None
         g = grad.float()
         dt_q, dt_k, dt_w = ctx.dtypes
-        return ((d_iq.float() * g).to(dt_q), (d_ik * g).to(dt_k), (d_w * g).to(dt_w)) + (None,) * 11
+        # a 0-dim fp32 factor: one kernel per gradient, computed in fp32 and rounded once to the result's dtype
+        return tuple(d.mul(g).to(dt) for d, dt in ((d_iq, dt_q), (d_ik, dt_k), (d_w, dt_w))) + (None,) * 11
