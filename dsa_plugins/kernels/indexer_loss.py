@@ -29,9 +29,15 @@ Two programs, one CTA per query row:
 Index heads (at most 64) are padded to 64 by the wrapper (zero queries, zero weights); query heads
 below 64 are padded inside the kernel (zero rows with norm = +inf, so they contribute nothing).
 
+The dense warm-up loss (every key of a row's window is a slot; :func:`indexer_kl_loss_dense`) has
+programs of its own, in the tiles of the indexer's logits: ``dense_target`` (the target given the
+normaliser, a TMA GEMM over flat query rows: no gather), the windowed normaliser pass of ``attn_probs``
+(``dense``), and ``dense_terms`` (row statistics, loss rows and dI); its gradients come from the score-gradient
+programs of :mod:`.indexer`.
+
 TileLang is imported lazily so that this module imports without TileLang or a GPU.
 
-Size: one file for the loss family (the attn_probs and loss programs with their macros, the
+Size: one file for the loss family (the attn_probs, dense and loss programs with their macros, the
 config table and the Python wrapper), so that a change to the loss is read and compiled in one place.
 """
 
@@ -1251,8 +1257,9 @@ def indexer_kl_loss_dense(index_q, index_k, weights, q, kv, attn_lse, key_start,
     Blockwise, in chunks of rows whose fp32 [rows, width] buffers stay under ``max_chunk_bytes``
     (default DENSE_CHUNK_BYTES):
     the indexer's score program writes the logits I of the chunk (tiles of key blocks, as the
-    indexer's forward), attn_probs the target over the same columns, the dense_terms program the row
-    statistics, the loss rows and dI = g (softmax(I) - p) over I; then the score-gradient programs of :mod:`.indexer` give
+    indexer's forward), the dense_target program the target in the same tiles (after attn_probs' windowed
+    normaliser pass when attn_lse is None), the dense_terms program the row statistics, the loss rows and
+    dI = g (softmax(I) - p) over I; then the score-gradient programs of :mod:`.indexer` give
     d_index_q and d_weights (query-major) and d_index_k (key-major, its splits added in order: no
     atomics, so every result is reproducible bit for bit). Never [T, T] at once.
 
