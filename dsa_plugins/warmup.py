@@ -161,13 +161,13 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
         loss_cfgs += [{"kind": "loss", "heads": 64, "dim": dims.index_dim, "grads": False}]
         loss_cfgs += [{"kind": "loss", "heads": 64, "dim": dims.index_dim, "grads": True, "det": det, "lse_given": lg}
                       for det in (False, True) for lg in (False, True)]
-        # the dense warm-up loss: the windowed normaliser pass, the tiled target (query heads and score tiles
-        # as indexer_kl_loss_dense runs them), the row program, the score-gradient programs (index heads
-        # padded as indexer_kl_loss_dense pads them)
+        # the dense warm-up loss: the tiled normaliser and target (query heads and score tiles as
+        # indexer_kl_loss_dense runs them), the row program, the score-gradient programs (index heads padded as
+        # indexer_kl_loss_dense pads them)
         dense_scores = indexer.default_config(indexer_loss.dense_index_heads(dims.index_heads), dims.index_dim)
-        loss_cfgs += [{"kind": "attn_probs", "dim": dims.dim_qk, "lse_pass": True, "dense": True}]
-        loss_cfgs += [{"kind": "dense_target", "heads": indexer_loss.dense_target_heads(dims.heads),
-                       "dim": dims.dim_qk, "block_q": dense_scores["block_q"], "block_k": dense_scores["block_k"]}]
+        loss_cfgs += [{"kind": kind, "heads": indexer_loss.dense_target_heads(dims.heads), "dim": dims.dim_qk,
+                       "block_q": dense_scores["block_q"], "block_k": dense_scores["block_k"]}
+                      for kind in ("dense_target", "dense_norm")]
         loss_cfgs += [{"kind": "dense_terms", "grads": g} for g in (False, True)]
         grad_cfgs = [indexer.grad_config(dense_scores)]
         if training and dense_scores not in idx_cfgs:

@@ -31,8 +31,8 @@ below 64 are padded inside the kernel (zero rows with norm = +inf, so they contr
 
 The dense warm-up loss (every key of a row's window is a slot; :func:`indexer_kl_loss_dense`) has
 programs of its own, in the tiles of the indexer's logits: ``dense_target`` (the target given the
-normaliser, a TMA GEMM over flat query rows: no gather), the windowed normaliser pass of ``attn_probs``
-(``dense``), and ``dense_terms`` (row statistics, loss rows and dI); its gradients come from the score-gradient
+normaliser, a TMA GEMM over flat query rows: no gather), ``dense_norm`` (the normaliser when no LSE is
+given, in the same tiles), and ``dense_terms`` (row statistics, loss rows and dI); its gradients come from the score-gradient
 programs of :mod:`.indexer`.
 
 TileLang is imported lazily so that this module imports without TileLang or a GPU.
@@ -86,12 +86,8 @@ SHIPPED_CONFIGS: list = [
     {"kind": "attn_probs", "dim": 576, "lse_pass": True},
     {"kind": "attn_probs", "dim": 512, "lse_pass": False},
     {"kind": "attn_probs", "dim": 512, "lse_pass": True},
-    {"kind": "attn_probs", "dim": 576, "lse_pass": True, "dense": True},
-    {"kind": "attn_probs", "dim": 512, "lse_pass": True, "dense": True},
-    {"kind": "dense_target", "heads": 64, "dim": 576, "block_q": 4, "block_k": 128},
-    {"kind": "dense_target", "heads": 128, "dim": 576, "block_q": 4, "block_k": 128},
-    {"kind": "dense_target", "heads": 64, "dim": 512, "block_q": 4, "block_k": 128},
-    {"kind": "dense_target", "heads": 128, "dim": 512, "block_q": 4, "block_k": 128},
+    *({"kind": kind, "heads": heads, "dim": dim, "block_q": 4, "block_k": 128}
+      for kind in ("dense_target", "dense_norm") for dim in (576, 512) for heads in (64, 128)),
     {"kind": "loss", "heads": 64, "dim": 128, "grads": True},
     {"kind": "loss", "heads": 64, "dim": 128, "grads": False},
     {"kind": "loss", "heads": 64, "dim": 128, "grads": True, "det": True},
@@ -102,12 +98,13 @@ SHIPPED_CONFIGS: list = [
 ]
 
 _KEYS = {
-    "attn_probs": ("dim", "lse_pass", "dense"),
+    "attn_probs": ("dim", "lse_pass"),
     "dense_target": ("heads", "dim", "block_q", "block_k"),
+    "dense_norm": ("heads", "dim", "block_q", "block_k"),
     "dense_terms": ("grads",),
     "loss": ("heads", "dim", "grads", "det", "lse_given"),
 }
-_OPTIONAL = {"det": False, "lse_given": False, "dense": False}  # keys a config may leave out
+_OPTIONAL = {"det": False, "lse_given": False}  # keys a config may leave out
 
 
 # ----------------------------------------------------------------------------- programs
@@ -118,7 +115,7 @@ def _slot_ok(T, Idx, n_keys, row, j):
 
 
 def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather: str | None = None,
-                        chunk: int | None = None, stages: int | None = None, dense: bool = False):
+                        chunk: int | None = None, stages: int | None = None):
     """P[hb, t, j] = sum over the heads of block hb of exp(S - norm) (see the module docstring).
 
     ``gather`` "chunked" (:func:`_attn_probs_chunked`): slots as MMA rows, the kv rows gathered in column
@@ -136,11 +133,6 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
         gather = "sync"
     # "chunked" by default where it was measured and tested: the model dims 576 and 512
     gather = gather or ATTN_GATHER or ("chunked" if dim in (512, 576) else "sync")
-    if dense:  # the dense loss's normaliser pass alone ("sync"); its target is _dense_target_program
-        if not lse_pass:
-            raise ValueError("a dense attn_probs program is the normaliser pass (lse_pass): the dense target given "
-                             "the normaliser is the 'dense_target' program")
-        gather = "sync"
     if gather == "chunked":
         return _attn_probs_chunked(dim, threads, chunk, stages)
     if gather != "sync":
@@ -155,15 +147,12 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
     neg_big = -1.0e30
 
     def slot_ok(Idx, bx, pos):
-        if dense:  # Idx = the row's (base, start, end) as scalars: slot pos is key base + pos inside [start, end)
-            return T.And(T.And(pos >= Idx[1], pos < Idx[2]), Idx[0] + pos < TK)
         return _slot_ok(T, Idx, TK, bx, pos)
 
     @T.macro
     def gather_rows(KV, Idx, bx, i, kv_s):
         for j, d in T.Parallel(BK, D):
-            kv_s[j, d] = KV[T.if_then_else(slot_ok(Idx, bx, i * BK + j),
-                                           Idx[0] + i * BK + j if dense else Idx[bx, i * BK + j], 0), d]
+            kv_s[j, d] = KV[T.if_then_else(slot_ok(Idx, bx, i * BK + j), Idx[bx, i * BK + j], 0), d]
 
     @T.macro
     def masked_scores(Idx, bx, i, c, q_s, kv_s, s):
@@ -176,8 +165,8 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
     def main(
         Q: T.Tensor([NT, H, D], dtype),
         KV: T.Tensor([TK, D], dtype),
-        Idx: T.Tensor([NT, 3 if dense else KP], "int32"),  # dense: (Base, KS, KE) per row
-        Norm: T.Tensor([NT, H], acc),  # dense (the lse pass alone): written, the normaliser in natural log
+        Idx: T.Tensor([NT, KP], "int32"),
+        Norm: T.Tensor([NT, H], acc),
         Sink: T.Tensor([H], acc),
         scale: T.float32,
         P: T.Tensor([NHB, NT, KP], acc),
@@ -192,17 +181,6 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
             h0 = by * HB
             for h, d in T.Parallel(HB, D):
                 q_s[h, d] = T.if_then_else(h0 + h < H, Q[bx, T.min(h0 + h, H - 1), d], T.cast(0, dtype))
-            # the slot blocks walked: all, or (dense) those that hold the window (read once, as scalars)
-            win = Idx  # what the macros index: Idx, or (dense) the row's window
-            b0 = 0
-            nb = NB
-            if dense:
-                base = Idx[bx, 0]
-                start = Idx[bx, 1]
-                end = Idx[bx, 2]
-                win = (base, start, end)
-                b0 = T.min(T.max(start, 0), KP) // BK
-                nb = T.max(T.ceildiv(T.min(end, KP), BK) - b0, 0)
             if lse_pass:
                 # per-head log-sum-exp over the slots (online), then the normaliser with the sink
                 m_i = T.alloc_fragment([HB], acc)
@@ -211,9 +189,9 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
                 rs = T.alloc_fragment([HB], acc)
                 T.fill(m_i, neg_big)
                 T.fill(l_i, 0)
-                for ii in T.Pipelined(nb, num_stages=1):
-                    gather_rows(KV, win, bx, b0 + ii, kv_s)
-                    masked_scores(win, bx, b0 + ii, c, q_s, kv_s, s)
+                for ii in T.Pipelined(NB, num_stages=1):
+                    gather_rows(KV, Idx, bx, ii, kv_s)
+                    masked_scores(Idx, bx, ii, c, q_s, kv_s, s)
                     T.reduce_max(s, m_new, dim=1, clear=True)
                     for h in T.Parallel(HB):
                         m_new[h] = T.max(m_new[h], m_i[h])
@@ -234,20 +212,17 @@ def _attn_probs_program(dim: int, lse_pass: bool, threads: int = THREADS, gather
                         T.if_then_else(lse2 == -T.infinity(acc), sk,
                                        mx + T.log2(T.exp2(lse2 - mx) + T.exp2(sk - mx))))
                     norm_s[h] = T.if_then_else(h0 + h < H, nrm, T.infinity(acc))
-                    if dense and h0 + h < H:
-                        Norm[bx, h0 + h] = nrm / _LOG2E
             else:
                 for h in T.Parallel(HB):
                     norm_s[h] = T.if_then_else(h0 + h < H, Norm[bx, T.min(h0 + h, H - 1)] * _LOG2E, T.infinity(acc))
-            if not dense:  # (dense: the normaliser only; the chunked program makes the target)
-                for i in T.Pipelined(NB, num_stages=1):
-                    gather_rows(KV, Idx, bx, i, kv_s)
-                    masked_scores(Idx, bx, i, c, q_s, kv_s, s)
-                    for h, j in T.Parallel(HB, BK):  # exactly 0 on invalid slots, 0 on padded heads (norm +inf)
-                        s[h, j] = T.if_then_else(slot_ok(Idx, bx, i * BK + j), T.exp2(s[h, j] - norm_s[h]), 0.0)
-                    T.reduce_sum(s, pj, dim=0, clear=True)
-                    for j in T.Parallel(BK):
-                        P[by, bx, i * BK + j] = pj[j]
+            for i in T.Pipelined(NB, num_stages=1):
+                gather_rows(KV, Idx, bx, i, kv_s)
+                masked_scores(Idx, bx, i, c, q_s, kv_s, s)
+                for h, j in T.Parallel(HB, BK):  # exactly 0 on invalid slots, 0 on padded heads (norm +inf)
+                    s[h, j] = T.if_then_else(slot_ok(Idx, bx, i * BK + j), T.exp2(s[h, j] - norm_s[h]), 0.0)
+                T.reduce_sum(s, pj, dim=0, clear=True)
+                for j in T.Parallel(BK):
+                    P[by, bx, i * BK + j] = pj[j]
 
     return main
 
@@ -428,6 +403,103 @@ def _dense_target_program(heads: int, dim: int, block_q: int, block_k: int, chun
                         out_s[b, a] = red[a, b]
                     T.copy(out_s, P[r0 : r0 + RQ, (kb - lo) * BK : (kb - lo + 1) * BK])
                     T.clear(s)
+
+    return main
+
+
+def _dense_norm_program(heads: int, dim: int, block_q: int, block_k: int, chunk: int = 64, num_stages: int = 4):
+    """The dense loss's attention normaliser when no LSE is given, in the tiles of :func:`_dense_target_program`:
+    Norm2[row, h] = log2(sum over the row's window of exp2(c <q[row, h], kv[key]>) + exp2(Sink2[h])), the
+    base-2 log-sum-exp that the target subtracts. The same TMA pipeline over (key block, column step), the
+    GEMM the other way round: S [RQ rows x heads, block_k keys] = Q_blk KV_blk^T, so each (row, head) is an MMA
+    row and its running max and sum (the flash-attention forward's, without P V) stay inside a thread quad.
+    Keys outside the row's window [KS, KE) (buffer columns relative to BlkLo * block_k, as the plan gives them)
+    are masked; an empty window with no sink gives -inf. NaN scores make the normaliser NaN (the sum keeps them).
+    Q [nq * heads, dim] bf16, KV [nk, dim] bf16, KS / KE [nq] int32, Sink2 [heads] fp32 (sink * log2(e), -inf
+    for none), c = scale * log2(e), Norm2 [nq * heads] fp32."""
+    import tilelang.language as T
+
+    if heads not in DENSE_TARGET_HEADS:
+        raise ValueError(f"the tiled dense normaliser takes {DENSE_TARGET_HEADS} heads, got {heads}")
+    if dim % chunk != 0:
+        raise ValueError(f"dim must be a multiple of the chunk {chunk}, got {dim}")
+    if block_k not in (64, 128):
+        raise ValueError(f"block_k must be 64 or 128, got {block_k}")
+    BQ, BK = block_q, block_k
+    RQ = min(BQ, 256 // heads)
+    if BQ % RQ:
+        raise ValueError(f"block_q {BQ} must be a multiple of the {RQ} rows a CTA takes at {heads} heads")
+    SUB = BQ // RQ
+    N = RQ * heads
+    NC = dim // chunk
+    threads = 256
+    dtype, acc = "bfloat16", "float32"
+    nq, nk, nqb = T.dynamic("nq, nk, nqb")
+    ninf = -T.infinity(acc)
+
+    @T.prim_func
+    def main(
+        Q: T.Tensor([nq * heads, dim], dtype),
+        KV: T.Tensor([nk, dim], dtype),
+        KS: T.Tensor([nq], "int32"),
+        KE: T.Tensor([nq], "int32"),
+        BlkLo: T.Tensor([nqb], "int32"),
+        BlkHi: T.Tensor([nqb], "int32"),
+        Sink2: T.Tensor([heads], acc),
+        c: T.float32,
+        Norm2: T.Tensor([nq * heads], acc),
+    ):
+        with T.Kernel(nqb * SUB, threads=threads) as bx:
+            q_s = T.alloc_shared([N, chunk], dtype)
+            k_s = T.alloc_shared([BK, chunk], dtype)
+            win_s = T.alloc_shared([2, RQ], "int32")
+            s = T.alloc_fragment([N, BK], acc)
+            s3 = T.reshape(s, (RQ, heads, BK))
+            m_i = T.alloc_fragment([N], acc)
+            l_i = T.alloc_fragment([N], acc)
+            m_new = T.alloc_fragment([N], acc)
+            rs = T.alloc_fragment([N], acc)
+            g = nqb * SUB - 1 - bx  # last score blocks first (the longest under a causal mask)
+            qb = g // SUB
+            r0 = qb * BQ + (g % SUB) * RQ
+            lo = BlkLo[qb]
+            hi = BlkHi[qb]
+            for u, b in T.Parallel(2, RQ):  # the rows' windows, read once (past the last row: empty)
+                win_s[u, b] = T.if_then_else(r0 + b < nq, T.if_then_else(u == 0, KS[T.min(r0 + b, nq - 1)],
+                                                                         KE[T.min(r0 + b, nq - 1)]), 0)
+            T.fill(m_i, ninf)
+            T.fill(l_i, 0)
+            T.clear(s)
+            for it in T.Pipelined(T.max(hi - lo, 0) * NC, num_stages=num_stages):
+                kb = lo + it // NC
+                ch = it % NC
+                T.copy(Q[r0 * heads : (r0 + RQ) * heads, ch * chunk : (ch + 1) * chunk], q_s)
+                T.copy(KV[kb * BK : (kb + 1) * BK, ch * chunk : (ch + 1) * chunk], k_s)
+                T.gemm(q_s, k_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                if ch == NC - 1:
+                    for b, h, j in T.Parallel(RQ, heads, BK):
+                        col = (kb - lo) * BK + j
+                        s3[b, h, j] = T.if_then_else(T.And(col >= win_s[0, b], col < win_s[1, b]), s3[b, h, j] * c,
+                                                     ninf)
+                    T.reduce_max(s, m_new, dim=1, clear=True)
+                    for i in T.Parallel(N):
+                        m_new[i] = T.max(m_new[i], m_i[i])
+                    for i, j in T.Parallel(N, BK):  # (a max of -inf: nothing seen yet, every term 0)
+                        s[i, j] = T.exp2(s[i, j] - T.if_then_else(m_new[i] == ninf, 0.0, m_new[i]))
+                    T.reduce_sum(s, rs, dim=1, clear=True)
+                    for i in T.Parallel(N):
+                        l_i[i] = l_i[i] * T.exp2(m_i[i] - T.if_then_else(m_new[i] == ninf, 0.0, m_new[i])) + rs[i]
+                        m_i[i] = m_new[i]
+                    T.clear(s)
+            # log2(sum) logaddexp2'ed with the sink; an empty window (l == 0: not l > 0, a NaN stays NaN) is -inf
+            for i in T.Parallel(N):
+                sk = Sink2[i % heads]
+                lse2 = T.if_then_else(l_i[i] == 0, ninf, m_i[i] + T.log2(l_i[i]))
+                mx = T.max(lse2, sk)
+                nrm = T.if_then_else(sk == ninf, lse2, T.if_then_else(
+                    lse2 == ninf, sk, mx + T.log2(T.exp2(lse2 - mx) + T.exp2(sk - mx))))
+                if r0 * heads + i < nq * heads:
+                    Norm2[r0 * heads + i] = nrm
 
     return main
 
@@ -809,6 +881,7 @@ def _dense_terms_program(grads: bool, threads: int = 256):
 _PROGRAMS = {
     "attn_probs": _attn_probs_program,
     "dense_target": _dense_target_program,
+    "dense_norm": _dense_norm_program,
     "loss": _loss_program,
     "dense_terms": _dense_terms_program,
 }
@@ -824,7 +897,7 @@ def _normalise(config: dict) -> tuple:
         if k not in config and k not in _OPTIONAL:
             raise ValueError(f"{kind} config needs {k!r}")
         v = config.get(k, _OPTIONAL.get(k))
-        out.append((k, bool(v) if k in ("lse_pass", "grads", "det", "lse_given", "dense") else int(v)))
+        out.append((k, bool(v) if k in ("lse_pass", "grads", "det", "lse_given") else int(v)))
     params = dict(out)
     if params.get("det") and not params["grads"]:
         raise ValueError("a deterministic loss program (det) needs grads: it changes how d_index_k is summed")
@@ -834,11 +907,8 @@ def _normalise(config: dict) -> tuple:
         raise ValueError(f"dim must be a multiple of 16 in [16, 1024], got {params['dim']}")
     if kind == "loss" and params["heads"] != 64:
         raise ValueError(f"indexer heads are padded to 64, got {params['heads']}")
-    if kind == "dense_target" and params["heads"] not in DENSE_TARGET_HEADS:
+    if kind in ("dense_target", "dense_norm") and params["heads"] not in DENSE_TARGET_HEADS:
         raise ValueError(f"the dense target takes heads in {DENSE_TARGET_HEADS}, got {params['heads']}")
-    if kind == "attn_probs" and params["dense"] and not params["lse_pass"]:
-        raise ValueError("a dense attn_probs config is the normaliser pass: lse_pass=True (the target given the "
-                         "normaliser is kind 'dense_target')")
     return (kind,) + tuple(out)
 
 
@@ -877,16 +947,22 @@ def _build(config: dict, target):
         return _BUILT.setdefault((key, tkey), kern)
 
 
-def build_attn_probs(dim: int, lse_pass: bool, target="auto", dense: bool = False):
-    """Compile the attention-probability program for Dqk ``dim``; ``dense`` (with ``lse_pass``): the dense
-    loss's normaliser pass over windows instead of slot lists."""
-    return _build({"kind": "attn_probs", "dim": dim, "lse_pass": lse_pass, "dense": dense}, target)
+def build_attn_probs(dim: int, lse_pass: bool, target="auto"):
+    """Compile the attention-probability program (slot lists) for Dqk ``dim``."""
+    return _build({"kind": "attn_probs", "dim": dim, "lse_pass": lse_pass}, target)
 
 
 def build_dense_target(heads: int, dim: int, block_q: int = 4, block_k: int = 128, target="auto"):
     """Compile the dense loss's tiled attention target for ``heads`` query heads (DENSE_TARGET_HEADS), Dqk
     ``dim`` and the indexer plan's score blocks (``block_q`` rows x ``block_k`` keys)."""
     return _build({"kind": "dense_target", "heads": heads, "dim": dim, "block_q": block_q, "block_k": block_k},
+                  target)
+
+
+def build_dense_norm(heads: int, dim: int, block_q: int = 4, block_k: int = 128, target="auto"):
+    """Compile the dense loss's tiled normaliser (no LSE given) for ``heads`` query heads (DENSE_TARGET_HEADS),
+    Dqk ``dim`` and the indexer plan's score blocks."""
+    return _build({"kind": "dense_norm", "heads": heads, "dim": dim, "block_q": block_q, "block_k": block_k},
                   target)
 
 
@@ -1145,21 +1221,16 @@ def _attention_target(q, kv, attn_lse, sink, scale, idx):
     nhb = -(-h // BLOCK_H)
     lse_pass = attn_lse is None
     P = torch.empty(nhb, t, idx.shape[1], dtype=torch.float32, device=dev)
-    norm, sink_t = _normaliser_inputs(attn_lse, sink, t, h, dev)
+    no_sink = torch.full((h,), -math.inf, device=dev)
+    if lse_pass:  # the program computes the normaliser, with the sink
+        norm = torch.empty(t, h, dtype=torch.float32, device=dev)
+        sink_t = sink.contiguous() if sink is not None else no_sink
+    else:
+        norm = (attn_lse if sink is None else torch.logaddexp(attn_lse, sink[None, :])).contiguous()
+        sink_t = no_sink
     with torch.cuda.device(dev):
         build_attn_probs(dqk, lse_pass, _device_target(dev))(q, kv, idx, norm, sink_t, scale, P)
     return P[0] if nhb == 1 else P.sum(0)
-
-
-def _normaliser_inputs(attn_lse, sink, t, h, dev):
-    """(norm [t, h] fp32, sink [h] fp32) for the attn_probs programs: given attn_lse, norm = attn_lse
-    logaddexp'ed with the sink and no sink (-inf); without it, an empty norm for the lse pass to write and
-    the sink (-inf where None)."""
-    no_sink = torch.full((h,), -math.inf, device=dev)
-    if attn_lse is None:
-        norm = torch.empty(t, h, dtype=torch.float32, device=dev)
-        return norm, (sink.contiguous() if sink is not None else no_sink)
-    return (attn_lse if sink is None else torch.logaddexp(attn_lse, sink[None, :])).contiguous(), no_sink
 
 
 def dense_target_heads(num_heads: int) -> int:
@@ -1172,35 +1243,43 @@ def _dense_target(plan, chunk, q, kv, attn_lse, sink, scale, width):
     """P [R, width] fp32 for the rows r0..r1 of an indexer plan's chunk (q [R, H, Dqk], attn_lse [R, H] or None
     of those rows), in the layout of the chunk's logits: column c of row r is key base[r] + c; only each row's
     window (plan.ks / plan.ke) holds its target. Given attn_lse the normaliser is it (logaddexp'ed with the
-    sink); without it, the windowed lse pass of attn_probs computes it first."""
+    sink); without it, the dense_norm program computes it over the same tiles first."""
     dev = q.device
     rows, h, dqk = q.shape
     qb0, qb1, _ = chunk
     r0 = qb0 * plan.bq
-    P = torch.empty(rows, width, dtype=torch.float32, device=dev)
-    norm, sink_t = _normaliser_inputs(attn_lse, sink, rows, h, dev)
+    hp = dense_target_heads(h)
+    groups = -(-h // hp)
+    if groups * hp != h:  # padded heads: zero queries (their normaliser is set to +inf below)
+        q = torch.nn.functional.pad(q, (0, 0, 0, groups * hp - h))
+    lo, hi = plan.blk_lo[qb0:qb1], plan.blk_hi[qb0:qb1]
+    c = scale * _LOG2E
+    heads = [slice(g * hp, (g + 1) * hp) for g in range(groups)]
+    q_groups = [q[:, hs].contiguous().view(rows * hp, dqk) for hs in heads] if groups > 1 else [q.view(rows * hp, dqk)]
     with torch.cuda.device(dev):
-        if attn_lse is None:  # the normaliser over each row's window (the program writes it; P is not written)
-            win = torch.stack([plan.base[r0:r0 + rows], plan.ks[r0:r0 + rows], plan.ke[r0:r0 + rows]], 1)
-            nhb, kp = -(-h // BLOCK_H), -(-width // SLOT_STEP) * SLOT_STEP
-            unused = P.view(1, rows, width) if (nhb, kp) == (1, width) else torch.empty(
-                nhb, rows, kp, dtype=torch.float32, device=dev)
-            build_attn_probs(dqk, True, _device_target(dev), dense=True)(q, kv, win.contiguous(), norm, sink_t,
-                                                                         scale, unused)
-            del unused
-        hp = dense_target_heads(h)
-        groups = -(-h // hp)
-        norm2 = norm * _LOG2E
-        if groups * hp != h:  # padded heads: zero queries whose norm is +inf
-            q = torch.nn.functional.pad(q, (0, 0, 0, groups * hp - h))
-            norm2 = torch.nn.functional.pad(norm2, (0, groups * hp - h), value=math.inf)
+        if attn_lse is None:  # the normaliser over each row's window, base 2, in the same tiles
+            sink2 = torch.full((groups * hp,), -math.inf, device=dev)
+            if sink is not None:
+                sink2[:h] = sink * _LOG2E
+            norm2 = torch.empty(rows, groups * hp, dtype=torch.float32, device=dev)
+            kern = build_dense_norm(hp, dqk, plan.bq, plan.bk, _device_target(dev))
+            ks, ke = plan.ks[r0:r0 + rows], plan.ke[r0:r0 + rows]
+            for hs, qg in zip(heads, q_groups):
+                out = norm2[:, hs].contiguous() if groups > 1 else norm2
+                kern(qg, kv, ks, ke, lo, hi, sink2[hs].contiguous(), c, out.view(-1))
+                if groups > 1:
+                    norm2[:, hs] = out
+        else:
+            norm2 = (attn_lse if sink is None else torch.logaddexp(attn_lse, sink[None, :])) * _LOG2E
+            if groups * hp != h:
+                norm2 = torch.nn.functional.pad(norm2, (0, groups * hp - h))
+        if groups * hp != h:
+            norm2[:, h:] = math.inf  # padded heads add exp2(-inf) = 0
+        P = torch.empty(rows, width, dtype=torch.float32, device=dev)
         kern = build_dense_target(hp, dqk, plan.bq, plan.bk, _device_target(dev))
-        lo, hi = plan.blk_lo[qb0:qb1], plan.blk_hi[qb0:qb1]
-        for g in range(groups):
+        for g, (hs, qg) in enumerate(zip(heads, q_groups)):
             part = P if g == 0 else torch.empty_like(P)
-            heads = slice(g * hp, (g + 1) * hp)
-            kern(q[:, heads].contiguous().view(rows * hp, dqk), kv, norm2[:, heads].contiguous(), lo, hi,
-                 scale * _LOG2E, part)
+            kern(qg, kv, norm2[:, hs].contiguous(), lo, hi, c, part)
             if g:
                 P += part
     return P
@@ -1257,8 +1336,8 @@ def indexer_kl_loss_dense(index_q, index_k, weights, q, kv, attn_lse, key_start,
     Blockwise, in chunks of rows whose fp32 [rows, width] buffers stay under ``max_chunk_bytes``
     (default DENSE_CHUNK_BYTES):
     the indexer's score program writes the logits I of the chunk (tiles of key blocks, as the
-    indexer's forward), the dense_target program the target in the same tiles (after attn_probs' windowed
-    normaliser pass when attn_lse is None), the dense_terms program the row statistics, the loss rows and
+    indexer's forward), the dense_target program the target in the same tiles (after the dense_norm
+    program's normaliser when attn_lse is None), the dense_terms program the row statistics, the loss rows and
     dI = g (softmax(I) - p) over I; then the score-gradient programs of :mod:`.indexer` give
     d_index_q and d_weights (query-major) and d_index_k (key-major, its splits added in order: no
     atomics, so every result is reproducible bit for bit). Never [T, T] at once.

@@ -20,11 +20,11 @@ HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
 def _cfg_id(cfg):
     if cfg["kind"] == "dense_terms":
         return f"dense_terms-grads{int(cfg['grads'])}"
-    if cfg["kind"] == "dense_target":
-        return f"dense_target-h{cfg['heads']}-d{cfg['dim']}-{cfg['block_q']}x{cfg['block_k']}"
+    if cfg["kind"] in ("dense_target", "dense_norm"):
+        return f"{cfg['kind']}-h{cfg['heads']}-d{cfg['dim']}-{cfg['block_q']}x{cfg['block_k']}"
     extra = f"-lse{int(cfg['lse_pass'])}" if "lse_pass" in cfg else f"-h{cfg['heads']}-grads{int(cfg['grads'])}"
     return f"{cfg['kind']}-d{cfg['dim']}{extra}" + ("-det" if cfg.get("det") else "") + (
-        "-dense" if cfg.get("dense") else "") + ("-lsegiven" if cfg.get("lse_given") else "")
+        "-lsegiven" if cfg.get("lse_given") else "")
 
 
 def test_module_imports_without_tilelang_side_effects():
@@ -32,23 +32,21 @@ def test_module_imports_without_tilelang_side_effects():
     keys = {mod._normalise(c) for c in mod.SHIPPED_CONFIGS}
     assert len(keys) == len(mod.SHIPPED_CONFIGS), "SHIPPED_CONFIGS has duplicates"
     kinds = {c["kind"] for c in mod.SHIPPED_CONFIGS}
-    assert kinds == {"attn_probs", "dense_target", "loss", "dense_terms"}
+    assert kinds == {"attn_probs", "dense_target", "dense_norm", "loss", "dense_terms"}
     assert {c["grads"] for c in mod.SHIPPED_CONFIGS if c["kind"] == "loss"} == {True, False}
     # both attention families (absorbed MLA 576, V4 512) with and without the in-kernel lse pass
     shapes = {(c["dim"], c["lse_pass"]) for c in mod.SHIPPED_CONFIGS if c["kind"] == "attn_probs"}
     assert shapes == {(576, False), (576, True), (512, False), (512, True)}
-    # ... over slot lists, and the normaliser pass over windows (the dense warm-up loss)
-    assert {(c.get("dense", False), c["lse_pass"]) for c in mod.SHIPPED_CONFIGS if c["kind"] == "attn_probs"} == {
-        (False, False), (False, True), (True, True)}
-    # the dense target in the tiles of the dense loss's logits, for the models' head counts and both dims
+    # the dense target and normaliser in the tiles of the dense loss's logits, for the models' head counts
+    # and both dims
     from dsa_plugins.kernels import indexer
 
-    tiles = {(c["block_q"], c["block_k"]) for c in mod.SHIPPED_CONFIGS if c["kind"] == "dense_target"}
     plans = {(cfg["block_q"], cfg["block_k"]) for cfg in (indexer.default_config(mod.dense_index_heads(h), 128)
                                                            for h in (8, 32, 64))}
-    assert tiles == plans
-    assert {(c["heads"], c["dim"]) for c in mod.SHIPPED_CONFIGS if c["kind"] == "dense_target"} == {
-        (64, 576), (128, 576), (64, 512), (128, 512)}
+    for kind in ("dense_target", "dense_norm"):
+        assert {(c["block_q"], c["block_k"]) for c in mod.SHIPPED_CONFIGS if c["kind"] == kind} == plans
+        assert {(c["heads"], c["dim"]) for c in mod.SHIPPED_CONFIGS if c["kind"] == kind} == {
+            (64, 576), (128, 576), (64, 512), (128, 512)}
     assert {c["grads"] for c in mod.SHIPPED_CONFIGS if c["kind"] == "dense_terms"} == {True, False}
 
 
@@ -71,14 +69,14 @@ def test_config_validation():
         mod._normalise({"kind": "loss", "heads": 48, "dim": 128, "grads": True})
     with pytest.raises(ValueError, match="needs 'grads'"):
         mod._normalise({"kind": "loss", "heads": 64, "dim": 128})
-    with pytest.raises(ValueError, match="dense_target"):  # the dense target given the normaliser has its own kind
-        mod._normalise({"kind": "attn_probs", "dim": 576, "lse_pass": False, "dense": True})
     with pytest.raises(ValueError, match="heads"):
         mod._normalise({"kind": "dense_target", "heads": 48, "dim": 576, "block_q": 4, "block_k": 128})
     with pytest.raises(ValueError, match="block_q"):
         mod._normalise({"kind": "dense_target", "heads": 64, "dim": 576})
     with pytest.raises(ValueError, match="block_k must be 64 or 128"):
         mod._dense_target_program(64, 576, 4, 256)
+    with pytest.raises(ValueError, match="heads"):
+        mod._dense_norm_program(48, 576, 4, 128)
     assert [mod.dense_target_heads(h) for h in (1, 16, 17, 40, 64, 65, 128, 192)] == [16, 16, 32, 64, 64, 128, 128,
                                                                                         128]
     with pytest.raises(ValueError, match="det.*needs grads"):
@@ -166,13 +164,17 @@ def test_shipped_config_compiles_for_sm90a(compiled, i, caplog):
         assert bool(re.search(r"\bI\[[^;]*\] = ", src)) == cfg["grads"]
         return
     assert "wgmma" in src  # the GEMMs run on Hopper tensor cores
-    if cfg["kind"] == "dense_target":
-        # contiguous keys: TMA loads of both operands by a producer warpgroup beside two consumer warpgroups
-        # (keys as MMA rows, 256 (rows, heads) columns), 4 stages, the tile stored by TMA; sizes at run time
-        assert "tma_load(KV_desc" in src and "tma_load(Q_desc" in src and "tma_store(P_desc" in src
-        assert "__launch_bounds__(384" in src and "warpgroup_reg_alloc" in src
-        assert "64, 256, 16" in src and "mbarrier[7]" in src
-        for name in ("nq", "width", "nqb"):  # (the key count lives in the TMA descriptor)
+    if cfg["kind"] in ("dense_target", "dense_norm"):
+        # contiguous keys: TMA loads of both operands by a producer warpgroup beside two consumer warpgroups,
+        # 4 stages; the target: keys as MMA rows, 256 (rows, heads) columns, its tiles stored by TMA; the
+        # normaliser: (rows, heads) as MMA rows (its running max and sum inside a quad)
+        assert "tma_load(KV_desc" in src and "tma_load(Q_desc" in src
+        assert "__launch_bounds__(384" in src and "warpgroup_reg_alloc" in src and "mbarrier[7]" in src
+        if cfg["kind"] == "dense_target":
+            assert "tma_store(P_desc" in src and "64, 256, 16" in src
+        else:
+            assert "64, 128, 16" in src and "AllReduce<tl::MaxOp, 4" in src and "Norm2[" in src
+        for name in ("nq", "nqb") + (("width",) if cfg["kind"] == "dense_target" else ()):  # (the key count lives in the TMA descriptor)
             assert re.search(rf"\bint {name}\b", src), f"{name} is not a runtime parameter"
         assert "cp_async" not in src
         return

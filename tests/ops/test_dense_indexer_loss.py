@@ -160,11 +160,15 @@ def test_dense_loss_is_bitwise_reproducible_and_keeps_nan(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("h, dqk", [(64, 576), (128, 512), (16, 576), (32, 512), (40, 576)])
-def test_dense_target_tiles_match_float64(h, dqk):
+@pytest.mark.parametrize("h, dqk, given, with_sink", [(64, 576, True, False), (128, 512, True, True),
+                                                      (16, 576, True, False), (32, 512, False, False),
+                                                      (40, 576, False, True), (64, 576, False, False),
+                                                      (128, 576, False, True), (192, 512, False, False)])
+def test_dense_target_tiles_match_float64(h, dqk, given, with_sink):
     """The tiled target alone, in the layout of the chunk's logits: inside each row's window it is the float64
-    head sum of exp(scale <q, kv> - norm) (packed sequences, a partial last score block, an empty window);
-    a NaN query makes its row NaN inside the window and leaves the other rows alone."""
+    head sum of exp(scale <q, kv> - norm) (packed sequences, a partial last score block, an empty window),
+    norm given or computed by the tiled normaliser (with a sink: logaddexp'ed with it); a NaN query makes its
+    row NaN inside the window and leaves the other rows alone."""
     from dsa_plugins.kernels import indexer as K
     from dsa_plugins.kernels import indexer_loss
 
@@ -179,7 +183,9 @@ def test_dense_target_tiles_match_float64(h, dqk):
     end[7] = start[7]  # a row without a key
     scale = dqk ** -0.5
     lse = _dense_attention_lse(q, kv, start, end, scale)
-    lse[7] = 0.0
+    sink = (torch.randn(h, generator=g) + 3.0).cuda() if with_sink else None
+    norm = lse.double() if sink is None else torch.logaddexp(lse.double(), sink.double()[None, :])
+    lse[7] = 0.0  # (the row without a key: its normaliser is never used)
     plan = K._Plan(torch.zeros(t, 64, 128, device="cuda", dtype=torch.bfloat16),
                    torch.zeros(t, 128, device="cuda", dtype=torch.bfloat16), torch.zeros(t, 64, device="cuda"),
                    start.int(), end.int(), None, 1 << 40)
@@ -187,14 +193,14 @@ def test_dense_target_tiles_match_float64(h, dqk):
     width = chunk[2] * plan.bk
 
     def target(q_in):
-        return indexer_loss._dense_target(plan, chunk, q_in, kv, lse, None, scale, width)
+        return indexer_loss._dense_target(plan, chunk, q_in, kv, lse if given else None, sink, scale, width)
 
     got = target(q)
     keys = plan.base[:, None].long() + torch.arange(width, device="cuda")[None, :]
     inside = (torch.arange(width, device="cuda")[None, :] >= plan.ks[:, None]) & (
         torch.arange(width, device="cuda")[None, :] < plan.ke[:, None])
     s = torch.einsum("thd,tcd->thc", q.double(), kv.double()[keys.clamp(max=t - 1)]) * scale
-    want = torch.exp(s - lse.double()[:, :, None]).sum(1)
+    want = torch.exp(s - norm[:, :, None]).sum(1)
     assert inside.sum() == (end - start).clamp(min=0).sum()
     assert not torch.isnan(got[inside]).any()
     assert rel_err(got[inside], want[inside]) < 1e-2, seed
