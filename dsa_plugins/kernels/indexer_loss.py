@@ -306,10 +306,14 @@ def _attn_probs_chunked(dim: int, threads: int = THREADS, chunk: int | None = No
             tx = T.get_thread_binding()
             c = scale * _LOG2E
             h0 = by * HB
+            # (the row bound bx < NT always holds; with it ptxas spills 16 B at 255 registers, without it 116 B)
+            row_ok = bx < NT
             for hh, d in T.Parallel(HB, D):
-                q_s[hh, d] = T.if_then_else(h0 + hh < H, Q[bx, T.min(h0 + hh, H - 1), d], T.cast(0, dtype))
+                q_s[hh, d] = T.if_then_else(T.And(h0 + hh < H, row_ok), Q[T.min(bx, NT - 1), T.min(h0 + hh, H - 1), d],
+                                            T.cast(0, dtype))
             for hh in T.Parallel(HB):
-                norm_s[hh] = T.if_then_else(h0 + hh < H, Norm[bx, T.min(h0 + hh, H - 1)] * _LOG2E, T.infinity(acc))
+                norm_s[hh] = T.if_then_else(T.And(h0 + hh < H, row_ok),
+                                            Norm[T.min(bx, NT - 1), T.min(h0 + hh, H - 1)] * _LOG2E, T.infinity(acc))
             T.sync_threads()  # norm_s written
             for u in tuple(range(S - 1)):  # the first S - 1 chunks of the flat order
                 issue(KV, Idx, bx, u // NC, u % NC, bufs[u], tx)
