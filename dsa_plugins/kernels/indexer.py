@@ -32,6 +32,12 @@ scale staged by the producer with the key block. Same H200, same run: T 8K 1.02 
 ``ws`` must stay True: the non-warp-specialised pipeline does not lower in TileLang 0.1.15
 with the run-time loop start used here.
 
+Tried (H100, 2026-11-26, do_bench, T 8K / 32K causal): the shipped tiling 1.013 / 15.56 ms (543 / 565
+TFLOP/s); ``block_q`` 2 1.066 / 16.63; ``block_q`` 2 with two accumulators and asynchronous wgmma, the
+epilogue of one key block under the MMA of the next (``T.wgmma_gemm``, the stage freed after the wait),
+1.087-1.105 / 16.55-16.63: the epilogue is not what limits it. (Carrying the overlap across loop iterations
+makes ptxas inject a ``warpgroup.wait`` before the epilogue, C7517.)
+
 TileLang is imported lazily so that this module imports without TileLang or a GPU.
 
 Size: one file for the family: the score and plan programs, their configurations (prefill and
