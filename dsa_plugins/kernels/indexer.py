@@ -35,7 +35,8 @@ with the run-time loop start used here.
 Tried (H100, 2026-11-26, do_bench, T 8K / 32K causal): the shipped tiling 1.013 / 15.56 ms (543 / 565
 TFLOP/s); ``block_q`` 2 1.066 / 16.63; ``block_q`` 2 with two accumulators and asynchronous wgmma, the
 epilogue of one key block under the MMA of the next (``T.wgmma_gemm``, the stage freed after the wait),
-1.087-1.105 / 16.55-16.63: the epilogue is not what limits it. (Carrying the overlap across loop iterations
+1.087-1.105 / 16.55-16.63: the epilogue is not what limits it; one TMA store per two key blocks (fewer
+store waits) 1.083 / 16.61. (Carrying the overlap across loop iterations
 makes ptxas inject a ``warpgroup.wait`` before the epilogue, C7517.)
 
 TileLang is imported lazily so that this module imports without TileLang or a GPU.
