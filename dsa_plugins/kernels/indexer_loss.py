@@ -334,6 +334,22 @@ def _attn_probs_chunked(dim: int, threads: int = THREADS, chunk: int | None = No
 DENSE_TARGET_HEADS = (16, 32, 64, 128)
 
 
+def _dense_tiling(heads: int, dim: int, block_q: int, block_k: int, chunk: int):
+    """(block_q, block_k, RQ, SUB, N, NC) of the tiled dense programs, checked: RQ = min(block_q, 256 // heads)
+    query rows a CTA (N = RQ x heads <= 256 (row, head) columns), SUB CTAs a score block, NC column steps of
+    ``chunk`` a key block."""
+    if heads not in DENSE_TARGET_HEADS:
+        raise ValueError(f"the tiled dense programs take {DENSE_TARGET_HEADS} heads, got {heads}")
+    if dim % chunk != 0:
+        raise ValueError(f"dim must be a multiple of the chunk {chunk}, got {dim}")
+    if block_k not in (64, 128):
+        raise ValueError(f"block_k must be 64 or 128 (one or two consumer warpgroups), got {block_k}")
+    rq = min(block_q, 256 // heads)
+    if block_q % rq:
+        raise ValueError(f"block_q {block_q} must be a multiple of the {rq} rows a CTA takes at {heads} heads")
+    return block_q, block_k, rq, block_q // rq, rq * heads, dim // chunk
+
+
 def _dense_target_program(heads: int, dim: int, block_q: int, block_k: int, chunk: int = 64, num_stages: int = 4):
     """The dense loss's attention target given the normaliser, in the tiles of the indexer's logits: for each
     score block of ``block_q`` rows and each of its key blocks [BlkLo, BlkHi) of ``block_k`` keys, the tile
@@ -350,20 +366,8 @@ def _dense_target_program(heads: int, dim: int, block_q: int, block_k: int, chun
     (+inf on padded heads), c = scale * log2(e), P [nq, width] fp32."""
     import tilelang.language as T
 
-    if heads not in DENSE_TARGET_HEADS:
-        raise ValueError(f"the tiled dense target takes {DENSE_TARGET_HEADS} heads, got {heads}")
-    if dim % chunk != 0:
-        raise ValueError(f"dim must be a multiple of the chunk {chunk}, got {dim}")
-    if block_k not in (64, 128):
-        raise ValueError(f"block_k must be 64 or 128 (one or two consumer warpgroups), got {block_k}")
-    BQ, BK = block_q, block_k
-    RQ = min(BQ, 256 // heads)  # rows a CTA
-    if BQ % RQ:
-        raise ValueError(f"block_q {BQ} must be a multiple of the {RQ} rows a CTA takes at {heads} heads")
-    SUB = BQ // RQ  # CTAs a score block
-    N = RQ * heads
-    NC = dim // chunk
-    threads = 128 * (BK // 64)
+    BQ, BK, RQ, SUB, N, NC = _dense_tiling(heads, dim, block_q, block_k, chunk)
+    threads = 128 * (BK // 64)  # a consumer warpgroup per 64 keys (the MMA rows)
     dtype, acc = "bfloat16", "float32"
     nq, nk, width, nqb = T.dynamic("nq, nk, width, nqb")
 
@@ -423,20 +427,8 @@ def _dense_norm_program(heads: int, dim: int, block_q: int, block_k: int, chunk:
     for none), c = scale * log2(e), Norm2 [nq * heads] fp32."""
     import tilelang.language as T
 
-    if heads not in DENSE_TARGET_HEADS:
-        raise ValueError(f"the tiled dense normaliser takes {DENSE_TARGET_HEADS} heads, got {heads}")
-    if dim % chunk != 0:
-        raise ValueError(f"dim must be a multiple of the chunk {chunk}, got {dim}")
-    if block_k not in (64, 128):
-        raise ValueError(f"block_k must be 64 or 128, got {block_k}")
-    BQ, BK = block_q, block_k
-    RQ = min(BQ, 256 // heads)
-    if BQ % RQ:
-        raise ValueError(f"block_q {BQ} must be a multiple of the {RQ} rows a CTA takes at {heads} heads")
-    SUB = BQ // RQ
-    N = RQ * heads
-    NC = dim // chunk
-    threads = 256
+    BQ, BK, RQ, SUB, N, NC = _dense_tiling(heads, dim, block_q, block_k, chunk)
+    threads = 256 if N >= 128 else 128  # a consumer warpgroup per 64 or more (row, head) MMA rows
     dtype, acc = "bfloat16", "float32"
     nq, nk, nqb = T.dynamic("nq, nk, nqb")
     ninf = -T.infinity(acc)
