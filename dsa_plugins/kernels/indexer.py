@@ -526,7 +526,9 @@ def _splits(query_blocks: int, width_blocks: int, device) -> int:
 
 
 class _Plan:
-    """Inputs normalised once, per-query-block key ranges, and the chunk split."""
+    """Inputs normalised once, per-query-block key ranges, and the chunk split: one chunk when the whole
+    buffer fits ``max_chunk_bytes``; otherwise chunks sized from the windows' block ranges (one host sync),
+    or with ``sync_free`` from the sizes alone (every chunk as wide as the whole key range)."""
 
     def __init__(self, index_q, index_k, weights, key_start, key_end, config, max_chunk_bytes, index_k_scale=None,
                  entries=None, sync_free=False):

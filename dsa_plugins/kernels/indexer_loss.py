@@ -9,7 +9,7 @@ For query row t and its selected slots j (topk_indices[t, j], valid when 0 <= id
 norm = attn_lse (logaddexp'ed with the sink when one is given), or, with attn_lse None, the
 log-sum-exp of the scores over the selected slots (logaddexp'ed with the sink).
 
-Two programs, one CTA per query row:
+The sparse stage has two programs, one CTA per query row:
 
 - ``attn_probs`` (the standalone loss only): the target's head sums P[t, j] = sum_h exp(S - norm):
   the 64 query heads of a CTA (grid (T, ceil(H / 64))) stay in shared memory, the kv rows are
@@ -80,7 +80,8 @@ BLOCK_H = 64  # query heads per attention CTA
 THREADS = 128
 
 #: Every configuration the package ships: (kind, compile parameters). T, Tk, k and H are run-time
-#: sizes; H 16/32/64/128 share the attention programs, Hi <= 64 (padded to 64) the loss programs.
+#: sizes; H 16/32/64/128 share the slot-list attention programs, Hi <= 64 (padded to 64) the loss programs;
+#: the dense programs are compiled per query head count (the models' 64 and 128 shipped).
 SHIPPED_CONFIGS: list = [
     {"kind": "attn_probs", "dim": 576, "lse_pass": False},
     {"kind": "attn_probs", "dim": 576, "lse_pass": True},
@@ -361,12 +362,12 @@ def _dense_target_program(heads: int, dim: int, block_q: int, block_k: int, chun
     producer) through one pipeline over (key block, chunk), so the copies of the next key block overlap the
     epilogue of this one. RQ = min(block_q, 256 // heads) rows a CTA (the MMA's 256 columns); heads 128 take
     a score block of 4 rows in two CTAs. Entries outside a row's window (future keys, another sequence's
-    keys, keys past the end, read as zeros) are written but mean nothing: the row program reads only the
-    window. Q [nq * heads, dim] bf16, KV [nk, dim] bf16, Norm [nq, heads] fp32 = the normaliser * log2(e)
+    keys, keys past the end, read as zeros) are written but mean nothing, and columns past the block's key
+    range are not written at all: the row program reads only the window. Q [nq * heads, dim] bf16, KV [nk, dim] bf16, Norm [nq, heads] fp32 = the normaliser * log2(e)
     (+inf on padded heads), c = scale * log2(e), P [nq, width] fp32."""
+    BQ, BK, RQ, SUB, N, NC = _dense_tiling(heads, dim, block_q, block_k, chunk)  # (checked before TileLang)
     import tilelang.language as T
 
-    BQ, BK, RQ, SUB, N, NC = _dense_tiling(heads, dim, block_q, block_k, chunk)
     threads = 128 * (BK // 64)  # a consumer warpgroup per 64 keys (the MMA rows)
     dtype, acc = "bfloat16", "float32"
     nq, nk, width, nqb = T.dynamic("nq, nk, width, nqb")
@@ -425,9 +426,9 @@ def _dense_norm_program(heads: int, dim: int, block_q: int, block_k: int, chunk:
     are masked; an empty window with no sink gives -inf. NaN scores make the normaliser NaN (the sum keeps them).
     Q [nq * heads, dim] bf16, KV [nk, dim] bf16, KS / KE [nq] int32, Sink2 [heads] fp32 (sink * log2(e), -inf
     for none), c = scale * log2(e), Norm2 [nq * heads] fp32."""
+    BQ, BK, RQ, SUB, N, NC = _dense_tiling(heads, dim, block_q, block_k, chunk)  # (checked before TileLang)
     import tilelang.language as T
 
-    BQ, BK, RQ, SUB, N, NC = _dense_tiling(heads, dim, block_q, block_k, chunk)
     threads = 256 if N >= 128 else 128  # a consumer warpgroup per 64 or more (row, head) MMA rows
     dtype, acc = "bfloat16", "float32"
     nq, nk, nqb = T.dynamic("nq, nk, nqb")
@@ -1366,9 +1367,11 @@ def indexer_kl_loss_dense(index_q, index_k, weights, q, kv, attn_lse, key_start,
                  torch.zeros(t, hp, dtype=torch.float32, device=dev))
     if t == 0 or tk == 0:
         return loss, None if grads is None else (grads[0][:, :hi], grads[1], grads[2][:, :hi])
-    # chunks planned from the sizes alone (no host sync: the GPU's queue stays full, in training too)
-    plan = _indexer._Plan(iq, ik, w, ks, ke, None, DENSE_CHUNK_BYTES if max_chunk_bytes is None else max_chunk_bytes,
-                          sync_free=DENSE_SYNC_FREE)
+    # the prefill tiling at any T (the shipped and warmed dense programs; the generation-step tiling would
+    # compile others for short inputs), chunks planned from the sizes alone (no host sync: the GPU's queue
+    # stays full, in training too)
+    plan = _indexer._Plan(iq, ik, w, ks, ke, _indexer.default_config(hp, di),
+                          DENSE_CHUNK_BYTES if max_chunk_bytes is None else max_chunk_bytes, sync_free=DENSE_SYNC_FREE)
     gcfg = _indexer.grad_config(plan.cfg)
     with torch.cuda.device(dev):
         for chunk in plan.chunks:

@@ -363,8 +363,11 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
     @T.macro
     def _body(Q, KV, dO, Idx, Lse2, Delta, dQ, dKV, scale, scale_log2, Probs, RowBlocks):
         # head blocks fastest: the CTAs of one query row run together, so at long Skv the dkv rows their
-        # reductions share (every head block adds into the same selected rows) are still in L2
-        with TC.Kernel(NHB, Tq, threads=threads, prelude=_L2_KEEP_PRELUDE if l2_keep_on else None) as (hb, t):
+        # reductions share (every head block adds into the same selected rows) are still in L2. One grid
+        # dimension (x: up to 2**31 - 1 CTAs; y would cap the query rows at 65535)
+        with TC.Kernel(NHB * Tq, threads=threads, prelude=_L2_KEEP_PRELUDE if l2_keep_on else None) as bx:
+            hb = bx % NHB
+            t = bx // NHB
             q_s = T.alloc_shared([BH, dv], dt)
             do_s = T.alloc_shared([BH, dv], dt)
             v_s = T.alloc_shared([BK, dv], dt)
@@ -825,7 +828,9 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
         Scales: T.Tensor([ND, dqk // 8], T.uint8) if det_out == "contrib_i16" else T.Tensor([2], f32),
     ):
         # head blocks fastest (see _body): one query row's CTAs reduce into the same dkv rows at the same time
-        with TC.Kernel(NHB, Tq, threads=256, prelude=_WS_PRELUDE) as (hb, t):
+        with TC.Kernel(NHB * Tq, threads=256, prelude=_WS_PRELUDE) as bx:
+            hb = bx % NHB
+            t = bx // NHB
             q_s = T.alloc_shared([BH, dv], dt)
             do_s = T.alloc_shared([BH, dv], dt)
             kv_s = T.alloc_shared([BK, dv], dt)

@@ -4,6 +4,7 @@ parts of the wrapper."""
 
 import importlib.util
 import logging
+import re
 
 import pytest
 import torch
@@ -77,6 +78,13 @@ def test_shipped_config_compiles_for_sm90a(config, caplog):
         det = progs[name].get_kernel_source()
         assert "wgmma" in det and "AtomicAdd" not in det and "dsa_red_tile64<5>(" in det
         assert "dsa_red_tile64<0>(" not in det and "dsa_red_tile64<2>(" not in det
+    for name in ("main", "main_det", "main_probs", "main_det_probs"):
+        # one grid dimension, head blocks fastest (a query row's CTAs reduce into the same dkv rows together):
+        # no blockIdx.y, whose 65535 would cap the query rows
+        main_src = progs[name].get_kernel_source()
+        assert "blockIdx.x" in main_src and "blockIdx.y" not in main_src, name
+        if config["heads"] > 64:  # two head blocks: the row is blockIdx.x / 2
+            assert re.search(r"blockIdx\.x\)+ >> (\(int64_t\))?1\)", main_src), name
     # a second build is served from the in-process cache: no new compile log line
     n = len([r for r in caplog.records if "compiled" in r.getMessage()])
     with caplog.at_level(logging.INFO, logger="dsa_plugins"):
