@@ -164,7 +164,7 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
         # the dense warm-up loss: the tiled normaliser and target (query heads and score tiles as
         # indexer_kl_loss_dense runs them), the row program, the score-gradient programs (index heads padded as
         # indexer_kl_loss_dense pads them)
-        dense_scores = indexer.default_config(indexer_loss.dense_index_heads(dims.index_heads), dims.index_dim)
+        dense_scores = indexer_loss.dense_score_config(dims.index_heads, dims.index_dim)
         loss_cfgs += [{"kind": kind, "heads": indexer_loss.dense_target_heads(dims.heads), "dim": dims.dim_qk,
                        "block_q": dense_scores["block_q"], "block_k": dense_scores["block_k"]}
                       for kind in ("dense_target", "dense_norm")]

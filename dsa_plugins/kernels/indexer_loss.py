@@ -1318,6 +1318,15 @@ def dense_index_heads(index_heads: int) -> int:
     return 32 if index_heads <= 32 else 64
 
 
+def dense_score_config(index_heads: int, index_dim: int) -> dict:
+    """The indexer score tiling of the dense loss (its logits, score-gradient and dense programs follow it): the
+    padded index heads (:func:`dense_index_heads`) and the prefill tiling at any T, so that short inputs run the
+    shipped, warmed programs rather than the generation-step tiling."""
+    from . import indexer as _indexer
+
+    return _indexer.default_config(dense_index_heads(index_heads), index_dim)
+
+
 #: Bytes of one fp32 [rows, width] buffer of a row chunk of the dense loss (the scores, the target, and a few
 #: torch temporaries of that size live at once).
 DENSE_CHUNK_BYTES = 128 << 20
@@ -1367,10 +1376,8 @@ def indexer_kl_loss_dense(index_q, index_k, weights, q, kv, attn_lse, key_start,
                  torch.zeros(t, hp, dtype=torch.float32, device=dev))
     if t == 0 or tk == 0:
         return loss, None if grads is None else (grads[0][:, :hi], grads[1], grads[2][:, :hi])
-    # the prefill tiling at any T (the shipped and warmed dense programs; the generation-step tiling would
-    # compile others for short inputs), chunks planned from the sizes alone (no host sync: the GPU's queue
-    # stays full, in training too)
-    plan = _indexer._Plan(iq, ik, w, ks, ke, _indexer.default_config(hp, di),
+    # chunks planned from the sizes alone (no host sync: the GPU's queue stays full, in training too)
+    plan = _indexer._Plan(iq, ik, w, ks, ke, dense_score_config(hi, di),
                           DENSE_CHUNK_BYTES if max_chunk_bytes is None else max_chunk_bytes, sync_free=DENSE_SYNC_FREE)
     gcfg = _indexer.grad_config(plan.cfg)
     with torch.cuda.device(dev):
