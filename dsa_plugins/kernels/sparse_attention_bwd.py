@@ -91,7 +91,7 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
 
 
 _TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep",
-                "schedule", "ws_prefetch", "ws_dq_rs", "det_mode")
+                "schedule", "ws_prefetch", "ws_dq_rs", "ws_pair", "det_mode")
 _DET_MODES = ("contrib", "contrib_ws", "contrib_bf16", "contrib_i16", "fixed")
 # the contribution modes whose rows are not fp32 (the same names as the ws program's det_out)
 _CONTRIB_DTYPES = {"contrib_bf16": "bfloat16", "contrib_i16": "int16"}
@@ -148,6 +148,13 @@ def _normalise_config(config: dict) -> dict:
     # registers 1.00-1.02x (off: within noise)
     cfg["ws_prefetch"] = bool(cfg.get("ws_prefetch", True))
     cfg["ws_dq_rs"] = bool(cfg.get("ws_dq_rs", False))
+    # ws_pair: the two head blocks of a query row sum their dkv chunks in a 2-CTA cluster before reducing
+    # (half the reductions; see _ws_body): the atomic mode, an even number of head blocks, dqk == dv. Off:
+    # measured slower on an H100 (V4 H128 k1024: 8.42 vs 8.03 ms; Nsight Compute: L2 busy 42% vs 78%, warp
+    # cycles per issued instruction 8.3 vs 6.8): with half the reductions the time does not fall, so at this
+    # shape the L2 reductions are not what bounds the program; the per-block chain of its two warpgroups is
+    cfg["ws_pair"] = (bool(cfg.get("ws_pair", False)) and cfg["schedule"] == "ws"
+                      and ws_pair_supported(cfg["heads"], cfg["dqk"], cfg["dv"]))
     if cfg["schedule"] == "ws" and not ws_ok:
         raise ValueError(f"schedule 'ws' needs dv a multiple of 128, dqk - dv in (0, 64) and block_k 64, got "
                          f"dqk={cfg['dqk']} dv={cfg['dv']} block_k={cfg['block_k']}")
@@ -661,9 +668,13 @@ __device__ __forceinline__ float2 dsa_i16_scale(unsigned int m) {
                      __uint_as_float(static_cast<unsigned int>(113 + e) << 23));
 }
 
-template <int kMode>
-__device__ __forceinline__ void dsa_red_tile64(const float* acc, void* dkv_raw, const int* rows, int ld, int col0,
-                                               int64_t* sums, void* scales_raw, long long row0) {
+// Sends a wgmma accumulator tile [64 slots, 16 kGroups columns] (a warpgroup's registers: acc[8 m + ...] holds
+// columns 16 m .. 16 m + 15 of rows g and g + 8 of its warp's 16) to dkv rows rows[slot] (< 0: nothing) at column
+// col0: kGroups 4 is a whole 64-column chunk, 2 the half a CTA of a pair reduces (dsa_pair_finish).
+template <int kMode, int kGroups = 4>
+__device__ __forceinline__ void dsa_red_tile(const float* acc, void* dkv_raw, const int* rows, int ld, int col0,
+                                             int64_t* sums, void* scales_raw, long long row0) {
+  static_assert(kGroups == 4 || (kGroups == 2 && kMode <= 1), "half tiles: the atomic modes only");
   float* dkv = static_cast<float*>(dkv_raw);
   const float* scales = static_cast<const float*>(scales_raw);  // kMode 2: the power of two and the limit
   unsigned char* exps = static_cast<unsigned char*>(scales_raw);  // kMode 5: the blocks' exponent bytes
@@ -678,9 +689,9 @@ __device__ __forceinline__ void dsa_red_tile64(const float* acc, void* dkv_raw, 
   char* contrib = static_cast<char*>(dkv_raw);
   #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    float4 v[4];
+    float4 v[kGroups];
     #pragma unroll
-    for (int m = 0; m < 4; ++m) {
+    for (int m = 0; m < kGroups; ++m) {
       const float a0 = acc[8 * m + 2 * half], a1 = acc[8 * m + 2 * half + 1];
       const float b0 = acc[8 * m + 4 + 2 * half], b1 = acc[8 * m + 4 + 2 * half + 1];
       const float r0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
@@ -689,9 +700,9 @@ __device__ __forceinline__ void dsa_red_tile64(const float* acc, void* dkv_raw, 
     }
     const int slot = 16 * (tid >> 5) + 8 * half + (g & ~1);
     const int row_a = rows[slot], row_b = rows[slot + 1];
-    float4 va[2], vb[2];  // [mp]: rows a and b at column col0 + 16 (2 mp + gb) + 8 odd + 4 (q >> 1)
+    float4 va[kGroups / 2], vb[kGroups / 2];  // [mp]: rows a and b at column col0 + 16 (2 mp + gb) + 8 odd + 4 (q >> 1)
     #pragma unroll
-    for (int mp = 0; mp < 2; ++mp) {
+    for (int mp = 0; mp < kGroups / 2; ++mp) {
       const float4 x = v[2 * mp], y = v[2 * mp + 1];
       const float4 s = gb ? x : y;
       float4 r;
@@ -711,7 +722,7 @@ __device__ __forceinline__ void dsa_red_tile64(const float* acc, void* dkv_raw, 
       if (row_b >= 0) exps[(row0 + slot + 1) * (ld / 8) + blk] = static_cast<unsigned char>(__float_as_uint(sb.y) >> 23);
     }
     #pragma unroll
-    for (int mp = 0; mp < 2; ++mp) {
+    for (int mp = 0; mp < kGroups / 2; ++mp) {
       if (kMode == 2) {
         dsa_fixed_quad(sums, dkv, row_a, ld, col0 + 16 * (2 * mp + gb), va[mp], fix, limit, q);
         dsa_fixed_quad(sums, dkv, row_b, ld, col0 + 16 * (2 * mp + gb), vb[mp], fix, limit, q);
@@ -728,10 +739,117 @@ __device__ __forceinline__ void dsa_red_tile64(const float* acc, void* dkv_raw, 
     }
   }
 }
+
+// The CTA pair of a cluster (``pair``: head blocks 2 i and 2 i + 1 of one query row) adds into the same dkv
+// rows, so each CTA reduces half of every chunk (columns 32 r .. 32 r + 31 for cluster rank r) summed over
+// both: it sends the peer the half the peer reduces, through distributed shared memory, and adds the half it
+// receives to its own (half the L2 reductions; the sum of two fp32 values, then one reduction, where two
+// reductions added them in either order). Per CTA: recv [2 slots][4][128 threads] float4 (16 KB, thread
+// tid's own layout: the peer's thread tid holds the same tile positions) and bars [4] uint64: full[2] (the
+// peer's half has landed: an st.async transaction of 8 KB), empty[2] (the peer's four warps have read what
+// went into their slot).
+__device__ __forceinline__ unsigned dsa_smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ unsigned dsa_mapa_u32(unsigned addr, unsigned rank) {
+  unsigned r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ void dsa_mbar_wait(unsigned bar, unsigned parity) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n\t"
+      "DSA_MBAR_WAIT_%=:\n\t"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
+      "@!p bra DSA_MBAR_WAIT_%=;\n\t}"
+      :: "r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void dsa_mbar_arm(unsigned bar, unsigned bytes) {
+  asm volatile("{\n\t.reg .b64 st;\n\tmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n\t}"
+               :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void dsa_cluster_barrier() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// one thread per CTA, before the first cluster barrier: the four barriers, both full slots armed
+__device__ __forceinline__ void dsa_pair_init(void* bars) {
+  const unsigned b = dsa_smem_u32(bars);
+  #pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(b + 8 * i) : "memory");
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 4;" :: "r"(b + 16 + 8 * i) : "memory");
+  }
+  dsa_mbar_arm(b, 8192);
+  dsa_mbar_arm(b + 8, 8192);
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// Pipelined by one chunk, so that the peer's half has a whole chunk's MMAs to land: chunk c's half goes to the
+// peer (dsa_pair_send) as soon as its MMAs are done, this CTA keeps its own half in `keep` (16 registers), and
+// sums and reduces it (dsa_pair_finish) after sending chunk c + 1. chunk: the running count of chunks of this
+// CTA (slot c & 1, phase (c >> 1) & 1); rank: this CTA's in the pair.
+template <int kRank>
+__device__ __forceinline__ void dsa_pair_send_rank(const float* acc, float* keep, void* recv, void* bars, int chunk) {
+  const int tid = threadIdx.x & 127;
+  const int s = chunk & 1;
+  const unsigned parity = (chunk >> 1) & 1;
+  const unsigned full = dsa_smem_u32(bars) + 8 * s, empty = dsa_smem_u32(bars) + 16 + 8 * s;
+  const unsigned slot = dsa_smem_u32(recv) + s * 8192 + tid * 16;
+  const float* theirs = acc + 16 * (kRank ^ 1);  // the accumulator halves picked at compile time: no local memory
+  dsa_mbar_wait(empty, parity ^ 1);  // the peer has read what this CTA put into its slot s two chunks ago
+  const unsigned peer_slot = dsa_mapa_u32(slot, kRank ^ 1), peer_full = dsa_mapa_u32(full, kRank ^ 1);
+  #pragma unroll
+  for (int i = 0; i < 4; ++i)
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+                 :: "r"(peer_slot + i * 2048), "f"(theirs[4 * i]), "f"(theirs[4 * i + 1]), "f"(theirs[4 * i + 2]),
+                    "f"(theirs[4 * i + 3]), "r"(peer_full) : "memory");
+  #pragma unroll
+  for (int i = 0; i < 16; ++i) keep[i] = acc[16 * kRank + i];
+}
+__device__ __forceinline__ void dsa_pair_send(const float* acc, float* keep, void* recv, void* bars, int chunk, int rank) {
+  if (rank == 0) {
+    dsa_pair_send_rank<0>(acc, keep, recv, bars, chunk);
+  } else {
+    dsa_pair_send_rank<1>(acc, keep, recv, bars, chunk);
+  }
+}
+// keep + the peer's half of chunk `chunk` (columns col0 + 32 rank ..), reduced into the dkv rows `rows`
+template <int kMode>
+__device__ __forceinline__ void dsa_pair_finish(float* keep, void* dkv, const int* rows, int ld, int col0, void* recv,
+                                                void* bars, int chunk, int rank) {
+  const int tid = threadIdx.x & 127;
+  const int s = chunk & 1;
+  const unsigned full = dsa_smem_u32(bars) + 8 * s, empty = dsa_smem_u32(bars) + 16 + 8 * s;
+  const unsigned slot = dsa_smem_u32(recv) + s * 8192 + tid * 16;
+  dsa_mbar_wait(full, (chunk >> 1) & 1);
+  #pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float4 r;
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "r"(slot + i * 2048) : "memory");
+    keep[4 * i] += r.x;
+    keep[4 * i + 1] += r.y;
+    keep[4 * i + 2] += r.z;
+    keep[4 * i + 3] += r.w;
+  }
+  __syncwarp();
+  // this warp has read its part of slot s: the peer may fill it again. Release at CTA scope (the default, as
+  // CUTLASS's cluster barriers): at cluster scope the arrive waited for every reduction still in flight to
+  // reach L2 (V4 H128: 11.4 ms against 8.0 unpaired)
+  if ((tid & 31) == 0)
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(dsa_mapa_u32(empty, rank ^ 1)) : "memory");
+  if (tid == 0) dsa_mbar_arm(full, 8192);  // the slot's next phase (its bytes cannot come before the arrivals above)
+  dsa_red_tile<kMode, 2>(keep, dkv, rows, ld, col0 + 32 * rank, nullptr, nullptr, 0);
+}
 """
 
 # named barriers of the ws program (bar ids; TileLang numbers its own from 1 upwards per thread range)
 _BAR_PDS_READY, _BAR_PDS_FREE, _BAR_KV_FREE, _BAR_WG0 = 15, 14, 13, 12
+
+
+def ws_pair_supported(heads: int, dqk: int, dv: int) -> bool:
+    """The ws program's pair mode: head blocks in pairs, and the 16 KB of its exchange slots beside the
+    D512 tiles (the 576-wide ones leave 3 KB)."""
+    return ws_supported(dqk, dv) and dqk == dv and (heads + _BLOCK_H - 1) // _BLOCK_H % 2 == 0
 
 
 def ws_supported(dqk: int, dv: int) -> bool:
@@ -740,7 +858,7 @@ def ws_supported(dqk: int, dv: int) -> bool:
 
 
 def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, emit_probs=False, l2_keep=False,
-             det_out=None):
+             det_out=None, pair=False):
     """Main backward program, warp-specialised (256 threads, one CTA per query row and 64 heads).
 
     Warpgroup 0 gathers the selected kv rows (predicated cp.async, invalid slots zero-filled),
@@ -766,7 +884,10 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     (full-line stores from the same layout), for the reduce to sum in a fixed order; "contrib_bf16":
     the same with dKV a bf16 buffer (each value rounded to bf16: half the bytes); "contrib_i16": dKV an
     int16 buffer in block floating point, Scales [ND, dqk / 8] uint8 the exponent of each block of 8 values
-    (see ``dsa_red_tile64``)."""
+    (see ``dsa_red_tile``). ``pair`` (the atomic modes, an even number of head blocks, dqk == dv: the 16 KB
+    it needs fit beside the D512 tiles, not the 576-wide ones): CTAs run in clusters of two, the two head
+    blocks of one query row, which sum each dkv chunk through distributed shared memory and reduce half of
+    it each (``dsa_pair_send``, ``dsa_pair_finish``: pipelined by one chunk)."""
     import tilelang.cuda.language as TC
     import tilelang.language as T
 
@@ -793,7 +914,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     fixed_point, contrib = det_out == "fixed", det_out in contrib_modes
     contrib_dt = getattr(T, _CONTRIB_DTYPES.get(det_out, "float32"))
     red_mode = contrib_modes[det_out] if contrib else 2 if fixed_point else 1 if l2_keep else 0
-    red_fn = f"dsa_red_tile64<{red_mode}>"
+    red_fn = f"dsa_red_tile<{red_mode}>"
+    assert not pair or (det_out is None and NHB % 2 == 0 and DT == 0), (det_out, NHB, DT)
 
     Tq = T.dynamic("Tq")
     N = T.dynamic("N")
@@ -824,11 +946,11 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
         Probs: T.Tensor([NHB, Tq, Kp] if emit_probs else [1], f32),
         FixedSums: T.Tensor([N, dqk] if fixed_point else [1], T.int64),
         # "fixed": the power of two the values are scaled by and the limit; "contrib_i16": each contribution
-        # row's exponent bytes, one per block of 8 values (see dsa_red_tile64)
+        # row's exponent bytes, one per block of 8 values (see dsa_red_tile)
         Scales: T.Tensor([ND, dqk // 8], T.uint8) if det_out == "contrib_i16" else T.Tensor([2], f32),
     ):
         # head blocks fastest (see _body): one query row's CTAs reduce into the same dkv rows at the same time
-        with TC.Kernel(NHB * Tq, threads=256, prelude=_WS_PRELUDE) as bx:
+        with TC.Kernel(NHB * Tq, threads=256, prelude=_WS_PRELUDE, cluster_dims=(2, 1, 1) if pair else None) as bx:
             hb = bx % NHB
             t = bx // NHB
             q_s = T.alloc_shared([BH, dv], dt)
@@ -851,6 +973,9 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
             valid_s = T.alloc_shared([BK], i32)
             ds_cast = T.alloc_fragment([BH, BK], dt) if dq_rs else None
             psum_f = T.alloc_fragment([BK], f32) if emit_probs else None
+            recv_s = T.alloc_shared([2 * 4 * 128 * 4], f32) if pair else None  # the two exchange slots
+            bars_s = T.alloc_shared([4], T.uint64) if pair else None
+            keep = T.alloc_local([16], f32) if pair else None  # this CTA's half of the chunk in flight
 
             tx = T.get_thread_binding()
             h0 = hb * BH
@@ -866,8 +991,13 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
             for i in T.Parallel(BH):
                 lse_s[i] = T.if_then_else(h0 + i < heads, Lse2[t, T.min(h0 + i, heads - 1)], T.infinity(f32))
                 delta_s[i] = T.if_then_else(h0 + i < heads, Delta[t, T.min(h0 + i, heads - 1)], 0)
+            if pair:
+                if tx == 0:
+                    T.call_extern("handle", "dsa_pair_init", T.address_of(bars_s[0]))
             T.fence_proxy_async()
             T.sync_threads()
+            if pair:  # the peer's barriers are initialised before anything reaches them
+                T.call_extern("handle", "dsa_cluster_barrier")
 
             if tx < 128:
                 T.clear(acc_dq0)
@@ -966,7 +1096,19 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                             T.wait_wgmma(0)
                             if kb + 1 < n_blocks:
                                 T.named_barrier_arrive(_BAR_PDS_FREE, 256)
-                        if store_dkv:
+                        if store_dkv and pair:
+                            # send this chunk's half, then sum and reduce the previous chunk's (the last of the
+                            # previous block at ci 0: its kv rows are that block's)
+                            if ci > 0 or kb > 0:
+                                T.call_extern("handle", f"dsa_pair_finish<{red_mode}>", keep.data,
+                                              T.address_of(dKV[0, 0]),
+                                              T.address_of(Idx[t, kb * BK if ci > 0 else (kb - 1) * BK]), dqk,
+                                              chunks[ci - 1][0] if ci > 0 else chunks[NCH - 1][0],
+                                              T.address_of(recv_s[0]), T.address_of(bars_s[0]), kb * NCH + ci - 1,
+                                              hb % 2)
+                            T.call_extern("handle", "dsa_pair_send", acc_kv[ci % 2].data, keep.data,
+                                          T.address_of(recv_s[0]), T.address_of(bars_s[0]), kb * NCH + ci, hb % 2)
+                        elif store_dkv:
                             T.call_extern("handle", red_fn, acc_kv[ci % 2].data, T.address_of(dKV[0, 0]),
                                           T.address_of(Idx[t, kb * BK]), dqk, chunks[ci][0],
                                           T.address_of(FixedSums[0, 0] if fixed_point else FixedSums[0]),
@@ -980,6 +1122,13 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                     for i, d in T.Parallel(BH, DT):
                         if h0 + i < heads:
                             dQ[t, h0 + i, dv + d] = acc_dqt[i, d]
+            if pair:
+                if tx >= 128 and store_dkv and n_blocks > 0:  # the last chunk's half
+                    T.call_extern("handle", f"dsa_pair_finish<{red_mode}>", keep.data, T.address_of(dKV[0, 0]),
+                                  T.address_of(Idx[t, (n_blocks - 1) * BK]), dqk, chunks[NCH - 1][0],
+                                  T.address_of(recv_s[0]), T.address_of(bars_s[0]), n_blocks * NCH - 1, hb % 2)
+                # no CTA leaves while its peer may still signal its barriers
+                T.call_extern("handle", "dsa_cluster_barrier")
 
     return dsa_bwd_ws
 
@@ -1051,7 +1200,8 @@ def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tu
     if _uses_ws(cfg, deterministic):
         return "ws", (cfg["heads"], cfg["dqk"], cfg["dv"], cfg["dtype"], cfg["store_dkv"], cfg["ws_prefetch"],
                       cfg["ws_dq_rs"], bool(emit_probs), cfg["l2_keep"] and not deterministic,
-                      _WS_DET_OUT[cfg["det_mode"]] if deterministic else None)
+                      _WS_DET_OUT[cfg["det_mode"]] if deterministic else None,
+                      cfg["ws_pair"] and not deterministic and cfg["store_dkv"])
     return "main", _main_args(cfg, deterministic, emit_probs)
 
 

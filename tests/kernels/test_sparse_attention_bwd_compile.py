@@ -67,17 +67,17 @@ def test_shipped_config_compiles_for_sm90a(config, caplog):
     assert set(progs) == {"preprocess", "main", "main_det", "main_probs", "main_det_probs", "reduce"}
     assert "Maxima[" not in progs["preprocess"].get_kernel_source()
     probs_src = progs["main_probs"].get_kernel_source()
-    assert "dsa_red_tile64<0>(" in probs_src and "Probs[" in probs_src  # the ws program with the head-summed P
+    assert "dsa_red_tile<0>(" in probs_src and "Probs[" in probs_src  # the ws program with the head-summed P
     src = progs["main"].get_kernel_source()
     assert "wgmma" in src  # Hopper tensor-core path
     # the warp-specialised program: two warpgroups handing P / dS over named barriers, dkv sent as
     # full-line v4 reductions from the accumulators
-    assert "dsa_red_tile64<0>(" in src and "__named_barrier_arrive" in src and "AtomicAdd" not in src
+    assert "dsa_red_tile<0>(" in src and "__named_barrier_arrive" in src and "AtomicAdd" not in src
     for name in ("main_det", "main_det_probs"):
         # deterministic: each slot's contribution stored as int16 rows (mode 5), no reduction of any kind
         det = progs[name].get_kernel_source()
-        assert "wgmma" in det and "AtomicAdd" not in det and "dsa_red_tile64<5>(" in det
-        assert "dsa_red_tile64<0>(" not in det and "dsa_red_tile64<2>(" not in det
+        assert "wgmma" in det and "AtomicAdd" not in det and "dsa_red_tile<5>(" in det
+        assert "dsa_red_tile<0>(" not in det and "dsa_red_tile<2>(" not in det
     for name in ("main", "main_det", "main_probs", "main_det_probs"):
         # one grid dimension, head blocks fastest (a query row's CTAs reduce into the same dkv rows together):
         # no blockIdx.y, whose 65535 would cap the query rows
@@ -112,6 +112,23 @@ def test_l2_keep_variant_sends_staged_reductions_with_a_cache_policy():
     src = bwd.build_bwd_program(cfg, "main", target=SM90A).get_kernel_source()
     assert "L2::cache_hint" in src and "dsa_red_v4_keep(" in src and "AtomicAdd" not in src
     assert not bwd._normalise_config({**cfg, "stage_atomics": False})["l2_keep"]  # only with staging
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
+def test_ws_pair_variant_exchanges_halves_in_a_cluster():
+    """``ws_pair`` (an experiment, off: measured slower, see _ws_body): the V4 H128 program sends each chunk's
+    other half to its peer and reduces its own, pipelined by one chunk (the last one after the loop), between
+    two cluster barriers; the atomic mode with an even head-block count and dqk == dv only."""
+    cfg = {"heads": 128, "dqk": 512, "dv": 512, "has_sink": True, "dtype": "bfloat16", "ws_pair": True}
+    src = bwd.build_bwd_program(cfg, "main", target=SM90A).get_kernel_source()
+    body = src.split("dsa_bwd_ws_kernel(", 1)[1]
+    assert body.count("dsa_pair_send(") == 8 and body.count("dsa_pair_finish<0>(") == 9
+    assert body.count("dsa_cluster_barrier();") == 2 and "dsa_red_tile<0>(" not in body
+    for other in ({"heads": 64}, {"heads": 128, "dqk": 576}, {"heads": 192}):
+        assert not bwd._normalise_config({**cfg, **other})["ws_pair"], other
+    det = bwd.build_bwd_program(cfg, "main_det", target=SM90A).get_kernel_source()
+    assert "dsa_pair_send(" not in det.split("dsa_bwd_ws_kernel(", 1)[1]
 
 
 def test_schedule_defaults_to_ws_where_its_shapes_allow():
@@ -160,36 +177,39 @@ def test_fixed_point_deterministic_path_compiles():
     assert "reduce" not in progs and "Maxima[" in progs["preprocess_det"].get_kernel_source()
     for name in ("main_det", "main_det_probs"):
         det = progs[name].get_kernel_source()
-        assert "dsa_red_tile64<2>(" in det and "dsa_red_tile64<0>(" not in det and "FixedSums" in det
+        assert "dsa_red_tile<2>(" in det and "dsa_red_tile<0>(" not in det and "FixedSums" in det
 
 
-def _red_tile_model(tile):
-    """What dsa_red_tile64 adds, modelled lane by lane: the m64n64 accumulator layout of one
-    warpgroup, the two shuffles (each lane reads what its partner sends), then each lane's
-    (row, column, float4) reductions. Returns (sum, hit count) per tile element."""
+def _red_tile_model(tile, groups=4, rank=0):
+    """What dsa_red_tile<kMode, groups> adds, modelled lane by lane: the m64n64 accumulator layout of one
+    warpgroup, the two shuffles (each lane reads what its partner sends), then each lane's (row, column,
+    float4) reductions. ``groups`` 2: the half tile rank ``rank`` of a pair sends (dsa_pair_red: the
+    accumulator from element 16 rank, columns from 32 rank). Returns (sum, hit count) per tile element."""
     import numpy as np
 
-    acc = np.zeros((128, 32))
+    full = np.zeros((128, 32))
     for t in range(128):
         w, lane = t >> 5, t & 31
         for i in range(32):
-            acc[t, i] = tile[16 * w + (lane >> 2) + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * (lane & 3) + (i & 1)]
+            full[t, i] = tile[16 * w + (lane >> 2) + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * (lane & 3) + (i & 1)]
+    acc = full[:, 16 * rank:] if groups == 2 else full
+    col0 = 32 * rank if groups == 2 else 0
     out, hits = np.zeros((64, 64)), np.zeros((64, 64), dtype=int)
     for half in range(2):
-        a = {(t, m): acc[t, 8 * m + 2 * half: 8 * m + 2 * half + 2] for t in range(128) for m in range(4)}
-        b = {(t, m): acc[t, 8 * m + 4 + 2 * half: 8 * m + 6 + 2 * half] for t in range(128) for m in range(4)}
-        send = {(t, m): a[t, m] if t & 1 else b[t, m] for t in range(128) for m in range(4)}
+        a = {(t, m): acc[t, 8 * m + 2 * half: 8 * m + 2 * half + 2] for t in range(128) for m in range(groups)}
+        b = {(t, m): acc[t, 8 * m + 4 + 2 * half: 8 * m + 6 + 2 * half] for t in range(128) for m in range(groups)}
+        send = {(t, m): a[t, m] if t & 1 else b[t, m] for t in range(128) for m in range(groups)}
         v = {(t, m): np.concatenate([send[t ^ 1, m], b[t, m]]) if t & 1 else np.concatenate([a[t, m], send[t ^ 1, m]])
-             for t in range(128) for m in range(4)}
+             for t in range(128) for m in range(groups)}
         gb = {t: ((t & 31) >> 2) & 1 for t in range(128)}
-        send2 = {(t, mp): v[t, 2 * mp] if gb[t] else v[t, 2 * mp + 1] for t in range(128) for mp in range(2)}
+        send2 = {(t, mp): v[t, 2 * mp] if gb[t] else v[t, 2 * mp + 1] for t in range(128) for mp in range(groups // 2)}
         for t in range(128):
             q, g = t & 3, (t & 31) >> 2
             slot = 16 * (t >> 5) + 8 * half + (g & ~1)
-            for mp in range(2):
+            for mp in range(groups // 2):
                 r = send2[t ^ 4, mp]
                 va, vb = (r, v[t, 2 * mp + 1]) if gb[t] else (v[t, 2 * mp], r)
-                col = 16 * (2 * mp + gb[t]) + 8 * (q & 1) + 4 * (q >> 1)
+                col = col0 + 16 * (2 * mp + gb[t]) + 8 * (q & 1) + 4 * (q >> 1)
                 for row, val in ((slot, va), (slot + 1, vb)):
                     out[row, col:col + 4] += val
                     hits[row, col:col + 4] += 1
@@ -203,6 +223,17 @@ def test_red_tile_lane_mapping_covers_the_tile_once():
     out, hits = _red_tile_model(tile)
     assert (hits == 1).all()
     assert np.array_equal(out, tile)
+
+
+def test_pair_halves_cover_the_tile_once():
+    """dsa_pair_red: rank 0 reduces accumulator elements 0..15 at columns 0..31, rank 1 elements 16..31 at
+    columns 32..63 (each summed with the peer's same elements); together every element once."""
+    import numpy as np
+
+    tile = np.random.default_rng(1).standard_normal((64, 64))
+    (o0, h0), (o1, h1) = _red_tile_model(tile, 2, 0), _red_tile_model(tile, 2, 1)
+    assert (h0[:, :32] == 1).all() and (h0[:, 32:] == 0).all() and (h1[:, 32:] == 1).all() and (h1[:, :32] == 0).all()
+    assert np.array_equal(o0 + o1, tile)
 
 
 def _slot_values(q, kv, idx, dout, scale, dv):
@@ -295,7 +326,7 @@ def test_contribution_rows_from_the_ws_program_compile():
     assert bwd.bwd_program_names(cfg) == ("preprocess", "main", "main_probs", "main_det", "main_det_probs", "reduce")
     for name in ("main_det", "main_det_probs"):
         det = bwd.build_bwd_program(cfg, name, target=SM90A).get_kernel_source()
-        assert "dsa_red_tile64<3>(" in det and "dsa_red_tile64<0>(" not in det and "__named_barrier_arrive" in det
+        assert "dsa_red_tile<3>(" in det and "dsa_red_tile<0>(" not in det and "__named_barrier_arrive" in det
 
 
 @pytest.mark.slow
@@ -308,7 +339,7 @@ def test_rounded_contribution_rows_compile_with_their_reduce(mode, ctype, store)
     cfg = {"heads": 64, "dqk": 576, "dv": 512, "has_sink": False, "dtype": "bfloat16", "det_mode": mode}
     assert bwd.bwd_program_names(cfg)[-1] == "reduce"
     det = bwd.build_bwd_program(cfg, "main_det", target=SM90A).get_kernel_source()
-    assert f"dsa_red_tile64<{store}>(" in det and f"{ctype}* __restrict__ dKV" in det
+    assert f"dsa_red_tile<{store}>(" in det and f"{ctype}* __restrict__ dKV" in det
     assert ("Scales[" in det or "(&(Scales[0]))" in det)
     red = bwd.build_bwd_program(cfg, "reduce", target=SM90A).get_kernel_source()
     loop = red[red.index("for (int it = 0;"):red.index("__syncthreads()")]
@@ -358,7 +389,7 @@ def test_int16_rounding_by_the_magic_constant_matches_round_half_even():
 
 
 def test_int16_blocks_written_by_the_ws_program_are_the_ones_the_reduce_reads():
-    """The "contrib_i16" block of each column, as the ws program's lanes write it (dsa_red_tile64: lane q, g of
+    """The "contrib_i16" block of each column, as the ws program's lanes write it (dsa_red_tile: lane q, g of
     a quad-row pair holds columns col0 + 16 (2 mp + gb) + 8 odd + 4 (q >> 1) + 0..3, mp = 0, 1, and writes the
     byte col0 / 8 + 4 gb + 2 odd + (q >> 1)) and as the reduce reads it (col // 64 * 8 + col % 32 // 4)."""
     import inspect

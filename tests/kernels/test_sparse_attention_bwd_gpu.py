@@ -395,6 +395,37 @@ def test_ws_tuning_variants_match_float64(tuning, case):
     assert (dq[empty] == 0).all()
 
 
+@pytest.mark.parametrize("cfg", [(128, 512, 512, True, torch.bfloat16), (100, 512, 512, True, torch.bfloat16),
+                                 (256, 512, 512, False, torch.bfloat16), (128, 512, 512, True, torch.float16)],
+                         ids=lambda c: f"H{c[0]}-D{c[1]}-{str(c[4])[6:]}")
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[4], CASES[5], BIG_CASES[0]],
+                         ids=lambda c: f"S{c[1]}K{c[3]}-{c[4]}")
+def test_ws_pair_sums_head_blocks_in_a_cluster(cfg, case):
+    """``ws_pair``: the two head blocks of a query row sum each dkv chunk in a 2-CTA cluster and reduce half
+    of it each. The gradients match float64 and the unpaired program (dkv to fp32 reduction order, dq and
+    the head-summed probabilities bitwise: the pair changes only how dkv is reduced), including padded
+    heads in the second block (H 100), two pairs per row (H 256), many slots naming one kv row (dups),
+    empty rows and K not a multiple of the block; never NaN."""
+    from dsa_plugins.kernels.sparse_attention_bwd import _normalise_config, sparse_attention_bwd
+
+    H, Dqk, Dv, has_sink, dtype = cfg
+    assert _normalise_config({"heads": H, "dqk": Dqk, "dv": Dv, "ws_pair": True})["ws_pair"]
+    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=53)
+    out64, lse64, dq_ref, dkv_ref, dsink_ref = _reference(q, kv, idx, dout, sink, scale, Dv)
+    out, lse = out64.to(dtype), lse64.float()
+    args = (q, kv, idx, out, lse, dout, scale)
+    pair = sparse_attention_bwd(*args, sink=sink, dv=Dv, config={"ws_pair": True}, return_probs=True)
+    solo = sparse_attention_bwd(*args, sink=sink, dv=Dv, config={"ws_pair": False}, return_probs=True)
+    g_dq, g_dkv, _ = _given_inputs_grads(q, kv, idx, out, lse, dout, scale, sink, Dv)
+    assert _err(pair[0], dq_ref, g_dq) < TOL and _err(pair[1], dkv_ref, g_dkv) < TOL
+    assert torch.equal(pair[0], solo[0]) and torch.equal(pair[3], solo[3])
+    assert _rel(pair[1], solo[1]) < 1e-5
+    if sink is not None:
+        assert torch.equal(pair[2], solo[2])
+    empty = ~((idx >= 0) & (idx < kv.shape[1])).any(-1)
+    assert (pair[0][empty] == 0).all()
+
+
 @pytest.mark.parametrize("det_mode", ["contrib", "contrib_ws", "contrib_bf16", "contrib_i16"])
 def test_deterministic_chunks_with_probs_and_two_head_blocks(monkeypatch, det_mode):
     """H 128 (two head blocks): the deterministic query chunks write the head-summed probabilities
