@@ -124,9 +124,6 @@ def _normalise_config(config: dict) -> dict:
         cfg[k] = int(cfg.get(k) or v)
     cfg["store_dkv"] = bool(cfg.get("store_dkv", True))  # False: benchmark ablation only
     cfg["stage_atomics"] = bool(cfg.get("stage_atomics", False))
-    # skip_tail: each query row walks its slot blocks only up to its last valid slot (causal rows,
-    # the first tokens of packed sequences); off until measured on a GPU
-    cfg["skip_tail"] = bool(cfg.get("skip_tail", False))
     can_overlap = cfg["block_k"] == 64 and cfg["dqk"] - cfg["dv"] <= cfg["dkv_chunk"] and not cfg["stage_atomics"]
     # off by default: measured 3% slower than issuing the atomics after each chunk (H200)
     cfg["overlap"] = bool(cfg.get("overlap", False)) and can_overlap and cfg["store_dkv"]
@@ -147,6 +144,12 @@ def _normalise_config(config: dict) -> dict:
     # measured on an H100 (B1 S4096 Skv8192): prefetch 1.01x (MLA H64) and 1.03x (V4 H128), dq from
     # registers 1.00-1.02x (off: within noise)
     cfg["ws_prefetch"] = bool(cfg.get("ws_prefetch", True))
+    # skip_tail: each query row walks its slot blocks only up to its last valid slot (causal rows, the first
+    # tokens of packed sequences). On for the ws program, whose CTAs find their row's last valid slot themselves
+    # (H100, causal S 4096 k 2048: MLA H64 7.97 -> 6.44 ms, H128 15.32 -> 12.90; full rows within 0.4%), off for
+    # the plain one (its pipelined gather serialises on a trip count read from memory: 15.43 vs 11.56 ms)
+    skip = cfg.get("skip_tail")
+    cfg["skip_tail"] = bool(cfg["schedule"] == "ws" if skip is None else skip)
     cfg["ws_dq_rs"] = bool(cfg.get("ws_dq_rs", False))
     # ws_pair: the two head blocks of a query row sum their dkv chunks in a 2-CTA cluster before reducing
     # (half the reductions; see _ws_body): the atomic mode, an even number of head blocks, dqk == dv. Off:
@@ -672,8 +675,9 @@ __device__ __forceinline__ float2 dsa_i16_scale(unsigned int m) {
 // columns 16 m .. 16 m + 15 of rows g and g + 8 of its warp's 16) to dkv rows rows[slot] (< 0: nothing) at column
 // col0: kGroups 4 is a whole 64-column chunk, 2 the half a CTA of a pair reduces (dsa_pair_finish).
 template <int kMode, int kGroups = 4>
-__device__ __forceinline__ void dsa_red_tile(const float* acc, void* dkv_raw, const int* rows, int ld, int col0,
-                                             int64_t* sums, void* scales_raw, long long row0) {
+__device__ __forceinline__ void dsa_red_tile(const float* acc, void* dkv_raw, const int* row_slots, int slot0, int ld,
+                                             int col0, int64_t* sums, void* scales_raw, long long row0) {
+  const int* rows = row_slots + slot0;  // the tile's first slot (an offset, not an indexed address: no bounds test)
   static_assert(kGroups == 4 || (kGroups == 2 && kMode <= 1), "half tiles: the atomic modes only");
   float* dkv = static_cast<float*>(dkv_raw);
   const float* scales = static_cast<const float*>(scales_raw);  // kMode 2: the power of two and the limit
@@ -738,6 +742,23 @@ __device__ __forceinline__ void dsa_red_tile(const float* acc, void* dkv_raw, co
       if (row_b >= 0) dsa_red4<kMode>(dkv, (long long)row_b * ld + col, vb[mp], policy);
     }
   }
+}
+
+// skip_tail (the ws program): the blocks of `block` slots a row walks to reach its last valid slot (slots hold a
+// global kv row or -1), found by the CTA itself: each of the 256 threads takes every 256th slot (coalesced), each
+// warp's largest (slot + 1) goes to last8[warp] before the CTA's barrier, and every thread takes the largest of
+// the eight after it. One read of the row's slots (8 KB at k 2048) and no launch before the kernel.
+__device__ __forceinline__ void dsa_row_last_scan(const int* row, int kp, int* last8) {
+  int last = 0;
+  for (int j = threadIdx.x; j < kp; j += 256) last = row[j] >= 0 ? j + 1 : last;
+  last = __reduce_max_sync(0xffffffffu, last);
+  if ((threadIdx.x & 31) == 0) last8[threadIdx.x >> 5] = last;
+}
+__device__ __forceinline__ int dsa_row_blocks(const int* last8, int block) {
+  int last = last8[0];
+  #pragma unroll
+  for (int w = 1; w < 8; ++w) last = max(last, last8[w]);
+  return (last + block - 1) / block;
 }
 
 // The CTA pair of a cluster (``pair``: head blocks 2 i and 2 i + 1 of one query row) adds into the same dkv
@@ -814,8 +835,8 @@ __device__ __forceinline__ void dsa_pair_send(const float* acc, float* keep, voi
 }
 // keep + the peer's half of chunk `chunk` (columns col0 + 32 rank ..), reduced into the dkv rows `rows`
 template <int kMode>
-__device__ __forceinline__ void dsa_pair_finish(float* keep, void* dkv, const int* rows, int ld, int col0, void* recv,
-                                                void* bars, int chunk, int rank) {
+__device__ __forceinline__ void dsa_pair_finish(float* keep, void* dkv, const int* row_slots, int slot0, int ld, int col0,
+                                                void* recv, void* bars, int chunk, int rank) {
   const int tid = threadIdx.x & 127;
   const int s = chunk & 1;
   const unsigned full = dsa_smem_u32(bars) + 8 * s, empty = dsa_smem_u32(bars) + 16 + 8 * s;
@@ -838,7 +859,7 @@ __device__ __forceinline__ void dsa_pair_finish(float* keep, void* dkv, const in
   if ((tid & 31) == 0)
     asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(dsa_mapa_u32(empty, rank ^ 1)) : "memory");
   if (tid == 0) dsa_mbar_arm(full, 8192);  // the slot's next phase (its bytes cannot come before the arrivals above)
-  dsa_red_tile<kMode, 2>(keep, dkv, rows, ld, col0 + 32 * rank, nullptr, nullptr, 0);
+  dsa_red_tile<kMode, 2>(keep, dkv, row_slots, slot0, ld, col0 + 32 * rank, nullptr, nullptr, 0);
 }
 """
 
@@ -858,7 +879,7 @@ def ws_supported(dqk: int, dv: int) -> bool:
 
 
 def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, emit_probs=False, l2_keep=False,
-             det_out=None, pair=False):
+             det_out=None, pair=False, skip_tail=False):
     """Main backward program, warp-specialised (256 threads, one CTA per query row and 64 heads).
 
     Warpgroup 0 gathers the selected kv rows (predicated cp.async, invalid slots zero-filled),
@@ -887,7 +908,9 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     (see ``dsa_red_tile``). ``pair`` (the atomic modes, an even number of head blocks, dqk == dv: the 16 KB
     it needs fit beside the D512 tiles, not the 576-wide ones): CTAs run in clusters of two, the two head
     blocks of one query row, which sum each dkv chunk through distributed shared memory and reduce half of
-    it each (``dsa_pair_send``, ``dsa_pair_finish``: pipelined by one chunk)."""
+    it each (``dsa_pair_send``, ``dsa_pair_finish``: pipelined by one chunk). ``skip_tail``: each query row walks
+    its slot blocks only up to its last valid slot, which the CTA finds itself (``dsa_row_last_scan``): the
+    blocks after it hold only -1 and add nothing (causal rows, the first tokens of packed sequences)."""
     import tilelang.cuda.language as TC
     import tilelang.language as T
 
@@ -979,7 +1002,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
 
             tx = T.get_thread_binding()
             h0 = hb * BH
-            n_blocks = T.ceildiv(Kp, BK)
+            last8_s = T.alloc_shared([8], i32) if skip_tail else None  # each warp's last valid slot + 1
+            n_row = T.alloc_local([1], i32) if skip_tail else None
 
             # both warpgroups: q, dout, lse', Delta of the 64 heads (padded heads: zeros, lse' +inf)
             for i, d in T.Parallel(BH, dv):
@@ -994,8 +1018,13 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
             if pair:
                 if tx == 0:
                     T.call_extern("handle", "dsa_pair_init", T.address_of(bars_s[0]))
+            if skip_tail:
+                T.call_extern("handle", "dsa_row_last_scan", T.address_of(Idx[t, 0]), Kp, T.address_of(last8_s[0]))
             T.fence_proxy_async()
             T.sync_threads()
+            if skip_tail:
+                n_row[0] = T.call_extern(i32, "dsa_row_blocks", T.address_of(last8_s[0]), BK)
+            n_blocks = n_row[0] if skip_tail else T.ceildiv(Kp, BK)
             if pair:  # the peer's barriers are initialised before anything reaches them
                 T.call_extern("handle", "dsa_cluster_barrier")
 
@@ -1102,7 +1131,7 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                             if ci > 0 or kb > 0:
                                 T.call_extern("handle", f"dsa_pair_finish<{red_mode}>", keep.data,
                                               T.address_of(dKV[0, 0]),
-                                              T.address_of(Idx[t, kb * BK if ci > 0 else (kb - 1) * BK]), dqk,
+                                              T.address_of(Idx[t, 0]), (kb if ci > 0 else kb - 1) * BK, dqk,
                                               chunks[ci - 1][0] if ci > 0 else chunks[NCH - 1][0],
                                               T.address_of(recv_s[0]), T.address_of(bars_s[0]), kb * NCH + ci - 1,
                                               hb % 2)
@@ -1110,7 +1139,7 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                                           T.address_of(recv_s[0]), T.address_of(bars_s[0]), kb * NCH + ci, hb % 2)
                         elif store_dkv:
                             T.call_extern("handle", red_fn, acc_kv[ci % 2].data, T.address_of(dKV[0, 0]),
-                                          T.address_of(Idx[t, kb * BK]), dqk, chunks[ci][0],
+                                          T.address_of(Idx[t, 0]), kb * BK, dqk, chunks[ci][0],
                                           T.address_of(FixedSums[0, 0] if fixed_point else FixedSums[0]),
                                           T.address_of(Scales[0, 0] if det_out == "contrib_i16" else Scales[0]),
                                           (T.cast(t * NHB + hb, T.int64) * Kp + kb * BK) if contrib
@@ -1125,7 +1154,7 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
             if pair:
                 if tx >= 128 and store_dkv and n_blocks > 0:  # the last chunk's half
                     T.call_extern("handle", f"dsa_pair_finish<{red_mode}>", keep.data, T.address_of(dKV[0, 0]),
-                                  T.address_of(Idx[t, (n_blocks - 1) * BK]), dqk, chunks[NCH - 1][0],
+                                  T.address_of(Idx[t, 0]), (n_blocks - 1) * BK, dqk, chunks[NCH - 1][0],
                                   T.address_of(recv_s[0]), T.address_of(bars_s[0]), n_blocks * NCH - 1, hb % 2)
                 # no CTA leaves while its peer may still signal its barriers
                 T.call_extern("handle", "dsa_cluster_barrier")
@@ -1201,7 +1230,7 @@ def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tu
         return "ws", (cfg["heads"], cfg["dqk"], cfg["dv"], cfg["dtype"], cfg["store_dkv"], cfg["ws_prefetch"],
                       cfg["ws_dq_rs"], bool(emit_probs), cfg["l2_keep"] and not deterministic,
                       _WS_DET_OUT[cfg["det_mode"]] if deterministic else None,
-                      cfg["ws_pair"] and not deterministic and cfg["store_dkv"])
+                      cfg["ws_pair"] and not deterministic and cfg["store_dkv"], cfg["skip_tail"])
     return "main", _main_args(cfg, deterministic, emit_probs)
 
 
@@ -1456,10 +1485,11 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
     s = float(scale)
     main = _get(kind, target, *args)
     nhb = (H + _BLOCK_H - 1) // _BLOCK_H
-    skip = cfg["skip_tail"] and kind == "main"
+    skip = cfg["skip_tail"]
     # skipped blocks write no probabilities: they start at zero
     probs = (torch.zeros if skip else torch.empty)(nhb, T_, Kp, device=dev, dtype=torch.float32) if return_probs else None
-    blocks = row_blocks(idx, cfg["block_k"]) if skip else zeros_arg(1, torch.int32, dev)
+    # the plain program reads each row's trip count; the ws program finds it itself
+    blocks = row_blocks(idx, cfg["block_k"]) if skip and kind == "main" else zeros_arg(1, torch.int32, dev)
     if fixed:
         fix, unfix = _fixed_point_scale(maxima, kv2, idx, N, H, dv, s)
         sums = torch.zeros(N, Dqk, device=dev, dtype=torch.int64)

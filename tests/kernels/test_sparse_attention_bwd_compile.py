@@ -104,6 +104,19 @@ def test_skip_tail_variant_compiles_and_reads_row_blocks():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
+def test_ws_program_finds_each_rows_last_valid_block_itself():
+    """skip_tail is the ws program's default: each CTA scans its row's slots for the last valid one (no
+    RowBlocks input, no launch before it) and walks its blocks up to it; skip_tail False walks all of them."""
+    cfg = {"heads": 64, "dqk": 576, "dv": 512, "has_sink": False, "dtype": "bfloat16"}
+    assert bwd._normalise_config(cfg)["skip_tail"] and not bwd._normalise_config({**cfg, "schedule": "plain"})["skip_tail"]
+    src = bwd.build_bwd_program(cfg, "main", target=SM90A).get_kernel_source().split("dsa_bwd_ws_kernel(", 1)[1]
+    assert "dsa_row_last_scan(" in src and "RowBlocks" not in src and "kb < n_blocks" in src
+    full = bwd.build_bwd_program({**cfg, "skip_tail": False}, "main", target=SM90A).get_kernel_source()
+    assert "dsa_row_last_scan(" not in full.split("dsa_bwd_ws_kernel(", 1)[1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
 def test_l2_keep_variant_sends_staged_reductions_with_a_cache_policy():
     """The staged v4 reductions with an L2 evict_last policy (an experiment, not shipped): the
     PTX assembles for sm_90a and replaces every atomic."""
@@ -149,12 +162,15 @@ def test_schedule_defaults_to_ws_where_its_shapes_allow():
     # plain program
     assert bwd._main_kernel(cfg, False)[0] == "ws"
     assert bwd._main_kernel(cfg, False, emit_probs=True)[0] == "ws"
-    assert cfg["det_mode"] == "contrib_i16" and bwd._main_kernel(cfg, True)[1][-1] == "contrib_i16"
+    import inspect
+
+    det_at = list(inspect.signature(bwd._ws_body).parameters).index("det_out")  # the ws program's args in order
+    assert cfg["det_mode"] == "contrib_i16" and bwd._main_kernel(cfg, True)[1][det_at] == "contrib_i16"
     assert bwd._main_kernel({**cfg, "det_mode": "contrib"}, True)[0] == "main"
     kind, args = bwd._main_kernel({**cfg, "det_mode": "fixed"}, True)
-    assert kind == "ws" and args[-1] == "fixed"  # the ws program's deterministic output
-    assert bwd._main_kernel({**cfg, "det_mode": "contrib_ws"}, True)[1][-1] == "contrib"
-    assert bwd._main_kernel(cfg, False)[1][-1] is None
+    assert kind == "ws" and args[det_at] == "fixed"  # the ws program's deterministic output
+    assert bwd._main_kernel({**cfg, "det_mode": "contrib_ws"}, True)[1][det_at] == "contrib"
+    assert bwd._main_kernel(cfg, False)[1][det_at] is None
     assert bwd._main_kernel({**cfg, "det_mode": "contrib_ws"}, False) == bwd._main_kernel(cfg, False)
     assert bwd._main_kernel({**cfg, "schedule": "plain"}, False)[0] == "main"
     plain = bwd._normalise_config({"heads": 16, "dqk": 96, "dv": 64})

@@ -307,7 +307,8 @@ def _causal_rows(g, B, S, K, Skv):
 
 @pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3], CONFIGS[4]], ids=lambda c: f"H{c[0]}-D{c[1]}")
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
-def test_skip_tail_walks_only_to_the_last_valid_slot(cfg, deterministic):
+@pytest.mark.parametrize("schedule", ["plain", "ws"])
+def test_skip_tail_walks_only_to_the_last_valid_slot(cfg, deterministic, schedule):
     """skip_tail (each row stops after its last valid slot) changes nothing: dq and the head-summed
     probabilities bitwise, dkv bitwise in deterministic mode; and both match float64."""
     from dsa_plugins.common.indices import row_blocks
@@ -323,9 +324,9 @@ def test_skip_tail_walks_only_to_the_last_valid_slot(cfg, deterministic):
     blocks = row_blocks(torch.nn.functional.pad(idx[0], (0, 192 - K), value=-1), 64)
     assert blocks[0].item() == 1 and blocks[1].item() == 0 and blocks[-1].item() == 3
     kw = dict(sink=sink, dv=Dv, deterministic=deterministic, return_probs=True)
-    # skip_tail is a key of the plain program (the ws program walks every block): both runs take it
-    plain = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, config={"schedule": "plain"}, **kw)
-    skip = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, config={"schedule": "plain", "skip_tail": True},
+    plain = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, config={"schedule": schedule, "skip_tail": False},
+                                 **kw)
+    skip = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, config={"schedule": schedule, "skip_tail": True},
                                 **kw)
     assert torch.equal(skip[0], plain[0]) and torch.equal(skip[3], plain[3])
     assert (skip[0][:, 1] == 0).all()  # the empty row
