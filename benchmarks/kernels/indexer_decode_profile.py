@@ -1,5 +1,9 @@
 """Where a generation-step indexer call spends its time: host time per call (no sync), GPU time
-(CUDA graph replay), and the kernels it launches (torch.profiler)."""
+(CUDA graph replay), and the kernels it launches (torch.profiler; one call, and 20 graph replays).
+
+    python benchmarks/kernels/indexer_decode_profile.py [B] [context] [index heads]   # default 32 32768 64
+"""
+import sys
 import time
 
 import torch
@@ -7,7 +11,9 @@ import torch
 from dsa_plugins import ops
 from dsa_plugins.bench.runner import capture_graph, graph_replay_ms
 
-B, ctx, hi, di, k = 32, 32768, 64, 128, 2048
+B, ctx, hi = (int(a) for a in (sys.argv[1:] + ["32", "32768", "64"][len(sys.argv) - 1:])[:3])
+di, k = 128, 2048
+print(f"B {B} context {ctx} index heads {hi}")
 g = torch.Generator(device="cuda").manual_seed(0)
 q = torch.randn(B, hi, di, device="cuda", generator=g).bfloat16()
 kk = torch.randn(B * ctx, di, device="cuda", generator=g).bfloat16()
@@ -34,3 +40,12 @@ with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, to
     fn()
     torch.cuda.synchronize()
 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    for _ in range(20):
+        graph.replay()
+    torch.cuda.synchronize()
+print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8))
+kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+step = len(kernels) // 20
+print("one replay, kernels in launch order (us):",
+      ", ".join(f"{e.name[:24]} {e.device_time:.1f}" for e in kernels[-step:]))

@@ -126,6 +126,17 @@ SPECS: dict[str, tuple[str, str, dict]] = {
 }
 
 
+def _installed_layer_types(layer_types: list) -> list:
+    """``layer_types`` as the installed transformers spells the indexed (DSA) layers: "indexed_attention" (5.24),
+    "deepseek_sparse_attention" in earlier releases (5.17's glm5_next refuses the newer name)."""
+    from transformers import configuration_utils
+
+    allowed = getattr(configuration_utils, "ALLOWED_ATTN_LAYER_TYPES", None)
+    if not allowed or "indexed_attention" in allowed or "deepseek_sparse_attention" not in allowed:
+        return layer_types
+    return ["deepseek_sparse_attention" if t == "indexed_attention" else t for t in layer_types]
+
+
 def tiny_config(model_type: str, **overrides):
     """A tiny config of ``model_type`` (random-weight models only)."""
     if model_type not in SPECS:
@@ -133,7 +144,10 @@ def tiny_config(model_type: str, **overrides):
     import transformers
 
     config_cls, _, kwargs = SPECS[model_type]
-    return getattr(transformers, config_cls)(**{**kwargs, **overrides})
+    kwargs = {**kwargs, **overrides}
+    if "layer_types" in kwargs:
+        kwargs["layer_types"] = _installed_layer_types(list(kwargs["layer_types"]))
+    return getattr(transformers, config_cls)(**kwargs)
 
 
 def model_class(model_type: str):

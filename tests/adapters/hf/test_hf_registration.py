@@ -201,3 +201,18 @@ def test_lazy_mask_matches_dense(case):
     idx = torch.randint(-2, T + 2, (B, S, 5))
     want = torch.where((idx >= 0) & (idx < T) & dense.gather(-1, idx.clamp(0, T - 1)), idx, -1)
     assert torch.equal(mask_indices(idx, lazy).long(), want)
+
+
+def test_tiny_configs_spell_indexed_layers_as_the_installed_transformers_does(monkeypatch):
+    """transformers 5.17's glm5_next names its DSA layers "deepseek_sparse_attention" and refuses
+    "indexed_attention" (5.24's name): the tiny configs follow whichever the installed release allows."""
+    from transformers import configuration_utils
+
+    from dsa_plugins.adapters.hf.tiny import _installed_layer_types
+
+    types_ = ["indexed_attention", "linear_attention", "sliding_attention"]
+    old = tuple(t for t in configuration_utils.ALLOWED_ATTN_LAYER_TYPES if t != "indexed_attention")
+    monkeypatch.setattr(configuration_utils, "ALLOWED_ATTN_LAYER_TYPES", old + ("deepseek_sparse_attention",))
+    assert _installed_layer_types(types_) == ["deepseek_sparse_attention", "linear_attention", "sliding_attention"]
+    monkeypatch.setattr(configuration_utils, "ALLOWED_ATTN_LAYER_TYPES", old + ("indexed_attention",))
+    assert _installed_layer_types(types_) == types_
