@@ -59,6 +59,12 @@ def test_tilelang_matches_torch_path(megatron_env, tiny_config):
 
 
 def test_matches_megatron_dsa_bf16(megatron_env, tiny_config, monkeypatch):
+    from importlib.metadata import version
+
+    if tuple(int(p) for p in version("megatron-core").split(".")[:2]) >= (0, 17):
+        # the reference spec below is megatron 0.16's own DSA; under 0.19 its modules and parameter names differ
+        # (the weights do not load into ours: strict=False) and test_megatron019_gpu.py compares with 0.19's own
+        pytest.skip("the reference spec is megatron-core 0.16's DSA; 0.19 is compared in test_megatron019_gpu.py")
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.experimental_attention_variant import dsa as mdsa
     from test_megatron_adapter import _megatron_reference_spec
