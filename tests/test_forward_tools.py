@@ -57,3 +57,12 @@ def test_cluster_gather_probe_compiles_for_sm90a():
     assert "tma_store_cluster" in sources["share"] and sources["share"].count("tl::cluster_sync()") == 2
     assert "tma_store_cluster" not in sources["alone"] and "cluster_sync" not in sources["alone"]
     assert "ready[0].init(137)" in sources["share"] and "ready[0].init(256)" in sources["alone_cluster"]
+
+
+def test_trace_patches_apply_to_the_backward_source():
+    """The backward's tracing tool (clock laps per warpgroup phase of the ws program) still patches in."""
+    tool = _load("trace_sparse_attention_bwd")
+    src = tool.traced_source()
+    compile(src, "traced_bwd.py", "exec")  # still Python
+    assert src.count('"dsa_lap"') == 10 and "Trace: T.Tensor([NHB * Tq, 16], T.int64)" in src
+    assert "*_no_fixed_point(dev), TRACE[0])" in src and len(tool.PHASES) == 8

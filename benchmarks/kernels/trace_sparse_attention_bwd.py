@@ -1,0 +1,170 @@
+"""Where the backward's warp-specialised CTAs spend their cycles: clock64 laps per phase (an experiment, not shipped).
+
+    python benchmarks/kernels/trace_sparse_attention_bwd.py [--shapes mla_h64,v4_h128_sink] [--variants JSON]
+
+A copy of ``dsa_plugins/kernels/sparse_attention_bwd.py`` is patched as text (``traced_source``): each thread of
+the ws program keeps the clock64 cycles of its warpgroup's phases in registers, summed over the row's slot blocks,
+and threads 0 and 128 write them to an extra int64 tensor Trace [CTAs, 16] when their warpgroup is done
+(32-bit clock laps in 10 registers: the program sits at 255, so the laps may move its register allocation):
+
+    warpgroup 0 (gathers, scores, P and dS, dq[:, :dv/2]):
+      0 waiting for the kv buffer (warpgroup 1's dq MMA of the previous block)
+      1 the gather: issue to landed
+      2 S and dP MMAs and the softmax
+      3 waiting for warpgroup 1 to release P and dS
+      4 P and dS stored, dq MMA (and the prologue before the first block)
+    warpgroup 1 (dq[:, dv/2:], dkv chunks and their reductions):
+      5 waiting for P and dS
+      6 dq MMA and the first chunk's MMA (until the kv buffer is released)
+      7 the chunks: MMAs and reductions (and the prologue before the first block)
+    8 / 9 CTA start / end clock (warpgroup 1), 10 slot blocks walked, 11 SM id
+
+It prints, per variant, the median over CTAs of each phase's cycles per slot block and the CTA's cycles per block.
+The copy is compiled as its own module; the shipped program is untouched (the traced one is checked against it).
+A CPU test keeps the patches applying (``tests/test_forward_tools.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCE = ROOT / "dsa_plugins" / "kernels" / "sparse_attention_bwd.py"
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+_PRELUDE = r'''
+_TRACE_PRELUDE = r"""
+// 32-bit SM clock: laps are differences (wrap-safe), a CTA's sums stay far below 2^31 cycles
+__device__ __forceinline__ int dsa_clk() {
+  unsigned c; asm volatile("mov.u32 %0, %%clock;" : "=r"(c) :: "memory"); return (int)c; }
+// acc[slot] += cycles since *last; *last = now
+__device__ __forceinline__ void dsa_lap(int* acc, int slot, int* last) {
+  const int c = dsa_clk(); acc[slot] += (int)((unsigned)c - (unsigned)*last); *last = c; }
+__device__ __forceinline__ int dsa_smid() { unsigned s; asm volatile("mov.u32 %0, %%smid;" : "=r"(s)); return (int)s; }
+"""
+TRACE = [None]  # the Trace tensor the wrapper passes to the atomic ws program
+'''
+
+PHASES = ("kv wait", "gather", "S dP softmax", "P dS wait", "store + dq", "P dS ready wait", "dq + chunk 0",
+          "chunks + reductions")
+
+
+def _lap(slot: int) -> str:
+    return f'T.call_extern("handle", "dsa_lap", tr.data, {slot}, T.address_of(tr[9]))'
+
+
+def _replace(src: str, old: str, new: str, count: int = 1) -> str:
+    found = src.count(old)
+    if found != count:
+        raise RuntimeError(f"trace patch: expected {count} of {old[:60]!r}..., found {found} (the program changed)")
+    return src.replace(old, new)
+
+
+def traced_source() -> str:
+    """The backward module's source with the clock laps patched into the ws program."""
+    s = SOURCE.read_text()
+    s = _replace(s, "# named barriers of the ws program", _PRELUDE + "\n# named barriers of the ws program")
+    scales = 'Scales: T.Tensor([ND, dqk // 8], T.uint8) if det_out == "contrib_i16" else T.Tensor([2], f32),\n'
+    s = _replace(s, scales, scales + "        Trace: T.Tensor([NHB * Tq, 16], T.int64),\n")
+    s = _replace(s, "prelude=_WS_PRELUDE, cluster_dims", "prelude=_WS_PRELUDE + _TRACE_PRELUDE, cluster_dims")
+    keep = "keep = T.alloc_local([16], f32) if pair else None  # this CTA's half of the chunk in flight\n"
+    s = _replace(s, keep, keep + "            tr = T.alloc_local([10], i32)  # the phases' sums, 8: CTA start, 9: last stamp\n")
+    nb = "n_blocks = n_row[0] if skip_tail else T.ceildiv(Kp, BK)\n"
+    s = _replace(s, nb, nb + "            for i in T.serial(8):\n                tr[i] = 0\n"
+                 '            tr[9] = T.call_extern(i32, "dsa_clk")\n            tr[8] = tr[9]\n')
+    # warpgroup 0
+    kv = ("                for kb in T.serial(n_blocks):\n                    if kb > 0:\n"
+          "                        T.sync_threads(_BAR_KV_FREE, 256)  # warpgroup 1 has read the previous kv block\n")
+    s = _replace(s, kv, "                for kb in T.serial(n_blocks):\n                    " + _lap(4) + "\n"
+                 "                    if kb > 0:\n"
+                 "                        T.sync_threads(_BAR_KV_FREE, 256)  # warpgroup 1 has read the previous kv block\n"
+                 "                    " + _lap(0) + "\n")
+    landed = ("                    T.sync_threads(_BAR_WG0, 128)\n"
+              "                    T.wgmma_gemm(q_s, kv_s, acc_s, transpose_B=True, clear_accum=True)\n")
+    s = _replace(s, landed, "                    T.sync_threads(_BAR_WG0, 128)\n                    " + _lap(1) + "\n"
+                 "                    T.wgmma_gemm(q_s, kv_s, acc_s, transpose_B=True, clear_accum=True)\n")
+    pds = ("                    if kb > 0:\n"
+           "                        T.sync_threads(_BAR_PDS_FREE, 256)  # warpgroup 1 is done with the previous P, dS\n")
+    s = _replace(s, pds, "                    " + _lap(2) + "\n" + pds + "                    " + _lap(3) + "\n")
+    dq0 = "                for i, d in T.Parallel(BH, DQ0):\n"
+    s = _replace(s, dq0, "                " + _lap(4) + "\n" + dq0)
+    # warpgroup 1
+    ready = "                for kb in T.serial(n_blocks):\n                    T.sync_threads(_BAR_PDS_READY, 256)\n"
+    s = _replace(s, ready, "                for kb in T.serial(n_blocks):\n                    " + _lap(7) + "\n"
+                 "                    T.sync_threads(_BAR_PDS_READY, 256)\n                    " + _lap(5) + "\n")
+    free = ("                    if kb + 1 < n_blocks:\n                        T.named_barrier_arrive(_BAR_KV_FREE, 256)\n"
+            "                    for ci in chunk_ids:\n")
+    s = _replace(s, free, free.replace("                    for ci in chunk_ids:\n",
+                                       "                    " + _lap(6) + "\n                    for ci in chunk_ids:\n"))
+    dq1 = "                for i, d in T.Parallel(BH, dv - DQ0):\n"
+    s = _replace(s, dq1, "                " + _lap(7) + "\n" + dq1)
+    wg0 = "                        dQ[t, h0 + i, d] = acc_dq0[i, d]\n"
+    s = _replace(s, wg0, wg0 + "                if tx == 0:\n                    for i in T.serial(5):\n"
+                 "                        Trace[bx, i] = tr[i]\n")
+    wg1 = "                        dQ[t, h0 + i, DQ0 + d] = acc_dq1[i, d]\n"
+    s = _replace(s, wg1, wg1 + "                if tx == 128:\n                    for i in T.serial(3):\n"
+                 "                        Trace[bx, 5 + i] = tr[5 + i]\n"
+                 "                    Trace[bx, 8] = tr[8]\n"
+                 '                    Trace[bx, 9] = T.call_extern(i32, "dsa_clk")\n'
+                 "                    Trace[bx, 10] = n_blocks\n"
+                 '                    Trace[bx, 11] = T.call_extern(i32, "dsa_smid")\n')
+    s = _replace(s, "*_no_fixed_point(dev))\n", "*_no_fixed_point(dev), TRACE[0])\n")
+    return s
+
+
+def traced_module():
+    """Import the patched copy as a module of its own (TileLang reads the source from the file)."""
+    import dsa_plugins.kernels  # noqa: F401  (the copy's relative imports)
+
+    path = Path(__file__).resolve().parent / "__pycache__" / "traced_bwd.py"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(traced_source())
+    spec = importlib.util.spec_from_file_location("dsa_plugins.kernels._traced_bwd", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main(argv=None) -> int:
+    import numpy as np
+    import torch
+
+    from bench_sparse_attention_bwd import SHAPES, make_inputs
+    from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="mla_h64,v4_h128_sink")
+    ap.add_argument("--variants", default="[{}]", help="JSON list of config overrides (atomic mode)")
+    args = ap.parse_args(argv)
+    mod = traced_module()
+    print("| shape | variant | CTA cycles / block | " + " | ".join(PHASES) + " |")
+    print("|" + "---|" * (len(PHASES) + 3))
+    for name in args.shapes.split(","):
+        _, B, S, Skv, H, Dqk, Dv, K, sink = next(s for s in SHAPES if s[0] == name)
+        q, kv, idx, out, lse, dout, z, scale = make_inputs(B, S, Skv, H, Dqk, Dv, K, sink, causal="causal" in name)
+        for variant in json.loads(args.variants):
+            nhb = -(-H // 64)
+            trace = torch.zeros(nhb * B * S, 16, dtype=torch.int64, device="cuda")
+            mod.TRACE[0] = trace
+            traced = None
+            for _ in range(3):  # compile, warm, traced (the last launch's stamps stay)
+                traced = mod.sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=z, dv=Dv, config=variant)
+            ref = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=z, dv=Dv, config=variant)
+            assert torch.equal(traced[0], ref[0]), "the traced program's dq differs from the shipped one's"
+            c = trace.cpu().numpy().astype(np.float64)
+            blocks = np.maximum(1, c[:, 10])
+            per_block = [float(np.median(c[:, i] / blocks)) for i in range(8)]
+            total = float(np.median(((c[:, 9] - c[:, 8]) % 2**32) / blocks))
+            print(f"| {name} | {json.dumps(variant)} | {total:.0f} | " + " | ".join(f"{v:.0f}" for v in per_block)
+                  + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
