@@ -59,10 +59,13 @@ def test_cluster_gather_probe_compiles_for_sm90a():
     assert "ready[0].init(137)" in sources["share"] and "ready[0].init(256)" in sources["alone_cluster"]
 
 
-def test_trace_patches_apply_to_the_backward_source():
-    """The backward's tracing tool (clock laps per warpgroup phase of the ws program) still patches in."""
+@pytest.mark.parametrize("fine", [False, True], ids=["phases", "fine"])
+def test_trace_patches_apply_to_the_backward_source(fine):
+    """The backward's tracing tool (clock laps per warpgroup phase of the ws program, and inside each dkv
+    chunk with ``fine``) still patches in."""
     tool = _load("trace_sparse_attention_bwd")
-    src = tool.traced_source()
+    src = tool.traced_source(fine)
     compile(src, "traced_bwd.py", "exec")  # still Python
-    assert src.count('"dsa_lap"') == 10 and "Trace: T.Tensor([NHB * Tq, 16], T.int64)" in src
+    assert src.count('"dsa_lap"') == (12 if fine else 10) and "Trace: T.Tensor([NHB * Tq, 16], T.int64)" in src
     assert "*_no_fixed_point(dev), TRACE[0])" in src and len(tool.PHASES) == 8
+    assert ("Trace[bx, 13] = tr[11]" in src) == fine

@@ -1,6 +1,6 @@
 """Where the backward's warp-specialised CTAs spend their cycles: clock64 laps per phase (an experiment, not shipped).
 
-    python benchmarks/kernels/trace_sparse_attention_bwd.py [--shapes mla_h64,v4_h128_sink] [--variants JSON]
+    python benchmarks/kernels/trace_sparse_attention_bwd.py [--shapes mla_h64,v4_h128_sink] [--variants JSON] [--fine]
 
 A copy of ``dsa_plugins/kernels/sparse_attention_bwd.py`` is patched as text (``traced_source``): each thread of
 the ws program keeps the clock64 cycles of its warpgroup's phases in registers, summed over the row's slot blocks,
@@ -18,6 +18,8 @@ and threads 0 and 128 write them to an extra int64 tensor Trace [CTAs, 16] when 
       6 dq MMA and the first chunk's MMA (until the kv buffer is released)
       7 the chunks: MMAs and reductions (and the prologue before the first block)
     8 / 9 CTA start / end clock (warpgroup 1), 10 slot blocks walked, 11 SM id
+    with ``--fine``, phase 7 split inside each chunk: 12 the next chunk's MMA issue and this chunk's MMA wait,
+      13 this chunk's reductions (their issue; in the paired program the exchange and its waits too)
 
 It prints, per variant, the median over CTAs of each phase's cycles per slot block and the CTA's cycles per block.
 The copy is compiled as its own module; the shipped program is untouched (the traced one is checked against it).
@@ -52,6 +54,7 @@ TRACE = [None]  # the Trace tensor the wrapper passes to the atomic ws program
 
 PHASES = ("kv wait", "gather", "S dP softmax", "P dS wait", "store + dq", "P dS ready wait", "dq + chunk 0",
           "chunks + reductions")
+FINE_PHASES = ("chunk MMA issue + wait", "chunk reductions")
 
 
 def _lap(slot: int) -> str:
@@ -65,17 +68,19 @@ def _replace(src: str, old: str, new: str, count: int = 1) -> str:
     return src.replace(old, new)
 
 
-def traced_source() -> str:
-    """The backward module's source with the clock laps patched into the ws program."""
+def traced_source(fine: bool = False) -> str:
+    """The backward module's source with the clock laps patched into the ws program (``fine``: also inside
+    each dkv chunk)."""
     s = SOURCE.read_text()
     s = _replace(s, "# named barriers of the ws program", _PRELUDE + "\n# named barriers of the ws program")
     scales = 'Scales: T.Tensor([ND, dqk // 8], T.uint8) if det_out == "contrib_i16" else T.Tensor([2], f32),\n'
     s = _replace(s, scales, scales + "        Trace: T.Tensor([NHB * Tq, 16], T.int64),\n")
     s = _replace(s, "prelude=_WS_PRELUDE, cluster_dims", "prelude=_WS_PRELUDE + _TRACE_PRELUDE, cluster_dims")
     keep = "keep = T.alloc_local([16], f32) if pair else None  # this CTA's half of the chunk in flight\n"
-    s = _replace(s, keep, keep + "            tr = T.alloc_local([10], i32)  # the phases' sums, 8: CTA start, 9: last stamp\n")
+    s = _replace(s, keep, keep + f"            tr = T.alloc_local([{12 if fine else 10}], i32)  # the phases' sums, 8: CTA "
+                 "start, 9: last stamp, 10 / 11: the chunk laps (fine)\n")
     nb = "n_blocks = n_row[0] if skip_tail else T.ceildiv(Kp, BK)\n"
-    s = _replace(s, nb, nb + "            for i in T.serial(8):\n                tr[i] = 0\n"
+    s = _replace(s, nb, nb + f"            for i in T.serial({12 if fine else 8}):\n                tr[i] = 0\n"
                  '            tr[9] = T.call_extern(i32, "dsa_clk")\n            tr[8] = tr[9]\n')
     # warpgroup 0
     kv = ("                for kb in T.serial(n_blocks):\n                    if kb > 0:\n"
@@ -101,6 +106,11 @@ def traced_source() -> str:
             "                    for ci in chunk_ids:\n")
     s = _replace(s, free, free.replace("                    for ci in chunk_ids:\n",
                                        "                    " + _lap(6) + "\n                    for ci in chunk_ids:\n"))
+    if fine:
+        mma = "                        if store_dkv and pair:\n"
+        s = _replace(s, mma, "                        " + _lap(10) + "\n" + mma)
+        red = "                                          else T.int64(0))\n"
+        s = _replace(s, red, red + "                        " + _lap(11) + "\n")
     dq1 = "                for i, d in T.Parallel(BH, dv - DQ0):\n"
     s = _replace(s, dq1, "                " + _lap(7) + "\n" + dq1)
     wg0 = "                        dQ[t, h0 + i, d] = acc_dq0[i, d]\n"
@@ -112,19 +122,21 @@ def traced_source() -> str:
                  "                    Trace[bx, 8] = tr[8]\n"
                  '                    Trace[bx, 9] = T.call_extern(i32, "dsa_clk")\n'
                  "                    Trace[bx, 10] = n_blocks\n"
-                 '                    Trace[bx, 11] = T.call_extern(i32, "dsa_smid")\n')
+                 '                    Trace[bx, 11] = T.call_extern(i32, "dsa_smid")\n'
+                 + ("                    Trace[bx, 12] = tr[10]\n                    Trace[bx, 13] = tr[11]\n" if fine else ""))
     s = _replace(s, "*_no_fixed_point(dev))\n", "*_no_fixed_point(dev), TRACE[0])\n")
     return s
 
 
-def traced_module():
+def traced_module(fine: bool = False):
     """Import the patched copy as a module of its own (TileLang reads the source from the file)."""
     import dsa_plugins.kernels  # noqa: F401  (the copy's relative imports)
 
-    path = Path(__file__).resolve().parent / "__pycache__" / "traced_bwd.py"
+    tag = "fine" if fine else "phases"
+    path = Path(__file__).resolve().parent / "__pycache__" / f"traced_bwd_{tag}.py"
     path.parent.mkdir(exist_ok=True)
-    path.write_text(traced_source())
-    spec = importlib.util.spec_from_file_location("dsa_plugins.kernels._traced_bwd", path)
+    path.write_text(traced_source(fine))
+    spec = importlib.util.spec_from_file_location(f"dsa_plugins.kernels._traced_bwd_{tag}", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
@@ -141,10 +153,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="mla_h64,v4_h128_sink")
     ap.add_argument("--variants", default="[{}]", help="JSON list of config overrides (atomic mode)")
+    ap.add_argument("--fine", action="store_true", help="also lap inside each dkv chunk (slots 12, 13)")
     args = ap.parse_args(argv)
-    mod = traced_module()
-    print("| shape | variant | CTA cycles / block | " + " | ".join(PHASES) + " |")
-    print("|" + "---|" * (len(PHASES) + 3))
+    mod = traced_module(args.fine)
+    phases = PHASES + (FINE_PHASES if args.fine else ())
+    slots = tuple(range(8)) + ((12, 13) if args.fine else ())
+    print("| shape | variant | CTA cycles / block | " + " | ".join(phases) + " |")
+    print("|" + "---|" * (len(phases) + 3))
     for name in args.shapes.split(","):
         _, B, S, Skv, H, Dqk, Dv, K, sink = next(s for s in SHAPES if s[0] == name)
         q, kv, idx, out, lse, dout, z, scale = make_inputs(B, S, Skv, H, Dqk, Dv, K, sink, causal="causal" in name)
@@ -159,7 +174,7 @@ def main(argv=None) -> int:
             assert torch.equal(traced[0], ref[0]), "the traced program's dq differs from the shipped one's"
             c = trace.cpu().numpy().astype(np.float64)
             blocks = np.maximum(1, c[:, 10])
-            per_block = [float(np.median(c[:, i] / blocks)) for i in range(8)]
+            per_block = [float(np.median(c[:, i] / blocks)) for i in slots]
             total = float(np.median(((c[:, 9] - c[:, 8]) % 2**32) / blocks))
             print(f"| {name} | {json.dumps(variant)} | {total:.0f} | " + " | ".join(f"{v:.0f}" for v in per_block)
                   + " |", flush=True)
