@@ -29,7 +29,6 @@ A CPU test keeps the patches applying (``tests/test_forward_tools.py``).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -38,6 +37,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "dsa_plugins" / "kernels" / "sparse_attention_bwd.py"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from source_patch import import_patched, replace_exact  # noqa: E402
 
 _PRELUDE = r'''
 _TRACE_PRELUDE = r"""
@@ -61,11 +62,7 @@ def _lap(slot: int) -> str:
     return f'T.call_extern("handle", "dsa_lap", tr.data, {slot}, T.address_of(tr[9]))'
 
 
-def _replace(src: str, old: str, new: str, count: int = 1) -> str:
-    found = src.count(old)
-    if found != count:
-        raise RuntimeError(f"trace patch: expected {count} of {old[:60]!r}..., found {found} (the program changed)")
-    return src.replace(old, new)
+_replace = replace_exact
 
 
 def traced_source(fine: bool = False) -> str:
@@ -130,17 +127,7 @@ def traced_source(fine: bool = False) -> str:
 
 def traced_module(fine: bool = False):
     """Import the patched copy as a module of its own (TileLang reads the source from the file)."""
-    import dsa_plugins.kernels  # noqa: F401  (the copy's relative imports)
-
-    tag = "fine" if fine else "phases"
-    path = Path(__file__).resolve().parent / "__pycache__" / f"traced_bwd_{tag}.py"
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(traced_source(fine))
-    spec = importlib.util.spec_from_file_location(f"dsa_plugins.kernels._traced_bwd_{tag}", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return import_patched(traced_source(fine), f"traced_bwd_{'fine' if fine else 'phases'}")
 
 
 def main(argv=None) -> int:

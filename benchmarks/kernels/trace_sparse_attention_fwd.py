@@ -21,13 +21,14 @@ bitwise against it (without ablations). A CPU test keeps the patches applying (`
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from source_patch import import_patched, replace_exact  # noqa: E402
 SOURCE = ROOT / "dsa_plugins" / "kernels" / "sparse_attention_fwd.py"
 
 _PRELUDE = r'''
@@ -46,11 +47,7 @@ def _stamp(slot, fn="dsa_trace", slot_expr=None):
     return f'T.call_extern("handle", "{fn}", T.address_of(Trace[cta, {slot_expr or slot}]))'
 
 
-def _replace(src: str, old: str, new: str, count: int = 1) -> str:
-    found = src.count(old)
-    if found != count:
-        raise RuntimeError(f"trace patch: expected {count} of {old[:60]!r}..., found {found} (the program changed)")
-    return src.replace(old, new)
+_replace = replace_exact
 
 
 def traced_source(ablate: tuple[str, ...] = ()) -> str:
@@ -104,17 +101,7 @@ def traced_source(ablate: tuple[str, ...] = ()) -> str:
 
 def traced_module(ablate: tuple[str, ...] = ()):
     """Import the patched copy as a module of its own (TileLang reads the source from the file)."""
-    import dsa_plugins.kernels  # noqa: F401  (the copy's relative imports)
-
-    tag = "_".join(ablate) or "plain"
-    path = Path(__file__).resolve().parent / "__pycache__" / f"traced_fwd_{tag}.py"
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(traced_source(ablate))
-    spec = importlib.util.spec_from_file_location(f"dsa_plugins.kernels._traced_fwd_{tag}", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return import_patched(traced_source(ablate), f"traced_fwd_{'_'.join(ablate) or 'plain'}")
 
 
 def summarise(trace, k: int) -> dict:
