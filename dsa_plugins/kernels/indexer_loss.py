@@ -1252,7 +1252,7 @@ def _dense_target(plan, chunk, q, kv, attn_lse, sink, scale, width):
     lo, hi = plan.blk_lo[qb0:qb1], plan.blk_hi[qb0:qb1]
     c = scale * _LOG2E
     heads = [slice(g * hp, (g + 1) * hp) for g in range(groups)]
-    q_groups = [q[:, hs].contiguous().view(rows * hp, dqk) for hs in heads] if groups > 1 else [q.view(rows * hp, dqk)]
+    q_groups = [q[:, hs].contiguous().view(rows * hp, dqk) for hs in heads]  # one group: q itself, no copy
     with torch.cuda.device(dev):
         if attn_lse is None:  # the normaliser over each row's window, base 2, in the same tiles
             sink2 = torch.full((groups * hp,), -math.inf, device=dev)
@@ -1262,8 +1262,8 @@ def _dense_target(plan, chunk, q, kv, attn_lse, sink, scale, width):
             kern = build_dense_norm(hp, dqk, plan.bq, plan.bk, _device_target(dev))
             ks, ke = plan.ks[r0:r0 + rows], plan.ke[r0:r0 + rows]
             for hs, qg in zip(heads, q_groups):
-                out = norm2[:, hs].contiguous() if groups > 1 else norm2
-                kern(qg, kv, ks, ke, lo, hi, sink2[hs].contiguous(), c, out.view(-1))
+                out = norm2[:, hs].contiguous()  # one group: norm2 itself
+                kern(qg, kv, ks, ke, lo, hi, sink2[hs], c, out.view(-1))
                 if groups > 1:
                     norm2[:, hs] = out
         else:
