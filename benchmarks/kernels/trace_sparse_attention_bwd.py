@@ -21,6 +21,10 @@ and threads 0 and 128 write them to an extra int64 tensor Trace [CTAs, 16] when 
     with ``--fine``, phase 7 split inside each chunk: 12 the next chunk's MMA issue and this chunk's MMA wait,
       13 this chunk's reductions (their issue; in the paired program the exchange and its waits too)
 
+Caveat (Nsight Compute's stall sampling, 2026-11-26): the named barriers compile to BAR.SYNC.DEFER_BLOCKING, after
+which a warp goes on issuing a few instructions (the clock read among them) before it blocks, so a barrier's wait
+can land in the lap after it: warpgroup 0's wait for P/dS to be free showed up in "store + dq", not "P dS wait".
+
 It prints, per variant, the median over CTAs of each phase's cycles per slot block and the CTA's cycles per block.
 The copy is compiled as its own module; the shipped program is untouched (the traced one is checked against it).
 A CPU test keeps the patches applying (``tests/test_forward_tools.py``).
@@ -100,13 +104,13 @@ def traced_source(fine: bool = False) -> str:
     s = _replace(s, ready, "                for kb in T.serial(n_blocks):\n                    " + _lap(7) + "\n"
                  "                    T.sync_threads(_BAR_PDS_READY, 256)\n                    " + _lap(5) + "\n")
     free = ("                    if kb + 1 < n_blocks:\n                        T.named_barrier_arrive(_BAR_KV_FREE, 256)\n"
-            "                    for ci in chunk_ids:\n")
-    s = _replace(s, free, free.replace("                    for ci in chunk_ids:\n",
-                                       "                    " + _lap(6) + "\n                    for ci in chunk_ids:\n"))
+            "                    for ci in chunk_ids1:\n")
+    s = _replace(s, free, free.replace("                    for ci in chunk_ids1:\n",
+                                       "                    " + _lap(6) + "\n                    for ci in chunk_ids1:\n"))
     if fine:
         mma = "                        if store_dkv and pair:\n"
         s = _replace(s, mma, "                        " + _lap(10) + "\n" + mma)
-        red = "                                          else T.int64(0))\n"
+        red = "                            reduce_chunk(ci, acc_kv[ci % 2], kb, t, hb, dKV, Idx, FixedSums, Scales)\n"
         s = _replace(s, red, red + "                        " + _lap(11) + "\n")
     dq1 = "                for i, d in T.Parallel(BH, dv - DQ0):\n"
     s = _replace(s, dq1, "                " + _lap(7) + "\n" + dq1)

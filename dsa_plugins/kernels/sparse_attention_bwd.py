@@ -93,7 +93,7 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
 
 
 _TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep",
-                "schedule", "ws_prefetch", "ws_dq_rs", "ws_pair", "det_mode")
+                "schedule", "ws_prefetch", "ws_dq_rs", "ws_pair", "ws_wg0_chunks", "det_mode")
 _DET_MODES = ("contrib", "contrib_ws", "contrib_bf16", "contrib_i16", "fixed")
 # the contribution modes whose rows are not fp32 (the same names as the ws program's det_out)
 _CONTRIB_DTYPES = {"contrib_bf16": "bfloat16", "contrib_i16": "int16"}
@@ -160,6 +160,15 @@ def _normalise_config(config: dict) -> dict:
     # shape the L2 reductions are not what bounds the program; the per-block chain of its two warpgroups is
     cfg["ws_pair"] = (bool(cfg.get("ws_pair", False)) and cfg["schedule"] == "ws"
                       and ws_pair_supported(cfg["heads"], cfg["dqk"], cfg["dv"]))
+    # ws_wg0_chunks: warpgroup 0 forms and reduces the last n dkv chunks itself (see _ws_body); not with ws_pair,
+    # whose chunk exchange stays in warpgroup 1. Defaults measured on an H100 (B1 S4096 Skv8192, n = 0 / 1 / 2 / 3):
+    # MLA H64 8.37 / 8.30 / 8.65 / 8.19 ms, MLA H128 16.62 / 16.32 / 16.23 / 16.12, V4 H128 k1024 8.09 / 7.93 /
+    # 7.80 / 8.21, V4 H64 k512 2.48 / 2.39 / 2.35 / 2.42: 3 for the 576-wide layout, 2 for D512
+    n0, n_chunks = cfg.get("ws_wg0_chunks"), cfg["dv"] // 64 + (cfg["dqk"] > cfg["dv"])
+    n0 = min(3 if cfg["dqk"] - cfg["dv"] == 64 else 2, n_chunks // 2) if n0 is None else int(n0)
+    if not 0 <= n0 <= min(3, n_chunks - 1):
+        raise ValueError(f"ws_wg0_chunks must be 0..{min(3, n_chunks - 1)} (dkv chunks: {n_chunks}), got {n0}")
+    cfg["ws_wg0_chunks"] = 0 if cfg["ws_pair"] or cfg["schedule"] != "ws" else n0
     if cfg["schedule"] == "ws" and not ws_ok:
         raise ValueError(f"schedule 'ws' needs dv a multiple of 128, dqk - dv in (0, 64) and block_k 64, got "
                          f"dqk={cfg['dqk']} dv={cfg['dv']} block_k={cfg['block_k']}")
@@ -882,7 +891,7 @@ def ws_supported(dqk: int, dv: int) -> bool:
 
 
 def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, emit_probs=False, l2_keep=False,
-             det_out=None, pair=False, skip_tail=False):
+             det_out=None, pair=False, skip_tail=False, wg0_chunks=0):
     """Main backward program, warp-specialised (256 threads, one CTA per query row and 64 heads).
 
     Warpgroup 0 gathers the selected kv rows (predicated cp.async, invalid slots zero-filled),
@@ -913,7 +922,11 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     blocks of one query row, which sum each dkv chunk through distributed shared memory and reduce half of
     it each (``dsa_pair_send``, ``dsa_pair_finish``: pipelined by one chunk). ``skip_tail``: each query row walks
     its slot blocks only up to its last valid slot, which the CTA finds itself (``dsa_row_last_scan``): the
-    blocks after it hold only -1 and add nothing (causal rows, the first tokens of packed sequences)."""
+    blocks after it hold only -1 and add nothing (causal rows, the first tokens of packed sequences).
+    ``wg0_chunks`` (0..3, not with ``pair``): warpgroup 0 forms and reduces the last ``wg0_chunks`` dkv chunks
+    itself, in its S and dP accumulators once P and dS are stored, so that the two warpgroups' work per block
+    is even (warpgroup 1's chunk loop is the CTA's chain; warpgroup 0 otherwise waits for it at the P/dS
+    buffer)."""
     import tilelang.cuda.language as TC
     import tilelang.language as T
 
@@ -942,6 +955,10 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     red_mode = contrib_modes[det_out] if contrib else 2 if fixed_point else 1 if l2_keep else 0
     red_fn = f"dsa_red_tile<{red_mode}>"
     assert not pair or (det_out is None and NHB % 2 == 0 and DT == 0), (det_out, NHB, DT)
+    assert 0 <= wg0_chunks < NCH and not (pair and wg0_chunks), (wg0_chunks, NCH, pair)
+    NCH1 = NCH - wg0_chunks  # warpgroup 1's chunks: chunks[:NCH1]; warpgroup 0's: chunks[NCH1:]
+    chunk_ids1 = chunk_ids[:NCH1]
+    wg0_ids = tuple(range(wg0_chunks))
 
     Tq = T.dynamic("Tq")
     N = T.dynamic("N")
@@ -956,6 +973,15 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
             T.wgmma_gemm(p_s, do_s[:, c0 : c0 + 64], acc, transpose_A=True)
         else:
             T.wgmma_gemm(ds_s, qt_s, acc, transpose_A=True, clear_accum=True)
+
+    @T.macro
+    def reduce_chunk(ci, acc, kb, t, hb, dKV, Idx, FixedSums, Scales):
+        # chunk ci of slot block kb, from either warpgroup's accumulator, to dkv (or the deterministic buffers)
+        T.call_extern("handle", red_fn, acc.data, T.address_of(dKV[0, 0]),
+                      T.address_of(Idx[t, 0]), kb * BK, dqk, chunks[ci][0],
+                      T.address_of(FixedSums[0, 0] if fixed_point else FixedSums[0]),
+                      T.address_of(Scales[0, 0] if det_out == "contrib_i16" else Scales[0]),
+                      (T.cast(t * NHB + hb, T.int64) * Kp + kb * BK) if contrib else T.int64(0))
 
     @T.prim_func
     def dsa_bwd_ws(
@@ -1099,10 +1125,27 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                     T.copy(acc_dp, ds_s)
                     T.fence_proxy_async()
                     T.named_barrier_arrive(_BAR_PDS_READY, 256)
-                    if not dq_rs:
+                    if not dq_rs or wg0_chunks > 0:
                         T.sync_threads(_BAR_WG0, 128)
+                    if not dq_rs:
                         # dq[:, :DQ0] += dS k   (scale folded into dS)
                         T.wgmma_gemm(ds_s, kv_s[:, 0:DQ0], acc_dq0)
+                    if wg0_chunks > 0:
+                        # this warpgroup's dkv chunks, in the S and dP accumulators (free once P and dS are
+                        # stored): the MMAs of all of them queue behind the dq MMA, each reduced once it lands
+                        own = (acc_s, acc_dp)
+                        for j in wg0_ids:
+                            if j < 2:
+                                issue_chunk(NCH1 + j, q_s, qt_s, do_s, p_s, ds_s, own[j])
+                        for j in wg0_ids:  # chunk j + 1 is in flight while chunk j reduces
+                            if j + 1 < wg0_chunks:
+                                T.wait_wgmma(2 if chunks[NCH1 + j + 1][1] else 1)
+                            else:
+                                T.wait_wgmma(0)
+                            if store_dkv:
+                                reduce_chunk(NCH1 + j, own[j % 2], kb, t, hb, dKV, Idx, FixedSums, Scales)
+                            if j + 2 < wg0_chunks:
+                                issue_chunk(NCH1 + j + 2, q_s, qt_s, do_s, p_s, ds_s, own[j % 2])
                     T.wait_wgmma(0)
                 for i, d in T.Parallel(BH, DQ0):
                     if h0 + i < heads:
@@ -1120,8 +1163,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                     T.wait_wgmma(2 if chunks[0][1] else 1)  # dq done: the kv block is free
                     if kb + 1 < n_blocks:
                         T.named_barrier_arrive(_BAR_KV_FREE, 256)
-                    for ci in chunk_ids:
-                        if ci + 1 < NCH:
+                    for ci in chunk_ids1:
+                        if ci + 1 < NCH1:
                             issue_chunk(ci + 1, q_s, qt_s, do_s, p_s, ds_s, acc_kv[(ci + 1) % 2])
                             T.wait_wgmma(2 if chunks[ci + 1][1] else 1)
                         else:
@@ -1141,12 +1184,7 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                             T.call_extern("handle", "dsa_pair_send", acc_kv[ci % 2].data, keep.data,
                                           T.address_of(recv_s[0]), T.address_of(bars_s[0]), kb * NCH + ci, hb % 2)
                         elif store_dkv:
-                            T.call_extern("handle", red_fn, acc_kv[ci % 2].data, T.address_of(dKV[0, 0]),
-                                          T.address_of(Idx[t, 0]), kb * BK, dqk, chunks[ci][0],
-                                          T.address_of(FixedSums[0, 0] if fixed_point else FixedSums[0]),
-                                          T.address_of(Scales[0, 0] if det_out == "contrib_i16" else Scales[0]),
-                                          (T.cast(t * NHB + hb, T.int64) * Kp + kb * BK) if contrib
-                                          else T.int64(0))
+                            reduce_chunk(ci, acc_kv[ci % 2], kb, t, hb, dKV, Idx, FixedSums, Scales)
                 for i, d in T.Parallel(BH, dv - DQ0):
                     if h0 + i < heads:
                         dQ[t, h0 + i, DQ0 + d] = acc_dq1[i, d]
@@ -1233,7 +1271,8 @@ def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tu
         return "ws", (cfg["heads"], cfg["dqk"], cfg["dv"], cfg["dtype"], cfg["store_dkv"], cfg["ws_prefetch"],
                       cfg["ws_dq_rs"], bool(emit_probs), cfg["l2_keep"] and not deterministic,
                       _WS_DET_OUT[cfg["det_mode"]] if deterministic else None,
-                      cfg["ws_pair"] and not deterministic and cfg["store_dkv"], cfg["skip_tail"])
+                      cfg["ws_pair"] and not deterministic and cfg["store_dkv"], cfg["skip_tail"],
+                      0 if cfg["ws_pair"] and not deterministic and cfg["store_dkv"] else cfg["ws_wg0_chunks"])
     return "main", _main_args(cfg, deterministic, emit_probs)
 
 

@@ -144,6 +144,24 @@ def test_ws_pair_variant_exchanges_halves_in_a_cluster():
     assert "dsa_pair_send(" not in det.split("dsa_bwd_ws_kernel(", 1)[1]
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
+def test_ws_wg0_chunks_move_the_last_dkv_chunks_to_warpgroup_0():
+    """``ws_wg0_chunks`` (default 3 for the 576-wide layout, 2 for D512): warpgroup 0 reduces the last chunks from
+    its S and dP accumulators (the K-only tail among them), warpgroup 1 the others from its two chunk buffers."""
+    cfg = {"heads": 64, "dqk": 576, "dv": 512, "has_sink": False, "dtype": "bfloat16"}
+    assert bwd._normalise_config(cfg)["ws_wg0_chunks"] == 3
+    assert bwd._normalise_config({**cfg, "dqk": 512, "heads": 128})["ws_wg0_chunks"] == 2
+    assert bwd._normalise_config({**cfg, "dqk": 512, "heads": 128, "ws_pair": True})["ws_wg0_chunks"] == 0
+    assert bwd._normalise_config({**cfg, "dqk": 128, "dv": 128})["ws_wg0_chunks"] == 1  # never all of them
+    with pytest.raises(ValueError, match="ws_wg0_chunks must be 0..3"):
+        bwd._normalise_config({**cfg, "ws_wg0_chunks": 4})
+    body = bwd.build_bwd_program(cfg, "main", target=SM90A).get_kernel_source().split("dsa_bwd_ws_kernel(", 1)[1]
+    assert body.count("dsa_red_tile<0>(acc_s,") == 2 and body.count("dsa_red_tile<0>(acc_dp,") == 1
+    assert body.count("dsa_red_tile<0>(") == 9  # 9 chunks of 64 columns, each reduced once
+    assert ", 576, 512, " in body.split("dsa_red_tile<0>(acc_s,")[2]  # the tail, last in warpgroup 0
+
+
 def test_schedule_defaults_to_ws_where_its_shapes_allow():
     assert bwd._normalise_config({"heads": 64, "dqk": 576, "dv": 512})["schedule"] == "ws"
     assert bwd._normalise_config({"heads": 128, "dqk": 512, "dv": 512})["schedule"] == "ws"

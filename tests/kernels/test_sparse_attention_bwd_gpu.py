@@ -427,6 +427,37 @@ def test_ws_pair_sums_head_blocks_in_a_cluster(cfg, case):
     assert (pair[0][empty] == 0).all()
 
 
+@pytest.mark.parametrize("n0", [1, 2, 3])
+@pytest.mark.parametrize("cfg", [CONFIGS[2], CONFIGS[1], (100, 576, 512, False, torch.bfloat16),
+                                 (64, 512, 512, True, torch.float16)],
+                         ids=lambda c: f"H{c[0]}-D{c[1]}-{str(c[4])[6:]}")
+@pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[5], BIG_CASES[0]], ids=lambda c: f"S{c[1]}K{c[3]}-{c[4]}")
+def test_ws_wg0_chunks_split_the_dkv_chunks_between_warpgroups(n0, cfg, case):
+    """``ws_wg0_chunks``: warpgroup 0 forms and reduces the last n0 dkv chunks (the K-only tail of the 576-wide
+    layout among them). Only who sends which chunk changes: dq and the head-summed probabilities are bitwise
+    those of n0 = 0, dkv equal up to fp32 reduction order in the atomic mode and bitwise in the deterministic
+    one; the gradients match float64 with -1, out of range, dups, empty rows, padded heads, K not a multiple of
+    the block, fp16."""
+    from dsa_plugins.kernels.sparse_attention_bwd import _normalise_config, sparse_attention_bwd
+
+    H, Dqk, Dv, has_sink, dtype = cfg
+    assert _normalise_config({"heads": H, "dqk": Dqk, "dv": Dv, "ws_wg0_chunks": n0})["ws_wg0_chunks"] == n0
+    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=59)
+    out64, lse64, dq_ref, dkv_ref, _ = _reference(q, kv, idx, dout, sink, scale, Dv)
+    out, lse = out64.to(dtype), lse64.float()
+    args = (q, kv, idx, out, lse, dout, scale)
+    split = sparse_attention_bwd(*args, sink=sink, dv=Dv, config={"ws_wg0_chunks": n0}, return_probs=True)
+    base = sparse_attention_bwd(*args, sink=sink, dv=Dv, config={"ws_wg0_chunks": 0}, return_probs=True)
+    g_dq, g_dkv, _ = _given_inputs_grads(q, kv, idx, out, lse, dout, scale, sink, Dv)
+    assert not split[1].isnan().any()
+    assert _err(split[0], dq_ref, g_dq) < TOL and _err(split[1], dkv_ref, g_dkv) < TOL
+    assert torch.equal(split[0], base[0]) and torch.equal(split[3], base[3])
+    assert _rel(split[1], base[1]) < 1e-5
+    det = [sparse_attention_bwd(*args, sink=sink, dv=Dv, config={"ws_wg0_chunks": n, "det_mode": "contrib_i16"},
+                                deterministic=True)[1] for n in (n0, 0)]
+    assert torch.equal(det[0], det[1])
+
+
 @pytest.mark.parametrize("det_mode", ["contrib", "contrib_ws", "contrib_bf16", "contrib_i16"])
 def test_deterministic_chunks_with_probs_and_two_head_blocks(monkeypatch, det_mode):
     """H 128 (two head blocks): the deterministic query chunks write the head-summed probabilities
