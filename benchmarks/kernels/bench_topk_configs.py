@@ -9,6 +9,7 @@ configuration must return the same sets (checked against the first).
 """
 
 import argparse
+import json
 import os
 import sys
 
@@ -19,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from dsa_plugins.bench.runner import capture_graph, graph_replay_ms  # noqa: E402
 from dsa_plugins.kernels import topk as TK  # noqa: E402
 
-CASES = [(1, 32768), (1, 131072), (8, 32768), (8, 131072), (32, 32768), (64, 32768)]
+CASES = [(1, 32768), (1, 131072), (8, 32768), (8, 131072), (16, 131072), (32, 32768), (32, 131072), (64, 32768)]
 
 
 def scores(kind, rows, cols, g):
@@ -33,13 +34,16 @@ def scores(kind, rows, cols, g):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--k", type=int, default=2048)
+    ap.add_argument("--extra", default="[]", help="JSON list of more configurations to time beside the shipped ones")
+    ap.add_argument("--kinds", default="indexer-like,normal")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
-    configs = [c for c in TK.SHIPPED_CONFIGS if not c.get("lse")]
-    print("| scores | rows | columns | " + " | ".join(f"{c['threads']}t agg={c['agg']}" for c in configs)
+    configs = [c for c in TK.SHIPPED_CONFIGS if not c.get("lse")] + json.loads(args.extra)
+    print("| scores | rows | columns | " + " | ".join(f"{c['threads']}t agg={c.get('agg')}" + (f" parts={c['parts']}" if c.get('parts') else "")
+                                           for c in configs)
           + " | picked |")
     print("|" + "---|" * (len(configs) + 4))
-    for kind in ("indexer-like", "normal"):
+    for kind in args.kinds.split(","):
         for rows, cols in CASES:
             x = scores(kind, rows, cols, g)
             starts = torch.zeros(rows, dtype=torch.int32, device="cuda")

@@ -45,6 +45,7 @@ from ..common.settings import decode_cluster_parts, decode_part_slots, logger
 from ..common.indices import as_int32, row_blocks
 from ..common.validation import check_scale, check_tensor, output_buffer
 from . import announce_compile, zeros_arg
+from .cluster import CLUSTER_PRELUDE
 
 __all__ = [
     "DECODE_CLUSTER_CONFIGS",
@@ -176,18 +177,7 @@ __device__ __forceinline__ void dsa_cp_async16(const void* smem, const void* gme
 
 # decode parts merged inside a cluster (cluster_parts): the cluster barrier and loads from a peer CTA's shared
 # memory (mapa + ld.shared::cluster). The asm is volatile so that no load moves across the barrier.
-_CLUSTER_PRELUDE = r"""
-__device__ __forceinline__ void dsa_cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-__device__ __forceinline__ unsigned dsa_peer_addr(const void* p, int rank) {
-  unsigned r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
-               : "=r"(r) : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))), "r"(rank));
-  return r;
-}
-
+_CLUSTER_PRELUDE = CLUSTER_PRELUDE + r"""
 __device__ __forceinline__ float dsa_peer_f32(const void* p, int rank) {
   float v;
   asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(dsa_peer_addr(p, rank)) : "memory");

@@ -34,6 +34,7 @@ import logging
 import threading
 
 from . import announce_compile, zeros_arg
+from .cluster import CLUSTER_PRELUDE
 
 logger = logging.getLogger("dsa_plugins")
 
@@ -53,20 +54,36 @@ SHIPPED_CONFIGS: list = [
 #: takes it instead of recomputing the logits); ties at the threshold enter by count, so the tie-fill
 #: program needs no change
 SHIPPED_CONFIGS += [{**cfg, "lse": True} for cfg in SHIPPED_CONFIGS]
+#: the split program (``parts`` CTAs per row, one cluster; no lse): few long rows, the generation steps.
+#: H100, indexer-like scores, k 2048, select + tie-fill from a CUDA graph (one CTA per row -> split):
+#: 1 x 131072 59.4 -> 32.4 us, 8 x 131072 56.2 -> 32.2, 16 x 131072 63.3 -> 39.4 (4 parts); 32K-column rows
+#: gain nothing (25.6 -> 29.2: both programs are a chain of latency-bound phases of ~25 us per row), and past
+#: 16 rows the clusters no longer fit in one wave (32 x 131072: 57.6 -> 62.3 with 4 parts)
+SPLIT_CONFIG = {"threads": 1024, "cap": 4096, "unroll": 4, "parts": 8}
+SPLIT4_CONFIG = {"threads": 1024, "cap": 4096, "unroll": 4, "parts": 4}
+SHIPPED_CONFIGS += [SPLIT_CONFIG, SPLIT4_CONFIG]
 
 DEFAULT_CONFIG = SHIPPED_CONFIGS[2]
 MANY_SHORT_ROWS_CONFIG = SHIPPED_CONFIGS[1]
 MANY_LONG_ROWS_CONFIG = SHIPPED_CONFIGS[3]
 #: with fewer rows than this one big CTA per row is best (rows < SMs); measured on H200
 FEW_ROWS = 264
+#: the split program's rows: at most SPLIT_MAX_ROWS rows (8 parts up to SPLIT8_MAX_ROWS, then 4) of at least
+#: SPLIT_MIN_COLS columns
+SPLIT_MAX_ROWS = 16
+SPLIT8_MAX_ROWS = 8
+SPLIT_MIN_COLS = 65536
 SHORT_ROW_MAX = 32768
 
 
-def config_for_rows(rows: int, max_cols: int) -> dict:
-    """The configuration used for ``rows`` rows of at most ``max_cols`` columns.
+def config_for_rows(rows: int, max_cols: int, lse: bool = False) -> dict:
+    """The configuration used for ``rows`` rows of at most ``max_cols`` columns (``lse``: one that writes it).
 
     Chosen from H200 timings: 64 x 32768 -> 1024 threads (0.028 ms); 8192 rows of <= 8K
-    and thousands of rows of <= 32K -> 256 threads; rows of 64K -> 512 threads."""
+    and thousands of rows of <= 32K -> 256 threads; rows of 64K -> 512 threads. A few long rows (generation
+    steps) take the split program: each row over a cluster of 8 CTAs."""
+    if not lse and rows <= SPLIT_MAX_ROWS and max_cols >= SPLIT_MIN_COLS:
+        return SPLIT_CONFIG if rows <= SPLIT8_MAX_ROWS else SPLIT4_CONFIG
     if rows < FEW_ROWS:
         return DEFAULT_CONFIG
     return MANY_SHORT_ROWS_CONFIG if max_cols <= SHORT_ROW_MAX else MANY_LONG_ROWS_CONFIG
@@ -159,6 +176,62 @@ def _row_macros(T, threads: int, unroll: int):
     return ordered, load_chunk, emit_ties_in_column_order
 
 
+def _threshold_macro(T, threads: int):
+    """The digit search both select programs share (one CTA of ``threads`` threads)."""
+    nwarps = threads // 32
+
+    @T.macro
+    def find_threshold(hist, wsum, ctl, tx, bpt, need):
+        # Finds the digit d with  count(digit > d) < need <= count(digit >= d).
+        # ctl[3] <- d, ctl[4] <- count(digit > d). Ends with a barrier.
+        ls = T.alloc_var(T.int32)
+        x = T.alloc_var(T.int32)
+        run = T.alloc_var(T.int32)
+        c = T.alloc_var(T.int32)
+        ls = 0
+        for j in T.serial(bpt):
+            ls = ls + hist[tx * bpt + j]
+        x = ls
+        for s in T.unroll(5):
+            c = T.shfl_down(x, 1 << s)
+            if (tx % 32) + (1 << s) < 32:
+                x = x + c
+        if tx % 32 == 0:
+            wsum[tx // 32] = x
+        T.sync_threads()
+        run = x - ls
+        for w in T.unroll(nwarps):
+            if w > tx // 32:
+                run = run + wsum[w]
+        for jj in T.serial(bpt):
+            c = hist[tx * bpt + (bpt - 1 - jj)]
+            if run < need and run + c >= need:
+                ctl[3] = tx * bpt + (bpt - 1 - jj)
+                ctl[4] = run
+            run = run + c
+        T.sync_threads()
+
+    return find_threshold
+
+
+# the split program: 4 consecutive histogram bins summed over the cluster's CTAs (16-byte loads from each peer's
+# shared memory, all issued before the first add)
+_SPLIT_PRELUDE = r"""
+template <int kParts>
+__device__ __forceinline__ void dsa_cluster_sum4(const int* hist, int* tot) {
+  int4 v[kParts];
+  #pragma unroll
+  for (int p = 0; p < kParts; ++p)
+    asm volatile("ld.shared::cluster.v4.b32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v[p].x), "=r"(v[p].y), "=r"(v[p].z), "=r"(v[p].w) : "r"(dsa_peer_addr(hist, p)) : "memory");
+  int4 s = v[0];
+  #pragma unroll
+  for (int p = 1; p < kParts; ++p) { s.x += v[p].x; s.y += v[p].y; s.z += v[p].z; s.w += v[p].w; }
+  *reinterpret_cast<int4*>(tot) = s;
+}
+"""
+
+
 @functools.lru_cache(maxsize=None)
 def _factory():
     """Build the @tilelang.jit factory (TileLang imported here, not at module import)."""
@@ -179,36 +252,7 @@ def _factory():
         i32 = T.int32
         ordered, load_chunk, _ = _row_macros(T, threads, unroll)
 
-        @T.macro
-        def find_threshold(hist, wsum, ctl, tx, bpt, need):
-            # Finds the digit d with  count(digit > d) < need <= count(digit >= d).
-            # ctl[3] <- d, ctl[4] <- count(digit > d). Ends with a barrier.
-            ls = T.alloc_var(T.int32)
-            x = T.alloc_var(T.int32)
-            run = T.alloc_var(T.int32)
-            c = T.alloc_var(T.int32)
-            ls = 0
-            for j in T.serial(bpt):
-                ls = ls + hist[tx * bpt + j]
-            x = ls
-            for s in T.unroll(5):
-                c = T.shfl_down(x, 1 << s)
-                if (tx % 32) + (1 << s) < 32:
-                    x = x + c
-            if tx % 32 == 0:
-                wsum[tx // 32] = x
-            T.sync_threads()
-            run = x - ls
-            for w in T.unroll(nwarps):
-                if w > tx // 32:
-                    run = run + wsum[w]
-            for jj in T.serial(bpt):
-                c = hist[tx * bpt + (bpt - 1 - jj)]
-                if run < need and run + c >= need:
-                    ctl[3] = tx * bpt + (bpt - 1 - jj)
-                    ctl[4] = run
-                run = run + c
-            T.sync_threads()
+        find_threshold = _threshold_macro(T, threads)
 
         f32 = T.float32
         neg_inf = -T.infinity(f32)
@@ -514,14 +558,243 @@ def _factory():
 
         return fill
 
-    return radix_topk, radix_tie_fill
+    @tilelang.jit(pass_configs=_pass_configs())
+    def radix_topk_split(threads: int = 1024, parts: int = 8, cap: int = 4096, unroll: int = 4):
+        # One row per cluster of `parts` CTAs, each over a contiguous slice of the row's columns: the digit
+        # histograms are summed through distributed shared memory (every CTA sums all of them, so each finds
+        # the same digits), each CTA emits its own selected columns at output slots taken from a counter in
+        # the shared memory of the cluster's CTA 0, and keeps its own candidates. Same sets as ``radix_topk``
+        # (rows with more threshold ties than needed go to the tie-fill program the same way); no lse.
+        assert threads % 32 == 0 and _NB2 % threads == 0 and parts in (2, 4, 8), (threads, parts)
+        bpt1 = _NB1 // threads
+        bpt2 = _NB2 // threads
+        R = T.dynamic("R")
+        n4 = T.dynamic("n4")
+        K = T.dynamic("K")
+        n_off = T.dynamic("n_off")
+        u32 = T.uint32
+        i32 = T.int32
+        ordered, load_chunk, _ = _row_macros(T, threads, unroll)
+        find_threshold = _threshold_macro(T, threads)
+
+        def peer(buf, j, rank):
+            return T.call_extern(i32, "dsa_peer_i32", T.address_of(buf[j]), rank)
+
+        @T.macro
+        def sum_peers(hist, tot, tx, bins):
+            # tot[b] = the sum over the cluster's CTAs of hist[b] (after a cluster barrier): each thread 4
+            # consecutive bins, one 16-byte load per peer, all loads in flight before the sums
+            for j in T.unroll(T.ceildiv(bins, threads * 4)):
+                if (j * threads + tx) * 4 < bins:
+                    T.call_extern("handle", f"dsa_cluster_sum4<{parts}>", T.address_of(hist[(j * threads + tx) * 4]),
+                                  T.address_of(tot[(j * threads + tx) * 4]))
+            T.sync_threads()
+
+        @T.macro
+        def emit(flag, col, ctl, lane, lt, slot, Out, row, out_offset):
+            # the flagged lanes' columns to Out[row, slots from CTA 0's counter]: one remote atomic per warp
+            # (slot: [2] local scratch, the ballot and the warp's first slot)
+            slot[0] = T.cast(T.ballot_sync(flag), i32)
+            if slot[0] != 0:  # the same in every lane of the warp
+                slot[1] = 0
+                if lane == 0:
+                    slot[1] = T.call_extern(i32, "dsa_peer_add_i32", T.address_of(ctl[0]), 0,
+                                            T.cast(T.popcount(T.cast(slot[0], u32)), i32))
+                slot[1] = T.shfl_sync(slot[1], 0)
+                if flag == 1:
+                    Out[row, slot[1] + T.cast(T.popcount(T.cast(slot[0], u32) & lt), i32)] = col + out_offset
+
+        @T.prim_func
+        def split(
+            S: T.Tensor([R, n4, 4], T.float32),
+            Starts: T.Tensor([R], T.int32),
+            Ends: T.Tensor([R], T.int32),
+            Offsets: T.Tensor([n_off], T.int32),
+            offset_stride: T.int32,
+            Out: T.Tensor([R, K], T.int32),
+            Ties: T.Tensor([R, 2], T.int32),
+        ):
+            with T.Kernel(R * parts, threads=threads, prelude=CLUSTER_PRELUDE + _SPLIT_PRELUDE,
+                          cluster_dims=(parts, 1, 1)) as bx:
+                tx = T.get_thread_binding()
+                row = bx // parts
+                rank = bx % parts
+                hist = T.alloc_shared([_NB1], i32)
+                tot = T.alloc_shared([_NB1], i32)
+                ckey = T.alloc_shared([cap], u32)
+                cidx = T.alloc_shared([cap], i32)
+                wsum = T.alloc_shared([32], i32)
+                ctl = T.alloc_shared([8], i32)
+                vals = T.alloc_local([unroll * 4], T.float32)
+                start = T.alloc_var(i32)
+                end = T.alloc_var(i32)
+                c0 = T.alloc_var(i32)
+                c1 = T.alloc_var(i32)
+                p0 = T.alloc_var(i32)
+                p1 = T.alloc_var(i32)
+                lo = T.alloc_var(i32)
+                hi = T.alloc_var(i32)
+                need = T.alloc_var(i32)
+                b1 = T.alloc_var(u32)
+                prefix = T.alloc_var(u32)
+                use_cand = T.alloc_var(i32)
+                ncand = T.alloc_var(i32)
+                key = T.alloc_var(u32)
+                col = T.alloc_var(i32)
+                flag = T.alloc_var(i32)
+                slot = T.alloc_local([2], i32)
+                m2 = T.alloc_var(u32)
+                bB = T.alloc_var(i32)
+                lane = T.alloc_var(i32)
+                lt = T.alloc_var(u32)
+                lane = tx % 32
+                lt = (T.uint32(1) << T.cast(lane, u32)) - T.uint32(1)
+
+                out_offset = T.alloc_var(i32)
+                out_offset = Offsets[row * offset_stride]
+                start = T.max(Starts[row], 0)
+                end = T.min(Ends[row], n4 * 4)
+                if rank == 0 and tx == 0:
+                    Ties[row, 1] = 0
+                if end - start <= K:  # uniform over the cluster: no cluster barrier on this path
+                    if rank == 0:
+                        for it in T.serial(T.ceildiv(K, threads)):
+                            if it * threads + tx < K:
+                                Out[row, it * threads + tx] = T.if_then_else(
+                                    it * threads + tx < end - start, start + it * threads + tx + out_offset, -1)
+                else:
+                    c0 = start // 4
+                    c1 = (end + 3) // 4
+                    # this CTA's slice of the row, in float4 units
+                    p0 = T.min(c0 + rank * T.ceildiv(c1 - c0, parts), c1)
+                    p1 = T.min(p0 + T.ceildiv(c1 - c0, parts), c1)
+                    lo = T.max(start, p0 * 4)  # the columns this CTA counts and emits
+                    hi = T.min(end, p1 * 4)
+                    for j in T.serial(bpt1):
+                        hist[j * threads + tx] = 0
+                    if tx < 8:
+                        ctl[tx] = 0
+                    T.call_extern("handle", "dsa_cluster_sync")  # every counter is zero before any peer adds
+
+                    # ---- pass 1: 12-bit histogram of the slice, summed over the cluster ----------
+                    for it in T.serial(T.ceildiv(p1 - p0, threads * unroll)):
+                        load_chunk(S, row, p0, p1, it, tx, vals)
+                        for u in T.unroll(unroll):
+                            for v in T.unroll(4):
+                                col = (p0 + (it * unroll + u) * threads + tx) * 4 + v
+                                if col >= lo and col < hi:
+                                    key = ordered(vals[u * 4 + v])
+                                    T.atomic_add(hist[T.cast(key >> T.uint32(20), i32)], 1)
+                    T.call_extern("handle", "dsa_cluster_sync")
+                    sum_peers(hist, tot, tx, _NB1)
+                    find_threshold(tot, wsum, ctl, tx, bpt1, K)
+                    b1 = T.cast(ctl[3], u32)
+                    need = K - ctl[4]
+                    if tx < parts:  # candidates in shared memory if every CTA's share of digit b1 fits
+                        T.call_extern("handle", "atomicMax", T.address_of(ctl[6]), peer(hist, ctl[3], tx))
+                    T.sync_threads()
+                    use_cand = T.if_then_else(ctl[6] <= cap, 1, 0)
+                    T.call_extern("handle", "dsa_cluster_sync")  # no peer reads this histogram any more
+                    for j in T.serial(bpt2):
+                        hist[j * threads + tx] = 0
+
+                    # ---- pass 2: emit digits above b1, gather digit == b1 --------------------
+                    for it in T.serial(T.ceildiv(p1 - p0, threads * unroll)):
+                        load_chunk(S, row, p0, p1, it, tx, vals)
+                        for u in T.unroll(unroll):
+                            for v in T.unroll(4):
+                                col = (p0 + (it * unroll + u) * threads + tx) * 4 + v
+                                key = ordered(vals[u * 4 + v])
+                                flag = T.if_then_else(col >= lo and col < hi and (key >> T.uint32(20)) > b1,
+                                                      1, 0)
+                                emit(flag, col, ctl, lane, lt, slot, Out, row, out_offset)
+                                flag = T.if_then_else(
+                                    col >= lo and col < hi and (key >> T.uint32(20)) == b1 and use_cand == 1, 1, 0)
+                                m2 = T.cast(T.ballot_sync(flag), u32)
+                                if m2 != T.uint32(0):  # the same in every lane of the warp
+                                    bB = 0
+                                    if lane == 0:
+                                        bB = T.atomic_add(ctl[1], T.cast(T.popcount(m2), i32), return_prev=True)
+                                    bB = T.shfl_sync(bB, 0)
+                                    if flag == 1:
+                                        ckey[bB + T.cast(T.popcount(m2 & lt), i32)] = key
+                                        cidx[bB + T.cast(T.popcount(m2 & lt), i32)] = col
+                    T.sync_threads()
+                    ncand = ctl[1]
+                    prefix = b1
+
+                    # ---- rounds 2 and 3: 10-bit digits, histograms summed over the cluster -------
+                    for r in T.unroll(2):
+                        if use_cand == 1:
+                            for it in T.serial(T.ceildiv(ncand, threads)):
+                                if it * threads + tx < ncand:
+                                    key = ckey[it * threads + tx]
+                                    if (key >> T.uint32(20 - 10 * r)) == prefix:
+                                        T.atomic_add(
+                                            hist[T.cast((key >> T.uint32(10 - 10 * r)) & T.uint32(1023), i32)], 1)
+                        else:
+                            for it in T.serial(T.ceildiv(p1 - p0, threads * unroll)):
+                                load_chunk(S, row, p0, p1, it, tx, vals)
+                                for u in T.unroll(unroll):
+                                    for v in T.unroll(4):
+                                        col = (p0 + (it * unroll + u) * threads + tx) * 4 + v
+                                        if col >= lo and col < hi:
+                                            key = ordered(vals[u * 4 + v])
+                                            if (key >> T.uint32(20 - 10 * r)) == prefix:
+                                                T.atomic_add(
+                                                    hist[T.cast((key >> T.uint32(10 - 10 * r)) & T.uint32(1023),
+                                                                i32)], 1)
+                        T.call_extern("handle", "dsa_cluster_sync")
+                        sum_peers(hist, tot, tx, _NB2)
+                        find_threshold(tot, wsum, ctl, tx, bpt2, need)
+                        prefix = (prefix << T.uint32(10)) | T.cast(ctl[3], u32)
+                        need = need - ctl[4]
+                        if tx == 0:  # after the last round: threshold-key columns beyond those still needed
+                            ctl[5] = tot[ctl[3]] - need
+                        T.call_extern("handle", "dsa_cluster_sync")  # no peer reads this histogram any more
+                        for j in T.serial(bpt2):
+                            hist[j * threads + tx] = 0
+                        T.sync_threads()
+
+                    # ---- final pass: keys above the threshold; every tie when all are needed --------
+                    if use_cand == 1:
+                        for it in T.serial(T.ceildiv(ncand, threads)):
+                            key = ckey[T.min(it * threads + tx, cap - 1)]
+                            flag = T.if_then_else(
+                                it * threads + tx < ncand and (key > prefix or (key == prefix and ctl[5] == 0)), 1, 0)
+                            emit(flag, cidx[T.min(it * threads + tx, cap - 1)], ctl, lane, lt, slot, Out, row,
+                                 out_offset)
+                    else:
+                        for it in T.serial(T.ceildiv(p1 - p0, threads * unroll)):
+                            load_chunk(S, row, p0, p1, it, tx, vals)
+                            for u in T.unroll(unroll):
+                                for v in T.unroll(4):
+                                    col = (p0 + (it * unroll + u) * threads + tx) * 4 + v
+                                    key = ordered(vals[u * 4 + v])
+                                    flag = T.if_then_else(
+                                        col >= lo and col < hi and (key >> T.uint32(20)) == b1
+                                        and (key > prefix or (key == prefix and ctl[5] == 0)), 1, 0)
+                                    emit(flag, col, ctl, lane, lt, slot, Out, row, out_offset)
+                    if ctl[5] > 0 and rank == 0 and tx == 0:
+                        Ties[row, 0] = T.reinterpret(prefix, i32)
+                        Ties[row, 1] = need
+                    T.call_extern("handle", "dsa_cluster_sync")  # CTA 0's counter outlives every peer's adds
+
+        return split
+
+    return {"radix_topk": radix_topk, "radix_tie_fill": radix_tie_fill, "radix_topk_split": radix_topk_split}
 
 
 def _config_key(config: dict) -> tuple:
     cfg = dict(DEFAULT_CONFIG)
     cfg.update(config or {})
+    parts = int(cfg.get("parts", 0) or 0)
+    if parts and (cfg.get("lse") or cfg.get("agg")):
+        raise ValueError(f"the split top-k (parts={parts}) writes no lse and aggregates its slots itself, got {config}")
+    if parts not in (0, 2, 4, 8):
+        raise ValueError(f"parts must be 0 (one CTA per row), 2, 4 or 8, got {parts}")
     return (int(cfg["threads"]), int(cfg["cap"]), int(cfg["unroll"]), bool(cfg.get("agg", False)),
-            bool(cfg.get("lse", False)))
+            bool(cfg.get("lse", False)), parts)
 
 
 _BUILD_LOCK = threading.Lock()
@@ -540,7 +813,7 @@ def _build(name: str, key: tuple, params: dict, target):
     if kern is None:
         announce_compile(name)
         with _BUILD_LOCK:  # TIR construction is not thread-safe; nvcc below runs in parallel
-            tir = _factory()[0 if name == "radix_topk" else 1].get_tir(**params)
+            tir = _factory()[name].get_tir(**params)
         kern = tilelang.compile(tir, target=target if target is not None else "auto", pass_configs=_pass_configs())
         logger.info("compiled TileLang %s %s target=%s", name, params, tkey)
         with _BUILD_LOCK:
@@ -552,7 +825,9 @@ def build_topk(config: dict | None = None, target=None):
     """Compile the radix top-k select program for ``config`` (a SHIPPED_CONFIGS entry) and
     ``target`` (default: the current CUDA device; ``{"kind": "cuda", "arch": "sm_90a"}`` compiles
     on CPU)."""
-    threads, cap, unroll, agg, lse = key = _config_key(config)
+    threads, cap, unroll, agg, lse, parts = key = _config_key(config)
+    if parts:
+        return _build("radix_topk_split", key, dict(threads=threads, parts=parts, cap=cap, unroll=unroll), target)
     return _build("radix_topk", key, dict(threads=threads, cap=cap, unroll=unroll, agg=agg, lse=lse), target)
 
 
@@ -599,12 +874,17 @@ def topk_rows_ranges(scores, starts, ends, topk: int, row_offsets=None, out=None
         offsets, stride = row_offsets, 1
     ties = torch.empty(R, 2, dtype=torch.int32, device=scores.device)
     view = scores.view(R, N // 4, 4)
-    cfg = dict(config if config is not None else config_for_rows(R, N))
+    cfg = dict(config if config is not None else config_for_rows(R, N, lse is not None))
     cfg["lse"] = lse is not None
-    if lse is not None:
-        assert lse.dtype == torch.float32 and lse.shape == (R,) and lse.stride(0) == 1
-    build_topk(cfg)(view, starts, ends, offsets, stride, out, ties,
-                    lse if lse is not None else zeros_arg(1, torch.float32, scores.device))
+    if cfg.get("parts"):
+        if lse is not None:
+            raise ValueError("the split top-k (parts) writes no lse: pick a one-CTA-per-row configuration")
+        build_topk(cfg)(view, starts, ends, offsets, stride, out, ties)
+    else:
+        if lse is not None:
+            assert lse.dtype == torch.float32 and lse.shape == (R,) and lse.stride(0) == 1
+        build_topk(cfg)(view, starts, ends, offsets, stride, out, ties,
+                        lse if lse is not None else zeros_arg(1, torch.float32, scores.device))
     build_tie_fill()(view, starts, ends, ties, offsets, stride, out)
     return out
 

@@ -86,12 +86,27 @@ def test_block_ranges_programs_compile(compiled, i):
 @pytest.mark.parametrize(
     "i", range(len(TK.SHIPPED_CONFIGS)),
     ids=[f"t{c['threads']}c{c['cap']}{'a' if c.get('agg') else ''}{'-lse' if c.get('lse') else ''}"
-         for c in TK.SHIPPED_CONFIGS],
+         f"{'-p%d' % c['parts'] if c.get('parts') else ''}" for c in TK.SHIPPED_CONFIGS],
 )
 def test_topk_configs_compile(compiled, i):
     src = _src(compiled, ("topk", i))
     assert "__global__" in src
     assert ("Lse[" in src) == bool(TK.SHIPPED_CONFIGS[i].get("lse"))  # the lse variants write it
+    # the split program: histograms summed and slots taken through the cluster's shared memory
+    split = bool(TK.SHIPPED_CONFIGS[i].get("parts"))
+    assert ("dsa_peer_i32(" in src and "dsa_peer_add_i32(" in src and "dsa_cluster_sync();" in src) == split
+
+
+def test_split_topk_configuration_rules():
+    assert TK.config_for_rows(1, 131072) == TK.SPLIT_CONFIG == TK.config_for_rows(8, 65536)
+    assert TK.config_for_rows(TK.SPLIT_MAX_ROWS, 131072) == TK.SPLIT4_CONFIG
+    assert TK.config_for_rows(1, 131072, lse=True) == TK.DEFAULT_CONFIG  # the split program writes no lse
+    assert TK.config_for_rows(TK.SPLIT_MAX_ROWS + 1, 131072) == TK.DEFAULT_CONFIG
+    assert TK.config_for_rows(1, 32768) == TK.DEFAULT_CONFIG
+    with pytest.raises(ValueError, match="writes no lse"):
+        TK._config_key({**TK.SPLIT_CONFIG, "lse": True})
+    with pytest.raises(ValueError, match="parts must be"):
+        TK._config_key({**TK.SPLIT_CONFIG, "parts": 3})
 
 
 @pytest.mark.slow

@@ -105,12 +105,12 @@ def causal_windows(seqlens, device="cuda"):
 # ---------------------------------------------------------------- radix top-k
 TOPK_CONFIGS = pytest.mark.parametrize(
     "cfg", [c for c in TK.SHIPPED_CONFIGS if not c.get("lse")],
-    ids=lambda c: f"t{c['threads']}c{c['cap']}{'a' if c.get('agg') else ''}"
+    ids=lambda c: f"t{c['threads']}c{c['cap']}{'a' if c.get('agg') else ''}{'p%d' % c['parts'] if c.get('parts') else ''}"
 )
 
 
 @pytest.mark.parametrize("cfg", [c for c in TK.SHIPPED_CONFIGS if c.get("lse")],
-                         ids=lambda c: f"t{c['threads']}c{c['cap']}{'a' if c.get('agg') else ''}")
+                         ids=lambda c: f"t{c['threads']}c{c['cap']}{'a' if c.get('agg') else ''}{'p%d' % c['parts'] if c.get('parts') else ''}")
 @pytest.mark.parametrize("kind", ["random", "clustered", "ties", "few_distinct"])
 def test_topk_rows_lse(kind, cfg):
     """lse: each row's logsumexp over the scores it selected (float64 from the returned columns), through
@@ -189,6 +189,37 @@ def test_topk_rows_ties(cfg):
     # ties in the smem-candidate path: few distinct values inside one 12-bit bucket
     x = (1.0 + torch.randint(0, 3, (R, N), device="cuda").float() * 2**-20)
     _check_topk(x, None, k, TK.topk_rows(x, None, k, config=cfg))
+
+
+@pytest.mark.parametrize("split", [TK.SPLIT_CONFIG, TK.SPLIT4_CONFIG], ids=lambda c: f"p{c['parts']}")
+@pytest.mark.parametrize("kind", ["random", "clustered", "few_values", "mostly_equal", "zeros_mixed_sign"])
+def test_split_topk_matches_one_cta_per_row(kind, split):
+    """The split program (a row over a cluster of CTAs) selects the same sets as one CTA per row: ranges not
+    aligned to 4 columns, per-row offsets, a range of fewer than k columns and an empty one, ties at the threshold
+    (all needed, or more than needed: the tie-fill's rows), and a row whose threshold digit holds more columns than
+    a CTA's candidate buffer (the refinement re-reads the slice)."""
+    g = torch.Generator(device="cuda").manual_seed(len(kind))
+    R, N, k = 6, 70000, 2048
+    if kind == "random":
+        x = torch.randn(R, N, device="cuda", generator=g)
+    elif kind == "clustered":  # one 12-bit bucket: 8750 (17500) columns per CTA, over its 4096 candidates
+        base = torch.arange(N, device="cuda", dtype=torch.int32) + (127 << 23)
+        x = torch.stack([base[torch.randperm(N, device="cuda", generator=g)] for _ in range(R)]).view(torch.float32)
+    elif kind == "few_values":
+        x = torch.randint(-2, 3, (R, N), device="cuda", generator=g).float()
+    elif kind == "mostly_equal":
+        x = torch.ones(R, N, device="cuda")
+        x[torch.rand(R, N, device="cuda", generator=g) < 0.01] = 2.0
+    else:
+        x = torch.zeros(R, N, device="cuda")
+        x[torch.rand(R, N, device="cuda", generator=g) < 0.5] = -0.0
+    starts = torch.tensor([0, 3, 1001, 5, 0, 17], dtype=torch.int32, device="cuda")
+    ends = torch.tensor([N, N - 1, 1001 + k - 1, 5, 65537, 40003], dtype=torch.int32, device="cuda")
+    offsets = torch.randint(0, 1000, (R,), dtype=torch.int32, device="cuda", generator=g)
+    got = TK.topk_rows_ranges(x, starts, ends, k, row_offsets=offsets, config=split)
+    ref = TK.topk_rows_ranges(x, starts, ends, k, row_offsets=offsets, config=TK.DEFAULT_CONFIG)
+    assert torch.equal(got.sort(1).values, ref.sort(1).values)
+    assert TK.config_for_rows(R, N) == TK.SPLIT_CONFIG and TK.config_for_rows(R, N, lse=True) != TK.SPLIT_CONFIG
 
 
 def _check_topk(x, lens, k, out):

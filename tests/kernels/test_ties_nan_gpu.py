@@ -23,7 +23,7 @@ from dsa_plugins.reference.indexer import indexer_topk_reference, topk_rows_refe
 from tests.helpers import random_indices, rel_err  # noqa: E402
 
 TOPK_CONFIGS = pytest.mark.parametrize(
-    "cfg", TK.SHIPPED_CONFIGS, ids=lambda c: f"t{c['threads']}c{c['cap']}{'a' if c.get('agg') else ''}"
+    "cfg", TK.SHIPPED_CONFIGS, ids=lambda c: f"t{c['threads']}c{c['cap']}{'a' if c.get('agg') else ''}{'p%d' % c['parts'] if c.get('parts') else ''}"
 )
 
 

@@ -1,0 +1,34 @@
+"""Device helpers for CTAs that work as one cluster (Hopper thread-block clusters), shared by the kernel families.
+
+``CLUSTER_PRELUDE`` is CUDA source for a program's prelude: the cluster-wide barrier (release / acquire, so that
+shared-memory writes before it are visible to every peer after it), the address of a variable in a peer CTA's
+shared memory, and 32-bit loads and atomic adds there (distributed shared memory). The asm is volatile with a
+memory clobber so that no access moves across the barrier.
+"""
+
+CLUSTER_PRELUDE = r"""
+__device__ __forceinline__ void dsa_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ unsigned dsa_peer_addr(const void* p, int rank) {
+  unsigned r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+               : "=r"(r) : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))), "r"(rank));
+  return r;
+}
+
+__device__ __forceinline__ int dsa_peer_i32(const void* p, int rank) {
+  int v;
+  asm volatile("ld.shared::cluster.b32 %0, [%1];" : "=r"(v) : "r"(dsa_peer_addr(p, rank)) : "memory");
+  return v;
+}
+
+// atomically adds v to the int at p in CTA `rank`'s shared memory; returns the value before
+__device__ __forceinline__ int dsa_peer_add_i32(const void* p, int rank, int v) {
+  int old;
+  asm volatile("atom.shared::cluster.add.u32 %0, [%1], %2;" : "=r"(old) : "r"(dsa_peer_addr(p, rank)), "r"(v)
+               : "memory");
+  return old;
+}
+"""
