@@ -207,7 +207,8 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
         if cfg.get("lse") and not training:  # the variants that feed the indexer loss
             continue
         agg = ", warp-aggregated" if cfg.get("agg") else ""
-        jobs.append(KernelJob(f"radix top-k {cfg['threads']} threads{agg}{', lse' if cfg.get('lse') else ''}", tk,
+        split = f", a row over {cfg['parts']} CTAs" if cfg.get("parts") else ""
+        jobs.append(KernelJob(f"radix top-k {cfg['threads']} threads{agg}{split}{', lse' if cfg.get('lse') else ''}", tk,
                               "build_topk", (dict(cfg),),
                               gpu_target="auto", seconds=9))
     jobs.append(KernelJob("top-k tie fill", tk, "build_tie_fill", gpu_target="auto", seconds=7))

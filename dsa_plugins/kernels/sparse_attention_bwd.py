@@ -165,10 +165,13 @@ def _normalise_config(config: dict) -> dict:
     # MLA H64 8.37 / 8.30 / 8.65 / 8.19 ms, MLA H128 16.62 / 16.32 / 16.23 / 16.12, V4 H128 k1024 8.09 / 7.93 /
     # 7.80 / 8.21, V4 H64 k512 2.48 / 2.39 / 2.35 / 2.42: 3 for the 576-wide layout, 2 for D512
     n0, n_chunks = cfg.get("ws_wg0_chunks"), cfg["dv"] // 64 + (cfg["dqk"] > cfg["dv"])
-    n0 = min(3 if cfg["dqk"] - cfg["dv"] == 64 else 2, n_chunks // 2) if n0 is None else int(n0)
-    if not 0 <= n0 <= min(3, n_chunks - 1):
+    if cfg["ws_pair"] or cfg["schedule"] != "ws":
+        n0 = 0
+    elif n0 is None:
+        n0 = min(3 if cfg["dqk"] - cfg["dv"] == 64 else 2, n_chunks // 2)
+    elif not 0 <= int(n0) <= min(3, n_chunks - 1):
         raise ValueError(f"ws_wg0_chunks must be 0..{min(3, n_chunks - 1)} (dkv chunks: {n_chunks}), got {n0}")
-    cfg["ws_wg0_chunks"] = 0 if cfg["ws_pair"] or cfg["schedule"] != "ws" else n0
+    cfg["ws_wg0_chunks"] = int(n0)
     if cfg["schedule"] == "ws" and not ws_ok:
         raise ValueError(f"schedule 'ws' needs dv a multiple of 128, dqk - dv in (0, 64) and block_k 64, got "
                          f"dqk={cfg['dqk']} dv={cfg['dv']} block_k={cfg['block_k']}")

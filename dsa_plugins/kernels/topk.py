@@ -56,9 +56,9 @@ SHIPPED_CONFIGS: list = [
 SHIPPED_CONFIGS += [{**cfg, "lse": True} for cfg in SHIPPED_CONFIGS]
 #: the split program (``parts`` CTAs per row, one cluster; no lse): few long rows, the generation steps.
 #: H100, indexer-like scores, k 2048, select + tie-fill from a CUDA graph (one CTA per row -> split):
-#: 1 x 131072 59.4 -> 32.4 us, 8 x 131072 56.2 -> 32.2, 16 x 131072 63.3 -> 39.4 (4 parts); 32K-column rows
-#: gain nothing (25.6 -> 29.2: both programs are a chain of latency-bound phases of ~25 us per row), and past
-#: 16 rows the clusters no longer fit in one wave (32 x 131072: 57.6 -> 62.3 with 4 parts)
+#: 1 x 131072 59.9 -> 29.9 us, 8 x 131072 56.5 -> 29.4, 16 x 131072 62.9 -> 37.8 (4 parts), 1 / 8 x 32768
+#: 25.6 / 26.9 -> 22.8 / 23.1 (4 parts; 8 parts 26.8 / 27.2): both programs are a chain of latency-bound phases
+#: of 20-25 us per row; past 16 rows the clusters no longer fit in one wave (32 x 32768: 25.6 -> 41.8)
 SPLIT_CONFIG = {"threads": 1024, "cap": 4096, "unroll": 4, "parts": 8}
 SPLIT4_CONFIG = {"threads": 1024, "cap": 4096, "unroll": 4, "parts": 4}
 SHIPPED_CONFIGS += [SPLIT_CONFIG, SPLIT4_CONFIG]
@@ -68,11 +68,12 @@ MANY_SHORT_ROWS_CONFIG = SHIPPED_CONFIGS[1]
 MANY_LONG_ROWS_CONFIG = SHIPPED_CONFIGS[3]
 #: with fewer rows than this one big CTA per row is best (rows < SMs); measured on H200
 FEW_ROWS = 264
-#: the split program's rows: at most SPLIT_MAX_ROWS rows (8 parts up to SPLIT8_MAX_ROWS, then 4) of at least
-#: SPLIT_MIN_COLS columns
+#: the split program's rows: up to SPLIT8_MAX_ROWS rows of at least SPLIT8_MIN_COLS columns take 8 parts; 4 parts
+#: take up to SPLIT8_MAX_ROWS rows of at least SPLIT_MIN_COLS and up to SPLIT_MAX_ROWS of at least SPLIT8_MIN_COLS
 SPLIT_MAX_ROWS = 16
 SPLIT8_MAX_ROWS = 8
-SPLIT_MIN_COLS = 65536
+SPLIT_MIN_COLS = 32768
+SPLIT8_MIN_COLS = 65536
 SHORT_ROW_MAX = 32768
 
 
@@ -82,8 +83,11 @@ def config_for_rows(rows: int, max_cols: int, lse: bool = False) -> dict:
     Chosen from H200 timings: 64 x 32768 -> 1024 threads (0.028 ms); 8192 rows of <= 8K
     and thousands of rows of <= 32K -> 256 threads; rows of 64K -> 512 threads. A few long rows (generation
     steps) take the split program: each row over a cluster of 8 CTAs."""
-    if not lse and rows <= SPLIT_MAX_ROWS and max_cols >= SPLIT_MIN_COLS:
-        return SPLIT_CONFIG if rows <= SPLIT8_MAX_ROWS else SPLIT4_CONFIG
+    if not lse and rows <= SPLIT8_MAX_ROWS and max_cols >= SPLIT8_MIN_COLS:
+        return SPLIT_CONFIG
+    if not lse and ((rows <= SPLIT8_MAX_ROWS and max_cols >= SPLIT_MIN_COLS)
+                    or (rows <= SPLIT_MAX_ROWS and max_cols >= SPLIT8_MIN_COLS)):
+        return SPLIT4_CONFIG
     if rows < FEW_ROWS:
         return DEFAULT_CONFIG
     return MANY_SHORT_ROWS_CONFIG if max_cols <= SHORT_ROW_MAX else MANY_LONG_ROWS_CONFIG
@@ -581,12 +585,13 @@ def _factory():
             return T.call_extern(i32, "dsa_peer_i32", T.address_of(buf[j]), rank)
 
         @T.macro
-        def sum_peers(hist, tot, tx, bins):
-            # tot[b] = the sum over the cluster's CTAs of hist[b] (after a cluster barrier): each thread 4
+        def sum_peers(hist, tot, tx, bins, h0):
+            # tot[b] = the sum over the cluster's CTAs of hist[h0 + b] (after a cluster barrier): each thread 4
             # consecutive bins, one 16-byte load per peer, all loads in flight before the sums
             for j in T.unroll(T.ceildiv(bins, threads * 4)):
                 if (j * threads + tx) * 4 < bins:
-                    T.call_extern("handle", f"dsa_cluster_sum4<{parts}>", T.address_of(hist[(j * threads + tx) * 4]),
+                    T.call_extern("handle", f"dsa_cluster_sum4<{parts}>",
+                                  T.address_of(hist[h0 + (j * threads + tx) * 4]),
                                   T.address_of(tot[(j * threads + tx) * 4]))
             T.sync_threads()
 
@@ -620,6 +625,8 @@ def _factory():
                 row = bx // parts
                 rank = bx % parts
                 hist = T.alloc_shared([_NB1], i32)
+                hist2 = T.alloc_shared([2 * _NB2], i32)  # the two later digits' histograms, one each: no
+                # peer reads a histogram that is being cleared, so no cluster barrier before a clear
                 tot = T.alloc_shared([_NB1], i32)
                 ckey = T.alloc_shared([cap], u32)
                 cidx = T.alloc_shared([cap], i32)
@@ -672,6 +679,8 @@ def _factory():
                     hi = T.min(end, p1 * 4)
                     for j in T.serial(bpt1):
                         hist[j * threads + tx] = 0
+                    for j in T.serial(2 * bpt2):
+                        hist2[j * threads + tx] = 0
                     if tx < 8:
                         ctl[tx] = 0
                     T.call_extern("handle", "dsa_cluster_sync")  # every counter is zero before any peer adds
@@ -686,7 +695,7 @@ def _factory():
                                     key = ordered(vals[u * 4 + v])
                                     T.atomic_add(hist[T.cast(key >> T.uint32(20), i32)], 1)
                     T.call_extern("handle", "dsa_cluster_sync")
-                    sum_peers(hist, tot, tx, _NB1)
+                    sum_peers(hist, tot, tx, _NB1, 0)
                     find_threshold(tot, wsum, ctl, tx, bpt1, K)
                     b1 = T.cast(ctl[3], u32)
                     need = K - ctl[4]
@@ -694,13 +703,11 @@ def _factory():
                         T.call_extern("handle", "atomicMax", T.address_of(ctl[6]), peer(hist, ctl[3], tx))
                     T.sync_threads()
                     use_cand = T.if_then_else(ctl[6] <= cap, 1, 0)
-                    T.call_extern("handle", "dsa_cluster_sync")  # no peer reads this histogram any more
-                    for j in T.serial(bpt2):
-                        hist[j * threads + tx] = 0
 
                     # ---- pass 2: emit digits above b1, gather digit == b1 --------------------
                     for it in T.serial(T.ceildiv(p1 - p0, threads * unroll)):
-                        load_chunk(S, row, p0, p1, it, tx, vals)
+                        if T.ceildiv(p1 - p0, threads * unroll) > 1:  # else pass 1's values are still in vals
+                            load_chunk(S, row, p0, p1, it, tx, vals)
                         for u in T.unroll(unroll):
                             for v in T.unroll(4):
                                 col = (p0 + (it * unroll + u) * threads + tx) * 4 + v
@@ -731,7 +738,8 @@ def _factory():
                                     key = ckey[it * threads + tx]
                                     if (key >> T.uint32(20 - 10 * r)) == prefix:
                                         T.atomic_add(
-                                            hist[T.cast((key >> T.uint32(10 - 10 * r)) & T.uint32(1023), i32)], 1)
+                                            hist2[r * _NB2 + T.cast((key >> T.uint32(10 - 10 * r)) & T.uint32(1023),
+                                                                    i32)], 1)
                         else:
                             for it in T.serial(T.ceildiv(p1 - p0, threads * unroll)):
                                 load_chunk(S, row, p0, p1, it, tx, vals)
@@ -742,18 +750,15 @@ def _factory():
                                             key = ordered(vals[u * 4 + v])
                                             if (key >> T.uint32(20 - 10 * r)) == prefix:
                                                 T.atomic_add(
-                                                    hist[T.cast((key >> T.uint32(10 - 10 * r)) & T.uint32(1023),
-                                                                i32)], 1)
+                                                    hist2[r * _NB2 + T.cast((key >> T.uint32(10 - 10 * r))
+                                                                            & T.uint32(1023), i32)], 1)
                         T.call_extern("handle", "dsa_cluster_sync")
-                        sum_peers(hist, tot, tx, _NB2)
+                        sum_peers(hist2, tot, tx, _NB2, r * _NB2)
                         find_threshold(tot, wsum, ctl, tx, bpt2, need)
                         prefix = (prefix << T.uint32(10)) | T.cast(ctl[3], u32)
                         need = need - ctl[4]
                         if tx == 0:  # after the last round: threshold-key columns beyond those still needed
                             ctl[5] = tot[ctl[3]] - need
-                        T.call_extern("handle", "dsa_cluster_sync")  # no peer reads this histogram any more
-                        for j in T.serial(bpt2):
-                            hist[j * threads + tx] = 0
                         T.sync_threads()
 
                     # ---- final pass: keys above the threshold; every tie when all are needed --------
