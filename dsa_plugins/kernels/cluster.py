@@ -11,6 +11,14 @@ __device__ __forceinline__ void dsa_cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
+// the cluster shared-memory address of the variable at shared-memory address saddr in CTA `rank`
+__device__ __forceinline__ unsigned dsa_peer_saddr(unsigned saddr, unsigned rank) {
+  unsigned r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(saddr), "r"(rank));
+  return r;
+}
+
+// the same for a generic pointer to this CTA's shared memory
 __device__ __forceinline__ unsigned dsa_peer_addr(const void* p, int rank) {
   unsigned r;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"

@@ -62,6 +62,7 @@ from ..common.indices import global_rows, row_blocks
 from ..common.settings import deterministic_mode, warn_once
 from ..common.validation import output_buffer
 from . import announce_compile, target_key, zeros_arg
+from .cluster import CLUSTER_PRELUDE
 from .contrib_reduce import DET_BUDGET_BYTES, build_reduce, keys_last_invalid, slot_order_async
 
 __all__ = ["BWD_PROGRAMS", "SHIPPED_CONFIGS", "build_bwd_kernels", "build_bwd_program", "bwd_flops", "bwd_program_names",
@@ -576,7 +577,7 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
 # q and q ^ 1 trade pairs so each holds 4 consecutive columns, then lanes g and g ^ 1 (rows r and
 # r + 1) trade float4s so that 8 lanes cover one row's 128-byte line: a warp's reduction touches
 # 4 whole lines (the v2 reductions straight from the layout touch 8 rows x 32 bytes).
-_WS_PRELUDE = r"""
+_WS_PRELUDE = CLUSTER_PRELUDE + r"""
 // kMode 0: red.v4.f32; 1: the same with an L2 evict_last policy; 2: fixed point (deterministic mode):
 // each value times the power of two `fix` is rounded to a 64-bit integer and added to `sums` with
 // red.add.u64 (integer addition is associative: the sums do not depend on the order the CTAs reach
@@ -786,11 +787,6 @@ __device__ __forceinline__ int dsa_row_blocks(const int* last8, int block) {
 __device__ __forceinline__ unsigned dsa_smem_u32(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
-__device__ __forceinline__ unsigned dsa_mapa_u32(unsigned addr, unsigned rank) {
-  unsigned r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
-  return r;
-}
 __device__ __forceinline__ void dsa_mbar_wait(unsigned bar, unsigned parity) {
   asm volatile(
       "{\n\t.reg .pred p;\n\t"
@@ -802,9 +798,6 @@ __device__ __forceinline__ void dsa_mbar_wait(unsigned bar, unsigned parity) {
 __device__ __forceinline__ void dsa_mbar_arm(unsigned bar, unsigned bytes) {
   asm volatile("{\n\t.reg .b64 st;\n\tmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n\t}"
                :: "r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void dsa_cluster_barrier() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 // one thread per CTA, before the first cluster barrier: the four barriers, both full slots armed
 __device__ __forceinline__ void dsa_pair_init(void* bars) {
@@ -831,7 +824,7 @@ __device__ __forceinline__ void dsa_pair_send_rank(const float* acc, float* keep
   const unsigned slot = dsa_smem_u32(recv) + s * 8192 + tid * 16;
   const float* theirs = acc + 16 * (kRank ^ 1);  // the accumulator halves picked at compile time: no local memory
   dsa_mbar_wait(empty, parity ^ 1);  // the peer has read what this CTA put into its slot s two chunks ago
-  const unsigned peer_slot = dsa_mapa_u32(slot, kRank ^ 1), peer_full = dsa_mapa_u32(full, kRank ^ 1);
+  const unsigned peer_slot = dsa_peer_saddr(slot, kRank ^ 1), peer_full = dsa_peer_saddr(full, kRank ^ 1);
   #pragma unroll
   for (int i = 0; i < 4; ++i)
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
@@ -872,7 +865,7 @@ __device__ __forceinline__ void dsa_pair_finish(float* keep, void* dkv, const in
   // CUTLASS's cluster barriers): at cluster scope the arrive waited for every reduction still in flight to
   // reach L2 (V4 H128: 11.4 ms against 8.0 unpaired)
   if ((tid & 31) == 0)
-    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(dsa_mapa_u32(empty, rank ^ 1)) : "memory");
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(dsa_peer_saddr(empty, rank ^ 1)) : "memory");
   if (tid == 0) dsa_mbar_arm(full, 8192);  // the slot's next phase (its bytes cannot come before the arrivals above)
   dsa_red_tile<kMode, 2>(keep, dkv, row_slots, slot0, ld, col0 + 32 * rank, nullptr, nullptr, 0);
 }
@@ -1058,7 +1051,7 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                 n_row[0] = T.call_extern(i32, "dsa_row_blocks", T.address_of(last8_s[0]), BK)
             n_blocks = n_row[0] if skip_tail else T.ceildiv(Kp, BK)
             if pair:  # the peer's barriers are initialised before anything reaches them
-                T.call_extern("handle", "dsa_cluster_barrier")
+                T.call_extern("handle", "dsa_cluster_sync")
 
             if tx < 128:
                 T.clear(acc_dq0)
@@ -1201,7 +1194,7 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                                   T.address_of(Idx[t, 0]), (n_blocks - 1) * BK, dqk, chunks[NCH - 1][0],
                                   T.address_of(recv_s[0]), T.address_of(bars_s[0]), n_blocks * NCH - 1, hb % 2)
                 # no CTA leaves while its peer may still signal its barriers
-                T.call_extern("handle", "dsa_cluster_barrier")
+                T.call_extern("handle", "dsa_cluster_sync")
 
     return dsa_bwd_ws
 

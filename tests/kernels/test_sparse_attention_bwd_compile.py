@@ -137,7 +137,7 @@ def test_ws_pair_variant_exchanges_halves_in_a_cluster():
     src = bwd.build_bwd_program(cfg, "main", target=SM90A).get_kernel_source()
     body = src.split("dsa_bwd_ws_kernel(", 1)[1]
     assert body.count("dsa_pair_send(") == 8 and body.count("dsa_pair_finish<0>(") == 9
-    assert body.count("dsa_cluster_barrier();") == 2 and "dsa_red_tile<0>(" not in body
+    assert body.count("dsa_cluster_sync();") == 2 and "dsa_red_tile<0>(" not in body
     for other in ({"heads": 64}, {"heads": 128, "dqk": 576}, {"heads": 192}):
         assert not bwd._normalise_config({**cfg, **other})["ws_pair"], other
     det = bwd.build_bwd_program(cfg, "main_det", target=SM90A).get_kernel_source()
