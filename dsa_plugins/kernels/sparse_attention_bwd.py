@@ -164,7 +164,8 @@ def _normalise_config(config: dict) -> dict:
     # ws_wg0_chunks: warpgroup 0 forms and reduces the last n dkv chunks itself (see _ws_body); not with ws_pair,
     # whose chunk exchange stays in warpgroup 1. Defaults measured on an H100 (B1 S4096 Skv8192, n = 0 / 1 / 2 / 3):
     # MLA H64 8.37 / 8.30 / 8.65 / 8.19 ms, MLA H128 16.62 / 16.32 / 16.23 / 16.12, V4 H128 k1024 8.09 / 7.93 /
-    # 7.80 / 8.21, V4 H64 k512 2.48 / 2.39 / 2.35 / 2.42: 3 for the 576-wide layout, 2 for D512
+    # 7.80 / 8.21, V4 H64 k512 2.48 / 2.39 / 2.35 / 2.42: 3 for the 576-wide layout, 2 for D512 (4: 9.21 / 17.98 /
+    # 9.10 / 2.65 against the defaults' 8.08 / 16.03 / 7.75 / 2.36 in one run: warpgroup 0 becomes the chain)
     n0, n_chunks = cfg.get("ws_wg0_chunks"), cfg["dv"] // 64 + (cfg["dqk"] > cfg["dv"])
     if cfg["ws_pair"] or cfg["schedule"] != "ws":
         n0 = 0
