@@ -20,10 +20,7 @@ __device__ __forceinline__ unsigned dsa_peer_saddr(unsigned saddr, unsigned rank
 
 // the same for a generic pointer to this CTA's shared memory
 __device__ __forceinline__ unsigned dsa_peer_addr(const void* p, int rank) {
-  unsigned r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
-               : "=r"(r) : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))), "r"(rank));
-  return r;
+  return dsa_peer_saddr(static_cast<unsigned>(__cvta_generic_to_shared(p)), rank);
 }
 
 __device__ __forceinline__ int dsa_peer_i32(const void* p, int rank) {

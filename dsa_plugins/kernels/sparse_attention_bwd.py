@@ -1269,7 +1269,7 @@ def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tu
                       cfg["ws_dq_rs"], bool(emit_probs), cfg["l2_keep"] and not deterministic,
                       _WS_DET_OUT[cfg["det_mode"]] if deterministic else None,
                       cfg["ws_pair"] and not deterministic and cfg["store_dkv"], cfg["skip_tail"],
-                      0 if cfg["ws_pair"] and not deterministic and cfg["store_dkv"] else cfg["ws_wg0_chunks"])
+                      cfg["ws_wg0_chunks"])  # 0 wherever ws_pair is asked for (_normalise_config)
     return "main", _main_args(cfg, deterministic, emit_probs)
 
 

@@ -1,7 +1,9 @@
 """Exact radix top-k over the rows of an fp32 score matrix (TileLang, Hopper).
 
-One CTA per row. Scores are mapped to order-preserving uint32 keys and the k-th largest
-key is found digit by digit (12 + 10 + 10 bits):
+One CTA per row (``radix_topk``), or for a few long rows one cluster of 4 or 8 CTAs per row
+(``radix_topk_split``: each CTA takes a slice of the columns, the digit histograms are summed
+through distributed shared memory). Scores are mapped to order-preserving uint32 keys and the
+k-th largest key is found digit by digit (12 + 10 + 10 bits):
 
 1. histogram of the top 12 bits over the row's valid columns (global memory);
 2. a second read of the row emits every column whose top digit is above the threshold
@@ -25,8 +27,8 @@ The order of the indices inside a row is unspecified (it is not sorted).
 
 TileLang is imported lazily so that this module imports without TileLang or a GPU.
 
-Size: one file for the family (the select and tie-fill programs share the key order, the row
-loads and the tie pass; the configurations and the wrappers sit with them).
+Size: one file for the family (the select programs and the tie-fill program share the key order,
+the row loads, the digit search and the tie pass; the configurations and the wrappers sit with them).
 """
 
 import functools
@@ -82,12 +84,12 @@ def config_for_rows(rows: int, max_cols: int, lse: bool = False) -> dict:
 
     Chosen from H200 timings: 64 x 32768 -> 1024 threads (0.028 ms); 8192 rows of <= 8K
     and thousands of rows of <= 32K -> 256 threads; rows of 64K -> 512 threads. A few long rows (generation
-    steps) take the split program: each row over a cluster of 8 CTAs."""
-    if not lse and rows <= SPLIT8_MAX_ROWS and max_cols >= SPLIT8_MIN_COLS:
-        return SPLIT_CONFIG
-    if not lse and ((rows <= SPLIT8_MAX_ROWS and max_cols >= SPLIT_MIN_COLS)
-                    or (rows <= SPLIT_MAX_ROWS and max_cols >= SPLIT8_MIN_COLS)):
-        return SPLIT4_CONFIG
+    steps) take the split program: each row over a cluster of 8 or 4 CTAs."""
+    if not lse and rows <= SPLIT_MAX_ROWS and max_cols >= SPLIT_MIN_COLS:
+        if rows <= SPLIT8_MAX_ROWS and max_cols >= SPLIT8_MIN_COLS:
+            return SPLIT_CONFIG
+        if rows <= SPLIT8_MAX_ROWS or max_cols >= SPLIT8_MIN_COLS:
+            return SPLIT4_CONFIG
     if rows < FEW_ROWS:
         return DEFAULT_CONFIG
     return MANY_SHORT_ROWS_CONFIG if max_cols <= SHORT_ROW_MAX else MANY_LONG_ROWS_CONFIG
