@@ -1,7 +1,7 @@
 """Forward variants against the default, interleaved in one process (decisions of a few percent).
 
     python benchmarks/kernels/ab_sparse_attention_fwd.py '[{"tma_io": false}]' [--shapes prefill|decode]
-        [--rounds 7] [--replays 15]
+        [--rounds 7] [--replays 15] [--jobs 8]
 
 Single runs of a benchmark move by a few percent from one process to the next, so a compile-time
 variant is judged here against the default in the same process: each program is captured in a CUDA
@@ -49,14 +49,41 @@ def cases(which: str):
                lambda a=(s, skv, h, dqk, dv, k, sink): make_inputs(*a), dv)
 
 
+def _compile(args) -> None:
+    dqk, dv, sink, over = args
+    from dsa_plugins.kernels import sparse_attention_fwd as F
+
+    F.build_fwd_kernel(F.config_for(dqk, dv, sink, torch.bfloat16, over))
+
+
+def precompile(which: str, variants, jobs: int) -> None:
+    """Compile every program the rounds will run, ``jobs`` at a time (TileLang's disk cache keeps them)."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    from bench_attention_peers import SHAPES_8K, SHAPES_K
+
+    dims = {(576, 512, False)} if which == "decode" else {(d[4], d[5], d[7]) for d in SHAPES_K + SHAPES_8K[:3]}
+    todo = [(*d, v) for d in sorted(dims) for v in variants]
+    with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
+        for job, fut in [(j, ex.submit(_compile, j)) for j in todo]:
+            try:
+                fut.result()
+            except ValueError as exc:  # reported again when the variant is captured
+                print(f"precompile {job}: {exc}", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("variants", help='JSON list of compile-time overrides, e.g. [{"tma_io": false}]')
     ap.add_argument("--shapes", default="prefill", choices=["prefill", "decode"])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--replays", type=int, default=15)
+    ap.add_argument("--jobs", type=int, default=0, help="compile the programs this many at a time first")
     args = ap.parse_args(argv)
     variants = [None] + json.loads(args.variants)
+    if args.jobs:
+        precompile(args.shapes, variants, args.jobs)
 
     from dsa_plugins.bench.runner import capture_graph, graph_replay_ms
     from dsa_plugins.kernels.sparse_attention_fwd import _check_inputs, _launch

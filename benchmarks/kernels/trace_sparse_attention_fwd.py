@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     overrides = json.loads(args.overrides)
     for _op, s, skv, h, dqk, dv, k, sink in SHAPES_K if args.shapes == "v4k" else SHAPES_8K:
         q, kv, idx, z = make_inputs(s, skv, h, dqk, dv, k, sink)
-        cfg = mod._normalise_config({**mod.config_for(dqk, dv, sink, q.dtype), **overrides})
+        cfg = mod.config_for(dqk, dv, sink, q.dtype, overrides)
         kernel = mod.build_fwd_kernel(cfg, target=device_target(0))
         kp = -(-k // 128) * 128
         idx_p = torch.nn.functional.pad(idx, (0, kp - k), value=-1).contiguous()

@@ -23,7 +23,7 @@ SHAPES = [  # name, S, Skv, H, Dqk, Dv, K, sink
 
 def _compile(args):
     dqk, dv, sink, over = args
-    cfg = F._normalise_config({**F.config_for(dqk, dv, sink, torch.bfloat16), **over})
+    cfg = F.config_for(dqk, dv, sink, torch.bfloat16, over)
     F.build_fwd_kernel(cfg, target={"kind": "cuda", "arch": "sm_90a"})
     return over
 

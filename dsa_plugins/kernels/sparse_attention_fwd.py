@@ -682,11 +682,11 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
 
     @T.macro
     def seesaw_even(c, Q_l, Q_r, Q_t, stages, valid, P0_s, P1_s, mx_s, acc_s, p_reg, acc_o, m_i, m_blk, alpha,
-                    l_i, rowsum, ready, free, t):
-        # consumer 0, slot block 2t (stage 0): left output half of both blocks. (Issuing block
-        # 2t+2's score MMAs behind the last P @ V, as FlashMLA does, made ptxas serialise every
-        # wgmma of the program: C7515)
-        seesaw_scores(Q_l, Q_r, Q_t, stages[0], ready, 0, t, valid[0], acc_s, m_blk)
+                    l_i, rowsum, ready, free, t, n_trips):
+        # consumer 0, slot block 2t (stage 0): left output half of both blocks. Block 2t's scores are
+        # already in acc_s (issued before the loop or by the previous trip); this trip issues block
+        # 2t+2's behind its last P @ V, so the tensor cores take them while that P @ V runs
+        seesaw_mask_max(valid[0], acc_s, m_blk)
         for h in T.Parallel(HB):
             m_blk[h] = T.max(m_i[h], m_blk[h] * c)
             mx_s[0, h] = m_blk[h]
@@ -711,8 +711,15 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
             l_i[h] *= alpha[h]
         T.sync_threads(_BAR_S1, 256)
         T.wgmma_gemm(P1_s, stages[1][0][0], acc_o)
-        T.wait_wgmma(0)
-        T.barrier_arrive(free[1][0][0])  # block 2t+1's left half (consumer 1 scored it before P1)
+        if t + 1 < n_trips:
+            seesaw_issue(Q_l, Q_r, Q_t, stages[0], ready, 0, t + 1, acc_s, 0)
+            T.wait_wgmma(1)
+            T.barrier_arrive(free[1][0][0])  # block 2t+1's left half (consumer 1 scored it before P1)
+            seesaw_issue(Q_l, Q_r, Q_t, stages[0], ready, 0, t + 1, acc_s, 1)
+            T.wait_wgmma(0)
+        else:
+            T.wait_wgmma(0)
+            T.barrier_arrive(free[1][0][0])
 
     @T.macro
     def seesaw_odd(c, Q_l, Q_r, Q_t, stages, valid, P0_s, P1_s, mx_s, acc_s, p_reg, acc_o, m_i, m_blk, alpha,
@@ -973,9 +980,13 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
                     T.fill(acc_o0, 0)
                     T.fill(l_i0, 0)
                     T.fill(m_i0, neg_big)
+                    if n_trips > 0:  # the first block's scores; each trip issues the next one's
+                        seesaw_issue(Q_l, Q_r, Q_t, stages[0], bar_ready, 0, 0, acc_s0, 0)
+                        seesaw_issue(Q_l, Q_r, Q_t, stages[0], bar_ready, 0, 0, acc_s0, 1)
+                        T.wait_wgmma(0)
                     for t in T.serial(n_trips):
                         seesaw_even(c, Q_l, Q_r, Q_t, stages, valid, P_s[0], P_s[1], x_s, acc_s0, p_reg0, acc_o0,
-                                    m_i0, m_loc0, alpha0, l_i0, rs0, bar_ready, bar_free, t)
+                                    m_i0, m_loc0, alpha0, l_i0, rs0, bar_ready, bar_free, t, n_trips)
                     for h in T.Parallel(HB):
                         l_s[0, h] = l_i0[h]
                     T.sync_threads(_BAR_FIN, 256)
@@ -1144,13 +1155,16 @@ def build_combine_kernel(dim_v: int, has_sink: bool, dtype: str = "bfloat16", ta
     return kernel
 
 
-def config_for(dim_qk: int, dim_v: int, has_sink: bool, dtype: torch.dtype) -> dict:
-    """The configuration the wrapper uses for these inputs."""
+def config_for(dim_qk: int, dim_v: int, has_sink: bool, dtype: torch.dtype, overrides: dict | None = None) -> dict:
+    """The configuration the wrapper uses for these inputs, with ``overrides`` (compile-time keys) on top.
+
+    The overrides are merged before the defaults that depend on other keys are filled in, so that
+    {"schedule": "seesaw"} gets the seesaw's register budgets, not the default schedule's."""
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"q must be bfloat16 or float16, got {str(dtype).replace('torch.', '')}")
     return _normalise_config(
         {**DEFAULT_CONFIG, "dim_qk": int(dim_qk), "dim_v": int(dim_v), "has_sink": bool(has_sink),
-         "dtype": _DTYPE_NAMES[dtype]}
+         "dtype": _DTYPE_NAMES[dtype], **(overrides or {})}
     )
 
 
@@ -1224,13 +1238,12 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
         out.zero_()
         lse.fill_(math.inf)
         return
-    cfg = config_for(dqk, dv, sink is not None, q.dtype)
     if overrides:
         overrides = dict(overrides)
         if overrides.get("cluster_parts") and cluster_parts is None:  # the split is the wrapper's to lay out
             cluster_parts = overrides["cluster_parts"]
         overrides.pop("cluster_parts", None)
-        cfg = _normalise_config({**cfg, **overrides})
+    cfg = config_for(dqk, dv, sink is not None, q.dtype, overrides)
     step = 2 * cfg["block_k"]
     decode = s == 1 if decode is None else bool(decode)
     if part_slots is None:
