@@ -690,10 +690,17 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
         for h in T.Parallel(HB):
             m_blk[h] = T.max(m_i[h], m_blk[h] * c)
             mx_s[0, h] = m_blk[h]
+        # consumer 1 continues the maximum from here: posted before this softmax, so that its own
+        # softmax runs beside this one instead of after it
+        T.named_barrier_arrive(_BAR_M0, 256)
         seesaw_softmax(c, acc_s, acc_o, m_i, m_blk, alpha, l_i, rowsum)
-        T.named_barrier_arrive(_BAR_M0, 256)  # consumer 1 continues the maximum from here
         T.copy(acc_s, p_reg)
-        T.wgmma_gemm(p_reg, stages[0][0][0], acc_o)  # in flight while consumer 1's maximum comes
+        T.wgmma_gemm(p_reg, stages[0][0][0], acc_o)
+        # block 2t's left half is read by this consumer only: released as soon as this P @ V is done,
+        # not after the exchange below, so that the producer refills it while the maxima pass (with
+        # only two stages, a late release left the next block's scores waiting for their rows)
+        T.wait_wgmma(0)
+        T.barrier_arrive(free[0][0][0])
         T.sync_threads(_BAR_M1, 256)
         for h in T.Parallel(HB):
             alpha[h] = T.exp2(m_i[h] - mx_s[1, h])  # block 2t + 1 raised the maximum by this
@@ -703,8 +710,6 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
         T.copy(acc_s, P0_s)
         T.fence_proxy_async()
         T.named_barrier_arrive(_BAR_S0, 256)
-        T.wait_wgmma(0)
-        T.barrier_arrive(free[0][0][0])  # block 2t's left half: read by this consumer only
         for h, d in T.Parallel(HB, D_half):
             acc_o[h, d] *= alpha[h]
         for h in T.Parallel(HB):
@@ -730,17 +735,17 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
         for h in T.Parallel(HB):
             m_blk[h] = T.max(mx_s[0, h], m_blk[h] * c)
             mx_s[1, h] = m_blk[h]
+        T.named_barrier_arrive(_BAR_M1, 256)  # consumer 0 rescales block 2t's P to this maximum
         seesaw_softmax(c, acc_s, acc_o, m_i, m_blk, alpha, l_i, rowsum)
-        T.named_barrier_arrive(_BAR_M1, 256)
         T.copy(acc_s, p_reg)
         T.wgmma_gemm(p_reg, stages[1][1][0], acc_o)
         T.copy(acc_s, P1_s)
         T.fence_proxy_async()
         T.named_barrier_arrive(_BAR_S1, 256)
+        T.wait_wgmma(0)
+        T.barrier_arrive(free[1][1][0])  # block 2t+1's right half, released before waiting for block 2t's P
         T.sync_threads(_BAR_S0, 256)  # block 2t's P, at the same maximum
         T.wgmma_gemm(P0_s, stages[0][1][0], acc_o)
-        T.wait_wgmma(1)
-        T.barrier_arrive(free[1][1][0])  # block 2t+1's right half
         T.wait_wgmma(0)
         T.barrier_arrive(free[0][1][0])  # block 2t's right half (and P0 in its tail)
 
