@@ -37,7 +37,7 @@ def test_without_a_model_every_shipped_configuration():
 
     jobs = warmup.jobs_for(None)
     assert sum(j.function == "build_fwd_kernel" for j in jobs) == len(sparse_attention_fwd.SHIPPED_CONFIGS) + len(
-        sparse_attention_fwd.DECODE_CLUSTER_CONFIGS)  # prefill, and generation steps' parts merged in a cluster
+        sparse_attention_fwd.DECODE_CLUSTER_CONFIGS)  # prefill, whole decode rows, parts merged in a cluster
     assert sum(j.function == "build_bwd_program" for j in jobs) == sum(
         len(sparse_attention_bwd.bwd_program_names(c)) for c in sparse_attention_bwd.SHIPPED_CONFIGS)
     # the shipped shapes' deterministic mode ("contrib_i16") needs the reduce, not the fixed-point preprocess

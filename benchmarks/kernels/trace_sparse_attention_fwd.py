@@ -4,7 +4,8 @@
                                                             [--overrides JSON] [--out DIR]
 
 A copy of ``dsa_plugins/kernels/sparse_attention_fwd.py`` is patched as text (``traced_source``) so that
-one thread of each role writes ``clock64`` at fixed points into an extra int64 tensor Trace [CTAs, 16]:
+one thread of each role writes ``clock64`` at fixed points into an extra int64 tensor Trace [CTAs, 16] (either
+schedule: qk_one's consumers or the seesaw's):
 
     0 SM id   1 CTA start   2 producer done   3 Q staged (consumers)   4 / 12 first stage ready
     (consumer 0 / 1)   5 / 13 main loop done   6 both consumers at the final barrier   7 / 15 consumer
@@ -89,6 +90,26 @@ def traced_source(ablate: tuple[str, ...] = ()) -> str:
     s = _replace(s, prod, prod + f"                    if tx == 256:\n                        {_stamp(2)}\n")
     staged = ("                else:\n                    stage_q(Q, bz, qrow, h0, Q_l, Q_r, Q_t)\n")
     s = _replace(s, staged, staged + f"                if tx == 0:\n                    {_stamp(3)}\n")
+    # the seesaw consumers (the prefill default): the same slots (4: consumer 0's first half-stage landed)
+    ind = "                    "
+    first_issue = ind + "    seesaw_issue(Q_l, Q_r, Q_t, stages[0], bar_ready, 0, 0, acc_s0, 0)\n"
+    s = _replace(s, first_issue, first_issue + f"{ind}    if tx == 0:\n{ind}        {_stamp(4)}\n")
+    for g, (loop_done, fin, end) in enumerate(((5, 6, 7), (13, 14, 15))):
+        tid = 128 * g
+        sums = f"{ind}for h in T.Parallel(HB):\n{ind}    l_s[{g}, h] = l_i{g}[h]\n{ind}T.sync_threads(_BAR_FIN, 256)\n"
+        s = _replace(s, sums, f"{ind}if tx == {tid}:\n{ind}    {_stamp(loop_done)}\n" + sums
+                     + f"{ind}if tx == {tid}:\n{ind}    {_stamp(fin)}\n")
+        fin_call = (f"{ind}finish({g}, c, rs{g}, m_i{g}, alpha{g}, acc_o{g}, {'Q_l' if g == 0 else 'Q_r'}, Sinks, "
+                    "Output, Lse, bz, by, h0, m_scaled=True)\n")
+        extra = f"{ind}    {_stamp(10, 'dsa_trace_gt')}\n" if g == 0 else ""
+        s = _replace(s, fin_call, fin_call + f"{ind}if tx == {tid}:\n{ind}    {_stamp(end)}\n" + extra)
+    s = _replace(s, "seesaw_odd(c, ", "seesaw_odd(Trace, cta, c, ", count=2)
+    wg1_first = "        seesaw_scores(Q_l, Q_r, Q_t, stages[1], ready, 1, t, valid[1], acc_s, m_blk)\n"
+    s = _replace(s, wg1_first, wg1_first + "        if t == 0:\n            if T.get_thread_binding() == 128:\n"
+                 f"                {_stamp(12)}\n")
+    sprod = ("                    seesaw_producer(Indices, KV, bz, by, n_trips, idx_reg, idx_reg1, stages, valid, "
+             "bar_ready,\n                                    bar_free, tx - 256)\n")
+    s = _replace(s, sprod, sprod + f"                    if tx == 256:\n                        {_stamp(2)}\n")
     if "no_q" in ablate:
         s = _replace(s, "T.if_then_else(h0 + hh < H, Q[", "T.if_then_else(h0 + hh < -1, Q[", count=3)
         s = _replace(s, "stage_q_tma(Q, bz, qrow, h0, Q_l, Q_r, Q_t, bar_q)\n",

@@ -49,6 +49,7 @@ from .cluster import CLUSTER_PRELUDE
 
 __all__ = [
     "DECODE_CLUSTER_CONFIGS",
+    "DECODE_SCHEDULE",
     "DEFAULT_CONFIG",
     "SHIPPED_CONFIGS",
     "build_fwd_kernel",
@@ -68,17 +69,21 @@ DEFAULT_CONFIG: dict = {
     "dtype": "bfloat16",
     "block_h": 64,  # heads per CTA (rows of every MMA); fewer heads are padded
     "block_k": 64,  # index slots per pipeline stage
-    # "qk_one": consumer 0 computes all scores and the softmax, consumer 1 only its output half
-    #   (fastest on H200);
-    # "split": both consumers compute half of the scores and half of the output (balanced, but the
-    #   64x32 score MMAs are shared-memory bound: about 6% slower);
-    # "qk_one_async": qk_one with consumer 0's P @ V left in flight over the next score MMAs
-    #   (correct but about 30% slower: the compiler serialises the in-flight accumulators);
+    # None: "seesaw" for prefill rows, "qk_one" for the programs that exist for qk_one only (partial,
+    # persistent_ctas, cluster_parts); the wrapper runs generation steps (decode) on "qk_one".
     # "seesaw": consumer 0 scores the even slot blocks and consumer 1 the odd ones; the running row
     #   maximum passes from one to the other, so one softmax overlaps the other's MMAs, and each
     #   accumulates its output half from both blocks' P (its own from registers, the peer's from
-    #   shared memory). Balanced: each consumer does one score MMA and two P @ V MMAs per trip.
-    "schedule": "qk_one",
+    #   shared memory). Balanced: each consumer does one score MMA and two P @ V MMAs per trip, and
+    #   consumer 0 issues the next block's score MMAs behind its last P @ V. H100, interleaved A/B
+    #   under CUDA graphs against qk_one: 1.06x at V4 H64 k256, 1.09-1.12x at k 512-2048 and at
+    #   MLA H64 / H128 and V4 H128 (fwd_fixed_cost_h100.md);
+    # "qk_one": consumer 0 computes all scores and the softmax, consumer 1 only its output half;
+    # "split": both consumers compute half of the scores and half of the output (balanced, but the
+    #   64x32 score MMAs are shared-memory bound: about 6% slower than qk_one);
+    # "qk_one_async": qk_one with consumer 0's P @ V left in flight over the next score MMAs
+    #   (correct but about 30% slower: the compiler serialises the in-flight accumulators)
+    "schedule": None,
     # setmaxnreg budgets (producer, then consumer 0 and consumer 1); at most 504 in all. Consumer 0
     # (scores + softmax + half the output) needs more than consumer 1: (56; 224, 224) spilled
     # 108 bytes for MLA; this split spills 24 and measured 456 -> 490 TFLOP/s (MLA H128) and
@@ -125,6 +130,10 @@ DEFAULT_CONFIG: dict = {
     "cluster_parts": 0,
 }
 
+# The schedule of generation steps (one query per row): their programs that cut a row into parts exist
+# for it only, and whole rows keep it too (the decode figures in attention_decode.md are its own).
+DECODE_SCHEDULE = "qk_one"
+
 # Every configuration the package ships. Heads, batch, lengths and K are runtime values, so one
 # entry serves every head count listed in "covers" (H = 16/32 shards use the padded head block).
 # Other (Dqk, Dv, sink) combinations compile on first use.
@@ -133,6 +142,11 @@ SHIPPED_CONFIGS: list[dict] = [
      "covers": "DeepSeek-V4 D512 with sink, H 16/32/64/128"},
     {**DEFAULT_CONFIG, "dim_qk": 576, "dim_v": 512, "has_sink": False,
      "covers": "absorbed MLA (V3.2 / GLM-5) 576/512, H 16/32/64/128"},
+    # generation steps whose rows are not cut into parts (128 heads, or DSA_PLUGINS_DECODE_ROW_CTAS=0)
+    {**DEFAULT_CONFIG, "dim_qk": 512, "dim_v": 512, "has_sink": True, "schedule": DECODE_SCHEDULE,
+     "covers": "DeepSeek-V4 generation steps of whole rows"},
+    {**DEFAULT_CONFIG, "dim_qk": 576, "dim_v": 512, "has_sink": False, "schedule": DECODE_SCHEDULE,
+     "covers": "absorbed MLA generation steps of whole rows"},
 ]
 
 # The decode programs whose parts merge inside a cluster that the models' generation steps take by default
@@ -250,6 +264,9 @@ def _normalise_config(config: dict) -> dict:
         raise ValueError(f"block_h must be 64 (one warpgroup MMA tile), got {bh}")
     if bk != 64:
         raise ValueError(f"block_k must be 64, got {bk}")
+    if cfg["schedule"] is None:
+        qk_one_only = cfg["partial"] or cfg["persistent_ctas"] or cfg["cluster_parts"] not in (0, 1, None)
+        cfg["schedule"] = "qk_one" if qk_one_only else "seesaw"
     if cfg["schedule"] not in _SCHEDULES:
         raise ValueError(f"schedule must be one of {_SCHEDULES}, got {cfg['schedule']!r}")
     default_producer, default_consumers = _SCHEDULE_REGS[cfg["schedule"]]
@@ -273,6 +290,8 @@ def _normalise_config(config: dict) -> dict:
     cfg["partial"] = bool(cfg["partial"])
     if cfg["partial"] and cfg["has_sink"]:
         raise ValueError("the partial program takes no sink (the combine applies it)")
+    if cfg["partial"] and cfg["schedule"] not in ("qk_one", "split"):
+        raise ValueError(f"partial takes the qk_one or split schedule, got {cfg['schedule']!r}")
     cfg["skip_tail"] = bool(cfg["skip_tail"])
     cfg["persistent_ctas"] = int(cfg["persistent_ctas"] or 0)
     if cfg["persistent_ctas"] and (cfg["persistent_ctas"] < 0 or cfg["schedule"] not in ("qk_one", "split")
@@ -1248,11 +1267,14 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
         if overrides.get("cluster_parts") and cluster_parts is None:  # the split is the wrapper's to lay out
             cluster_parts = overrides["cluster_parts"]
         overrides.pop("cluster_parts", None)
-    cfg = config_for(dqk, dv, sink is not None, q.dtype, overrides)
-    step = 2 * cfg["block_k"]
     decode = s == 1 if decode is None else bool(decode)
     if part_slots is None:
         part_slots = decode_part_slots() if decode else 0
+    if (decode or part_slots or cluster_parts) and "schedule" not in (overrides or {}):
+        # generation steps, and any rows that may be cut into parts: the programs for parts are qk_one's
+        overrides = {**(overrides or {}), "schedule": DECODE_SCHEDULE}
+    cfg = config_for(dqk, dv, sink is not None, q.dtype, overrides)
+    step = 2 * cfg["block_k"]
     if cluster_parts is None:
         split_ok = decode and not part_slots and _takes_cluster_parts(cfg)
         cluster_parts = decode_cluster_parts(k, h) if split_ok else 0

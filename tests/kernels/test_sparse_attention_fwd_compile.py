@@ -20,11 +20,24 @@ def test_module_imports_without_tilelang_side_effects():
     # the two model families the package ships
     shapes = {(c["dim_qk"], c["dim_v"], c["has_sink"]) for c in mod.SHIPPED_CONFIGS}
     assert (512, 512, True) in shapes and (576, 512, False) in shapes
+    # prefill runs the seesaw schedule; generation steps (whole rows, or parts merged in a cluster) qk_one
+    for dims in shapes:
+        assert mod.config_for(*dims, torch.bfloat16)["schedule"] == "seesaw"
+        scheds = {mod._normalise_config(c)["schedule"] for c in mod.SHIPPED_CONFIGS
+                  if (c["dim_qk"], c["dim_v"], c["has_sink"]) == dims}
+        assert scheds == {"seesaw", mod.DECODE_SCHEDULE} == {"seesaw", "qk_one"}
+    assert all(mod._normalise_config(c)["schedule"] == "qk_one" for c in mod.DECODE_CLUSTER_CONFIGS)
+    # the programs that exist for qk_one only take it when no schedule is named
+    assert mod._normalise_config({"persistent_ctas": 5})["schedule"] == "qk_one"
+    assert mod._normalise_config({"partial": True})["schedule"] == "qk_one"
+    with pytest.raises(ValueError, match="partial"):
+        mod._normalise_config({"partial": True, "schedule": "seesaw"})
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TILELANG, reason="TileLang is not installed")
-@pytest.mark.parametrize("config", mod.SHIPPED_CONFIGS, ids=lambda c: f"{c['dim_qk']}-{c['dim_v']}-sink{int(c['has_sink'])}")
+@pytest.mark.parametrize("config", mod.SHIPPED_CONFIGS,
+                         ids=lambda c: f"{c['dim_qk']}-{c['dim_v']}-sink{int(c['has_sink'])}-{mod._normalise_config(c)['schedule']}")
 def test_shipped_config_compiles_for_sm90a(config, caplog):
     import logging
 
