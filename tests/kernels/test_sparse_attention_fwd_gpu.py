@@ -417,11 +417,12 @@ def test_decode_rows_are_batch_invariant(h, dqk, sink_mode, split, monkeypatch):
         assert torch.equal(o1, out[i : i + 1]) and torch.equal(l1, lse[i : i + 1]), f"row {i} differs alone"
 
 
+@pytest.mark.parametrize("decode", (True, False), ids=("decode_schedule", "prefill_schedule"))
 @pytest.mark.parametrize("h, dqk, mode", [(64, 576, "pad"), (128, 512, "empty_rows"), (16, 576, "oob")])
-def test_decode_rows_walk_all_trips_with_the_same_bits(h, dqk, mode, monkeypatch):
+def test_decode_rows_walk_all_trips_with_the_same_bits(h, dqk, mode, decode, monkeypatch):
     """One-query rows skip the per-row trip counts (they walk every trip of their slots); each
-    such row on one CTA (no split) gives the bits the same row gives inside a prefill launch (trips
-    from the indices)."""
+    such row on one CTA (no split) gives the bits the same row gives inside a two-row launch (trips
+    from the indices) of the same schedule (decode=True: generation steps' qk_one, False: the seesaw)."""
     from dsa_plugins.kernels.sparse_attention_fwd import sparse_attention_fwd
 
     monkeypatch.setenv("DSA_PLUGINS_DECODE_ROW_CTAS", "0")
@@ -435,9 +436,9 @@ def test_decode_rows_walk_all_trips_with_the_same_bits(h, dqk, mode, monkeypatch
     idx = make_indices(b, 2, k, skv, mode, torch.device("cuda"), gen)
     idx[0, 0] = -1  # a decode row with no key at all
     idx[1, 0, 7:] = -1  # a decode row with a short cache
-    out2, lse2 = sparse_attention_fwd(q, kv, idx, dqk**-0.5, sink=sink, dv=dv)  # two rows: counted trips
+    out2, lse2 = sparse_attention_fwd(q, kv, idx, dqk**-0.5, sink=sink, dv=dv, decode=decode)  # counted trips
     out1, lse1 = sparse_attention_fwd(q[:, :1].contiguous(), kv, idx[:, :1].contiguous(), dqk**-0.5, sink=sink,
-                                      dv=dv)  # one row each: every trip
+                                      dv=dv, decode=decode)  # one row each: every trip
     assert torch.equal(out1, out2[:, :1]) and torch.equal(lse1, lse2[:, :1])
     assert torch.equal(out1[0], torch.zeros_like(out1[0])) and torch.isinf(lse1[0]).all()
     assert torch.isfinite(out1).all()
