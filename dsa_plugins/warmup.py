@@ -179,7 +179,7 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
                               (cfg,), seconds=35))
     # generation steps: the row's parts merged inside a cluster (for every shipped model's top-k, or this one's)
     # (generation steps run the decode schedule; a row that is not cut into parts runs its plain program)
-    decode_schedule = dict(sparse_attention_fwd.DECODE_OVERRIDES)
+    decode_schedule = {"schedule": sparse_attention_fwd.DECODE_SCHEDULE}
     if dims is None:
         decode_cfgs = [dict(c) for c in sparse_attention_fwd.DECODE_CLUSTER_CONFIGS]
         decode_cfgs += [{k: v for k, v in c.items() if k != "covers"} for c in sparse_attention_fwd.SHIPPED_CONFIGS

@@ -14,7 +14,7 @@ schedule: qk_one's consumers or the seesaw's):
 Per CTA it prints the medians of: start -> Q staged, start -> first stage ready, the main loop per 64-slot
 block, final barrier -> end (the epilogue), and the gap between one CTA's end and the next CTA's start on
 the same SM. ``--ablate`` patches the copy further for timing only (wrong numbers): ``no_q`` stages Q as
-zeros without loading it (the TMA program: leaves Q's copies out), ``no_store`` keeps the output in shared memory (thread-copy program only). The
+zeros without loading it, ``no_store`` keeps the output in shared memory (thread-copy program only). The
 copy is compiled as its own module; the shipped program is untouched, and the traced one is checked
 bitwise against it (without ablations). A CPU test keeps the patches applying (``tests/test_forward_tools.py``).
 """
@@ -57,7 +57,7 @@ def traced_source(ablate: tuple[str, ...] = ()) -> str:
     s = _replace(s, "_TORCH_DTYPES = {", _PRELUDE + "\n_TORCH_DTYPES = {")
     dyn = 'B, S, H, SKV, KP = T.dynamic("batch, seqlen, heads, seqlen_kv, topk_padded")'
     s = _replace(s, dyn, dyn + '\n    TRN = T.dynamic("trace_rows")')
-    row_trips = '        RowTrips: T.Tensor([B, SO] if skip_tail and persistent_ctas else [1], "int32"),\n'
+    row_trips = '        RowTrips: T.Tensor([B, SO] if skip_tail else [1], "int32"),  # trips of 2 * BK slots per row\n'
     s = _replace(s, row_trips, row_trips + '        Trace: T.Tensor([TRN, 16], "int64"),\n')
     s = _replace(s, "([_FWD_PRELUDE] if hint else [])", "[_TRACE_PRELUDE]")
     head = "            tx = T.get_thread_binding()\n            h0 = bx * HB\n"
@@ -112,9 +112,8 @@ def traced_source(ablate: tuple[str, ...] = ()) -> str:
     s = _replace(s, sprod, sprod + f"                    if tx == 256:\n                        {_stamp(2)}\n")
     if "no_q" in ablate:
         s = _replace(s, "T.if_then_else(h0 + hh < H, Q[", "T.if_then_else(h0 + hh < -1, Q[", count=3)
-        # the TMA program: its Q copies left out (the barrier's arrive alone completes the phase)
-        for part in ("0:D_half], Q_l", "D_half:dim_v], Q_r", "dim_v:dim_qk], Q_t"):
-            s = _replace(s, f"T.tma_copy(Q[bz, qrow, h0 : h0 + HB, {part}", f"T.evaluate(0)  # Q[bz, qrow, {part}")
+        s = _replace(s, "stage_q_tma(Q, bz, qrow, h0, Q_l, Q_r, Q_t, bar_q)\n",
+                     "stage_q(Q, bz, qrow, h0, Q_l, Q_r, Q_t)\n")
     if "no_store" in ablate:
         s = _replace(s, "if h0 + h < H:\n                        Output[bz, by, h0 + h, g * D_half + d] = O_s[h, d]",
                      "if h0 + h < -1:\n                        Output[bz, by, h0 + h, g * D_half + d] = O_s[h, d]")
@@ -161,6 +160,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
     from bench_attention_peers import SHAPES_8K, SHAPES_K, make_inputs
 
+    from dsa_plugins.common.indices import row_blocks
     from dsa_plugins.kernels.sparse_attention_fwd import device_target, sparse_attention_fwd
 
     ablate = tuple(a for a in args.ablate.split(",") if a)
@@ -172,7 +172,7 @@ def main(argv=None) -> int:
         kernel = mod.build_fwd_kernel(cfg, target=device_target(0))
         kp = -(-k // 128) * 128
         idx_p = torch.nn.functional.pad(idx, (0, kp - k), value=-1).contiguous()
-        trips = torch.zeros(1, dtype=torch.int32, device="cuda")  # the CTAs count their rows' trips themselves
+        trips = row_blocks(idx_p.view(s, kp), 128, skv).view(1, s)
         sinks = z if z is not None else torch.zeros(h, device="cuda")
         out = torch.empty(1, s, h, dv, device="cuda", dtype=q.dtype)
         lse = torch.empty(1, s, h, device="cuda")

@@ -46,11 +46,9 @@ from ..common.indices import as_int32, row_blocks
 from ..common.validation import check_scale, check_tensor, output_buffer
 from . import announce_compile, zeros_arg
 from .cluster import CLUSTER_PRELUDE
-from .row_scan import ROW_SCAN_PRELUDE
 
 __all__ = [
     "DECODE_CLUSTER_CONFIGS",
-    "DECODE_OVERRIDES",
     "DECODE_SCHEDULE",
     "DEFAULT_CONFIG",
     "SHIPPED_CONFIGS",
@@ -132,11 +130,9 @@ DEFAULT_CONFIG: dict = {
     "cluster_parts": 0,
 }
 
-# Generation steps (one query per row) run qk_one: their programs that cut a row into parts exist for it
-# only, and whole rows keep it too (the decode figures in attention_decode.md are its own). They walk every
-# trip of their slots (no skip_tail): a cache is rarely shorter than k, and the full walk gives the same bits.
-DECODE_OVERRIDES = {"schedule": "qk_one", "skip_tail": False}
-DECODE_SCHEDULE = DECODE_OVERRIDES["schedule"]
+# The schedule of generation steps (one query per row): their programs that cut a row into parts exist
+# for it only, and whole rows keep it too (the decode figures in attention_decode.md are its own).
+DECODE_SCHEDULE = "qk_one"
 
 # Every configuration the package ships. Heads, batch, lengths and K are runtime values, so one
 # entry serves every head count listed in "covers" (H = 16/32 shards use the padded head block).
@@ -147,9 +143,9 @@ SHIPPED_CONFIGS: list[dict] = [
     {**DEFAULT_CONFIG, "dim_qk": 576, "dim_v": 512, "has_sink": False,
      "covers": "absorbed MLA (V3.2 / GLM-5) 576/512, H 16/32/64/128"},
     # generation steps whose rows are not cut into parts (128 heads, or DSA_PLUGINS_DECODE_ROW_CTAS=0)
-    {**DEFAULT_CONFIG, "dim_qk": 512, "dim_v": 512, "has_sink": True, **DECODE_OVERRIDES,
+    {**DEFAULT_CONFIG, "dim_qk": 512, "dim_v": 512, "has_sink": True, "schedule": DECODE_SCHEDULE,
      "covers": "DeepSeek-V4 generation steps of whole rows"},
-    {**DEFAULT_CONFIG, "dim_qk": 576, "dim_v": 512, "has_sink": False, **DECODE_OVERRIDES,
+    {**DEFAULT_CONFIG, "dim_qk": 576, "dim_v": 512, "has_sink": False, "schedule": DECODE_SCHEDULE,
      "covers": "absorbed MLA generation steps of whole rows"},
 ]
 
@@ -157,8 +153,8 @@ SHIPPED_CONFIGS: list[dict] = [
 # (decode_cluster_parts: rows of up to 64 heads in two parts; 128-head rows whole); other part counts
 # (DSA_PLUGINS_DECODE_ROW_CTAS) compile on first use or in `warmup`.
 DECODE_CLUSTER_CONFIGS: list[dict] = [
-    {**SHIPPED_CONFIGS[3], "cluster_parts": 2, "covers": "GLM-5 (64 heads) generation steps, absorbed MLA 576/512"},
-    {**SHIPPED_CONFIGS[2], "cluster_parts": 2, "covers": "DeepSeek-V4 64-head generation steps, D512 with sink"},
+    {**SHIPPED_CONFIGS[1], "cluster_parts": 2, "covers": "GLM-5 (64 heads) generation steps, absorbed MLA 576/512"},
+    {**SHIPPED_CONFIGS[0], "cluster_parts": 2, "covers": "DeepSeek-V4 64-head generation steps, D512 with sink"},
 ]
 
 _SCHEDULES = ("qk_one", "qk_one_async", "split", "seesaw")
@@ -773,7 +769,7 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
         T.barrier_arrive(free[0][1][0])  # block 2t's right half (and P0 in its tail)
 
     @T.macro
-    def issue_q_tma(Q, bz, qrow, h0, Q_l, Q_r, Q_t, bar_q):
+    def stage_q_tma(Q, bz, qrow, h0, Q_l, Q_r, Q_t, bar_q):
         # one TMA per part of the row's Q block (rows past H fall outside the tensor: zeros); Q is read
         # once, so it need not stay in L2 beside the gathered rows
         T.tma_copy(Q[bz, qrow, h0 : h0 + HB, 0:D_half], Q_l, barrier=bar_q, eviction_policy="evict_first")
@@ -782,6 +778,7 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
             T.tma_copy(Q[bz, qrow, h0 : h0 + HB, dim_v:dim_qk], Q_t, barrier=bar_q, eviction_policy="evict_first")
         if T.shuffle_elect(256):
             T.barrier_arrive(bar_q)
+        T.mbarrier_wait_parity(bar_q, 0)
 
     @T.macro
     def stage_q(Q, bz, qrow, h0, Q_l, Q_r, Q_t):
@@ -873,8 +870,7 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
         cur[3] = RowTrips[cur[2], cur[1]] if skip_tail else KP // (2 * BK)
 
     n_blk = 2 if split else 1
-    prelude = "".join(([_FWD_PRELUDE] if hint else []) + ([_CLUSTER_PRELUDE] if cluster_parts else [])
-                      + ([ROW_SCAN_PRELUDE] if skip_tail and not persistent_ctas else [])) or None
+    prelude = "".join(([_FWD_PRELUDE] if hint else []) + ([_CLUSTER_PRELUDE] if cluster_parts else [])) or None
     cluster_dims = (1, cluster_parts, 1) if cluster_parts else _CLUSTER_DIMS[cluster]
     grid = (persistent_ctas, 1, 1) if persistent_ctas else (T.ceildiv(H, HB), SO, B)
 
@@ -887,8 +883,7 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
         scale: T.float32,
         Output: T.Tensor([B, S if cluster_parts else SO, H, dim_v], out_dtype),
         Lse: T.Tensor([B, S if cluster_parts else SO, H], accum),
-        # persistent_ctas with skip_tail: trips of 2 * BK slots per row (the plain grid's CTAs count their own)
-        RowTrips: T.Tensor([B, SO] if skip_tail and persistent_ctas else [1], "int32"),
+        RowTrips: T.Tensor([B, SO] if skip_tail else [1], "int32"),  # trips of 2 * BK slots per row
     ):
         with T.Kernel(*grid, threads=384, prelude=prelude, cluster_dims=cluster_dims) as (bx, by, bz):
             Q_l = T.alloc_shared([HB, D_half], dtype)
@@ -941,29 +936,17 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
                 bar_ready = [T.alloc_barrier(256), T.alloc_barrier(256)]
                 bar_free = [T.alloc_barrier(256), T.alloc_barrier(256)]
             bar_q = T.alloc_barrier(1) if tma_io else None
-            last_w = T.alloc_shared([384 // 32], "int32")  # skip_tail: each warp's last valid slot of the row
-            n_row = T.alloc_local([1], "int32")
             # cluster_parts: each head's log2-sum-exp of this part (read by the peers), and the merge's locals
             cl = (T.alloc_shared([HB], accum), T.alloc_local([P], accum), T.alloc_local([8], accum),
                   T.alloc_local([3], accum), T.alloc_local([P * 8], "uint32")) if cluster_parts else None
 
             tx = T.get_thread_binding()
             h0 = bx * HB
+            # skip_tail: trips past the row's last valid slot hold only -1; every warpgroup reads
+            # the same count, so the barriers stay paired
+            n_trips = RowTrips[bz, by] if skip_tail else KP // (2 * BK)
             qrow = by // (SO // S) if partial else (by // P if cluster_parts else by)
             c = scale * _LOG2E
-            # skip_tail: trips past the row's last valid slot hold only -1. The CTA finds that slot itself
-            # (one coalesced read of its row's slots, row_scan.py) while Q's TMA is in flight; every
-            # warpgroup reads the same count after the barrier, so the pipeline's barriers stay paired
-            scan = skip_tail and not persistent_ctas
-            if scan:
-                if tma_io:
-                    if tx < 256:
-                        issue_q_tma(Q, bz, qrow, h0, Q_l, Q_r, Q_t, bar_q)
-                T.call_extern("handle", "dsa_row_last_scan<384>", T.address_of(Indices[bz, by, 0]), KP,
-                              T.address_of(last_w[0]))
-                T.sync_threads()
-                n_row[0] = T.call_extern("int32", "dsa_row_blocks<384>", T.address_of(last_w[0]), 2 * BK)
-            n_trips = n_row[0] if scan else KP // (2 * BK)
 
             if persistent_ctas:
                 # CTA bx walks the row blocks bx, bx + G, ... (head block fastest, as in the plain grid);
@@ -1012,9 +995,7 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
                     T.call_extern("handle", "dsa_cluster_sync")
             else:
                 if tma_io:
-                    if not scan:
-                        issue_q_tma(Q, bz, qrow, h0, Q_l, Q_r, Q_t, bar_q)
-                    T.mbarrier_wait_parity(bar_q, 0)
+                    stage_q_tma(Q, bz, qrow, h0, Q_l, Q_r, Q_t, bar_q)
                 else:
                     stage_q(Q, bz, qrow, h0, Q_l, Q_r, Q_t)
 
@@ -1097,8 +1078,7 @@ def build_fwd_kernel(config: dict, target="auto"):
     ``target`` is "auto" (the local GPU), "cuda", or a dict such as {"kind": "cuda", "arch": "sm_90a"}
     (compiles without a GPU). Returns TileLang's JITKernel, called as
     kernel(q, kv, indices_padded, sinks, scale, out, lse, row_trips) (it writes out and lse;
-    row_trips [B, S] int32 with ``skip_tail`` and ``persistent_ctas``, else a one-element placeholder: the plain
-    grid's CTAs find their rows' last valid slots themselves).
+    row_trips [B, S] int32 with ``skip_tail``, else a one-element placeholder).
     """
     cfg = _normalise_config(config)
     tkey = _target_key(target)
@@ -1290,9 +1270,9 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
     decode = s == 1 if decode is None else bool(decode)
     if part_slots is None:
         part_slots = decode_part_slots() if decode else 0
-    if decode or part_slots or cluster_parts:
-        # generation steps, and any rows that may be cut into parts (the programs for parts are qk_one's)
-        overrides = {**DECODE_OVERRIDES, **(overrides or {})}
+    if (decode or part_slots or cluster_parts) and "schedule" not in (overrides or {}):
+        # generation steps, and any rows that may be cut into parts: the programs for parts are qk_one's
+        overrides = {**(overrides or {}), "schedule": DECODE_SCHEDULE}
     cfg = config_for(dqk, dv, sink is not None, q.dtype, overrides)
     step = 2 * cfg["block_k"]
     if cluster_parts is None:
@@ -1321,7 +1301,13 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
     if (cfg["cluster"] == "heads" and -(-h // cfg["block_h"]) % 2) or (cfg["cluster"] == "rows" and rows % 2):
         raise ValueError(f"cluster={cfg['cluster']!r} needs an even number of head blocks / query rows, got "
                          f"{h} heads and {rows} rows")
-    if cfg["skip_tail"] and cfg["persistent_ctas"]:  # (the plain grid's CTAs count their rows' trips themselves)
+    if cfg["skip_tail"] and s == 1:
+        # one-query rows (decode) walk every trip: their caches are rarely shorter than k, and
+        # row_blocks' nine small launches cost ~15 us of an 85 us step (H100, CUDA graph); the
+        # full walk gives the same bits (masked trips add nothing). A fill per call, not a cached
+        # tensor: one first made inside torch.compile's CUDA-graph warm-up would stay in its pool
+        trips = torch.full((b, rows), kp // parts // step, dtype=torch.int32, device=q.device)
+    elif cfg["skip_tail"]:
         trips = row_blocks(idx.view(b * rows, kp // parts), step, kv.shape[1]).view(b, rows)
     else:
         trips = zeros_arg(1, torch.int32, q.device)
