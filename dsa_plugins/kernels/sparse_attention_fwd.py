@@ -12,10 +12,17 @@ Design (one CTA per (64-head block, query token, batch), 3 warpgroups, 384 threa
   indices of the next block are fetched while the current one lands. An invalid index is never
   dereferenced: its copy is predicated off (cp.async zero-fills the row) and the slot is flagged.
 - Two consumer warpgroups, each owning one column half of the output (64 heads x Dv/2, fp32 in
-  registers). Two schedules (compile-time parameter ``schedule``):
-  "qk_one": consumer 0 computes all scores of the block (64 heads x 64 slots over Dqk), runs the
-  online softmax, hands P (bf16) and the rescale factors to consumer 1 through shared memory and
-  named barriers, then both accumulate P @ V for their half.
+  registers). Schedules (compile-time parameter ``schedule``):
+  "seesaw" (prefill, the default): the producer loads each stage in halves (value columns left /
+  right, each with its own barriers); consumer 0 scores the even slot blocks and consumer 1 the
+  odd ones, the running row maximum passes between them, each keeps its own P in registers for
+  its output half and hands it to the other through shared memory; consumer 0 issues the next
+  block's score MMAs behind its last P @ V, and a half-stage read by one consumer only is freed as
+  soon as that consumer's P @ V is done.
+  "qk_one" (generation steps, and the programs that cut rows into parts): consumer 0 computes all
+  scores of the block (64 heads x 64 slots over Dqk), runs the online softmax, hands P (bf16) and
+  the rescale factors to consumer 1 through shared memory and named barriers, then both accumulate
+  P @ V for their half.
   "split": consumer g computes the scores of slot half g (64 x 32), the two exchange row maxima
   through shared memory, each writes its half of P, and each accumulates its output half from
   both halves of P (balanced, but the 64x32 score MMAs are shared-memory bound).
