@@ -177,8 +177,8 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
         cfg = sparse_attention_fwd.config_for(dqk, dv, sink, torch.bfloat16)
         jobs.append(KernelJob(f"attention forward {dqk}/{dv}{' sink' if sink else ''}", fwd, "build_fwd_kernel",
                               (cfg,), seconds=35))
-    # generation steps: the row's parts merged inside a cluster (for every shipped model's top-k, or this one's)
-    # (generation steps run the decode schedule; a row that is not cut into parts runs its plain program)
+    # generation steps (the decode schedule): the row's parts merged inside a cluster (for every shipped model's
+    # top-k, or this one's), and the plain program for rows not cut into parts
     decode_schedule = {"schedule": sparse_attention_fwd.DECODE_SCHEDULE}
     if dims is None:
         decode_cfgs = [dict(c) for c in sparse_attention_fwd.DECODE_CLUSTER_CONFIGS]

@@ -39,10 +39,9 @@ def main(argv=None) -> int:
         return 1
     cols = list(rows[0])
     total_col = next((c for c in cols if c.startswith("Warp Stall Sampling (All")), None)
-    reasons = [c for c in cols if c.startswith("stall_") or (c.startswith("Warp Stall Sampling") and c != total_col
-                                                              and "Not-issued" not in c)]
-    reasons = [c for c in cols if c not in (total_col,) and any(_num(r.get(c)) for r in rows[:2000])
-               and c.lower().startswith(("stall", "smsp__pcsamp"))] or reasons
+    # one column per reason ("stall_long_sb", "stall_long_sb (Not Issued)", ...); those never sampled left out
+    reasons = [c for c in cols if c.lower().startswith(("stall", "smsp__pcsamp"))
+               and any(_num(r.get(c)) for r in rows[:2000])]
     src = next((c for c in cols if c == "Source"), cols[1])
     total = sum(_num(r[total_col]) for r in rows) or 1.0
     print(f"{len(rows)} instructions, {total:.0f} samples; columns: {', '.join(cols[:12])} ...")

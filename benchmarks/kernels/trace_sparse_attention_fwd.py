@@ -92,8 +92,10 @@ def traced_source(ablate: tuple[str, ...] = ()) -> str:
     s = _replace(s, staged, staged + f"                if tx == 0:\n                    {_stamp(3)}\n")
     # the seesaw consumers (the prefill default): the same slots (4: consumer 0's first half-stage landed)
     ind = "                    "
-    first_issue = ind + "    seesaw_issue(Q_l, Q_r, Q_t, stages[0], bar_ready, 0, 0, acc_s0, 0)\n"
-    s = _replace(s, first_issue, first_issue + f"{ind}    if tx == 0:\n{ind}        {_stamp(4)}\n")
+    first = ind + "    seesaw_scores(Q_l, Q_r, Q_t, stages[0], bar_ready, 0, 0, acc_s0)\n"
+    issue = ind + "    seesaw_issue(Q_l, Q_r, Q_t, stages[0], bar_ready, 0, 0, acc_s0, {})\n"
+    s = _replace(s, first, issue.format(0) + f"{ind}    if tx == 0:\n{ind}        {_stamp(4)}\n" + issue.format(1)
+                 + f"{ind}    T.wait_wgmma(0)\n")
     for g, (loop_done, fin, end) in enumerate(((5, 6, 7), (13, 14, 15))):
         tid = 128 * g
         sums = f"{ind}for h in T.Parallel(HB):\n{ind}    l_s[{g}, h] = l_i{g}[h]\n{ind}T.sync_threads(_BAR_FIN, 256)\n"
@@ -104,7 +106,7 @@ def traced_source(ablate: tuple[str, ...] = ()) -> str:
         extra = f"{ind}    {_stamp(10, 'dsa_trace_gt')}\n" if g == 0 else ""
         s = _replace(s, fin_call, fin_call + f"{ind}if tx == {tid}:\n{ind}    {_stamp(end)}\n" + extra)
     s = _replace(s, "seesaw_odd(c, ", "seesaw_odd(Trace, cta, c, ", count=2)
-    wg1_first = "        seesaw_scores(Q_l, Q_r, Q_t, stages[1], ready, 1, t, valid[1], acc_s, m_blk)\n"
+    wg1_first = "        seesaw_mask_max(valid[1], acc_s, m_blk)\n"
     s = _replace(s, wg1_first, wg1_first + "        if t == 0:\n            if T.get_thread_binding() == 128:\n"
                  f"                {_stamp(12)}\n")
     sprod = ("                    seesaw_producer(Indices, KV, bz, by, n_trips, idx_reg, idx_reg1, stages, valid, "

@@ -91,7 +91,7 @@ DEFAULT_CONFIG: dict = {
     # "qk_one_async": qk_one with consumer 0's P @ V left in flight over the next score MMAs
     #   (correct but about 30% slower: the compiler serialises the in-flight accumulators)
     "schedule": None,
-    # setmaxnreg budgets (producer, then consumer 0 and consumer 1); at most 504 in all. Consumer 0
+    # setmaxnreg budgets (producer, then consumer 0 and consumer 1); at most 504 in all. qk_one's consumer 0
     # (scores + softmax + half the output) needs more than consumer 1: (56; 224, 224) spilled
     # 108 bytes for MLA; this split spills 24 and measured 456 -> 490 TFLOP/s (MLA H128) and
     # 412 -> 429 (V4 H128) on an H200 with bitwise-equal outputs (tune_sparse_attention_fwd_regs.py).
@@ -684,12 +684,11 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
         T.reduce_max(acc_s, m_blk, dim=1, clear=True)
 
     @T.macro
-    def seesaw_scores(Q_l, Q_r, Q_t, stage, ready, st, t, valid_s, acc_s, m_blk):
+    def seesaw_scores(Q_l, Q_r, Q_t, stage, ready, st, t, acc_s):
         # scores of one whole slot block (64 heads x 64 slots), started on the half that lands first
         seesaw_issue(Q_l, Q_r, Q_t, stage, ready, st, t, acc_s, 0)
         seesaw_issue(Q_l, Q_r, Q_t, stage, ready, st, t, acc_s, 1)
         T.wait_wgmma(0)
-        seesaw_mask_max(valid_s, acc_s, m_blk)
 
     @T.macro
     def seesaw_softmax(c, acc_s, acc_o, m_i, m_new, alpha, l_i, rowsum):
@@ -756,7 +755,8 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
     def seesaw_odd(c, Q_l, Q_r, Q_t, stages, valid, P0_s, P1_s, mx_s, acc_s, p_reg, acc_o, m_i, m_blk, alpha,
                    l_i, rowsum, ready, free, t):
         # consumer 1, slot block 2t + 1 (stage 1): right output half of both blocks
-        seesaw_scores(Q_l, Q_r, Q_t, stages[1], ready, 1, t, valid[1], acc_s, m_blk)
+        seesaw_scores(Q_l, Q_r, Q_t, stages[1], ready, 1, t, acc_s)
+        seesaw_mask_max(valid[1], acc_s, m_blk)
         T.sync_threads(_BAR_M0, 256)  # consumer 0's maximum, blocks up to 2t
         for h in T.Parallel(HB):
             m_blk[h] = T.max(mx_s[0, h], m_blk[h] * c)
@@ -1012,9 +1012,7 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
                     T.fill(l_i0, 0)
                     T.fill(m_i0, neg_big)
                     if n_trips > 0:  # the first block's scores; each trip issues the next one's
-                        seesaw_issue(Q_l, Q_r, Q_t, stages[0], bar_ready, 0, 0, acc_s0, 0)
-                        seesaw_issue(Q_l, Q_r, Q_t, stages[0], bar_ready, 0, 0, acc_s0, 1)
-                        T.wait_wgmma(0)
+                        seesaw_scores(Q_l, Q_r, Q_t, stages[0], bar_ready, 0, 0, acc_s0)
                     for t in T.serial(n_trips):
                         seesaw_even(c, Q_l, Q_r, Q_t, stages, valid, P_s[0], P_s[1], x_s, acc_s0, p_reg0, acc_o0,
                                     m_i0, m_loc0, alpha0, l_i0, rs0, bar_ready, bar_free, t, n_trips)
