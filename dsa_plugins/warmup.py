@@ -132,7 +132,8 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
     import torch
 
     from .common.settings import decode_cluster_parts, decode_part_slots
-    from .kernels import contrib_reduce, indexer, indexer_loss, sparse_attention_bwd, sparse_attention_fwd, topk
+    from .kernels import (contrib_reduce, indexer, indexer_loss, row_scan, sparse_attention_bwd, sparse_attention_fwd,
+                          topk)
 
     fwd, bwd, idx, loss, tk = (m.__name__ for m in (sparse_attention_fwd, sparse_attention_bwd, indexer,
                                                      indexer_loss, topk))
@@ -177,6 +178,8 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
         cfg = sparse_attention_fwd.config_for(dqk, dv, sink, torch.bfloat16)
         jobs.append(KernelJob(f"attention forward {dqk}/{dv}{' sink' if sink else ''}", fwd, "build_fwd_kernel",
                               (cfg,), seconds=35))
+    if attn:  # the prefill's per-row trip counts (skip_tail), one launch before the forward
+        jobs.append(KernelJob("attention row block counts", row_scan.__name__, "build_row_blocks", (), seconds=5))
     # generation steps (the decode schedule): the row's parts merged inside a cluster (for every shipped model's
     # top-k, or this one's), and the plain program for rows not cut into parts
     decode_schedule = {"schedule": sparse_attention_fwd.DECODE_SCHEDULE}

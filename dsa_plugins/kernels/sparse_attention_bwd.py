@@ -63,6 +63,7 @@ from ..common.settings import deterministic_mode, warn_once
 from ..common.validation import output_buffer
 from . import announce_compile, target_key, zeros_arg
 from .cluster import CLUSTER_PRELUDE
+from .row_scan import ROW_SCAN_PRELUDE
 from .contrib_reduce import DET_BUDGET_BYTES, build_reduce, keys_last_invalid, slot_order_async
 
 __all__ = ["BWD_PROGRAMS", "SHIPPED_CONFIGS", "build_bwd_kernels", "build_bwd_program", "bwd_flops", "bwd_program_names",
@@ -578,7 +579,7 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
 # q and q ^ 1 trade pairs so each holds 4 consecutive columns, then lanes g and g ^ 1 (rows r and
 # r + 1) trade float4s so that 8 lanes cover one row's 128-byte line: a warp's reduction touches
 # 4 whole lines (the v2 reductions straight from the layout touch 8 rows x 32 bytes).
-_WS_PRELUDE = CLUSTER_PRELUDE + r"""
+_WS_PRELUDE = CLUSTER_PRELUDE + ROW_SCAN_PRELUDE + r"""
 // kMode 0: red.v4.f32; 1: the same with an L2 evict_last policy; 2: fixed point (deterministic mode):
 // each value times the power of two `fix` is rounded to a 64-bit integer and added to `sums` with
 // red.add.u64 (integer addition is associative: the sums do not depend on the order the CTAs reach
@@ -758,23 +759,6 @@ __device__ __forceinline__ void dsa_red_tile(const float* acc, void* dkv_raw, co
       if (row_b >= 0) dsa_red4<kMode>(dkv, (long long)row_b * ld + col, vb[mp], policy);
     }
   }
-}
-
-// skip_tail (the ws program): the blocks of `block` slots a row walks to reach its last valid slot (slots hold a
-// global kv row or -1), found by the CTA itself: each of the 256 threads takes every 256th slot (coalesced), each
-// warp's largest (slot + 1) goes to last8[warp] before the CTA's barrier, and every thread takes the largest of
-// the eight after it. One read of the row's slots (8 KB at k 2048) and no launch before the kernel.
-__device__ __forceinline__ void dsa_row_last_scan(const int* row, int kp, int* last8) {
-  int last = 0;
-  for (int j = threadIdx.x; j < kp; j += 256) last = row[j] >= 0 ? j + 1 : last;
-  last = __reduce_max_sync(0xffffffffu, last);
-  if ((threadIdx.x & 31) == 0) last8[threadIdx.x >> 5] = last;
-}
-__device__ __forceinline__ int dsa_row_blocks(const int* last8, int block) {
-  int last = last8[0];
-  #pragma unroll
-  for (int w = 1; w < 8; ++w) last = max(last, last8[w]);
-  return (last + block - 1) / block;
 }
 
 // The CTA pair of a cluster (``pair``: head blocks 2 i and 2 i + 1 of one query row) adds into the same dkv
@@ -1045,11 +1029,11 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                 if tx == 0:
                     T.call_extern("handle", "dsa_pair_init", T.address_of(bars_s[0]))
             if skip_tail:
-                T.call_extern("handle", "dsa_row_last_scan", T.address_of(Idx[t, 0]), Kp, T.address_of(last8_s[0]))
+                T.call_extern("handle", "dsa_row_last_scan<256>", T.address_of(Idx[t, 0]), Kp, T.address_of(last8_s[0]))
             T.fence_proxy_async()
             T.sync_threads()
             if skip_tail:
-                n_row[0] = T.call_extern(i32, "dsa_row_blocks", T.address_of(last8_s[0]), BK)
+                n_row[0] = T.call_extern(i32, "dsa_row_blocks<256>", T.address_of(last8_s[0]), BK)
             n_blocks = n_row[0] if skip_tail else T.ceildiv(Kp, BK)
             if pair:  # the peer's barriers are initialised before anything reaches them
                 T.call_extern("handle", "dsa_cluster_sync")

@@ -49,10 +49,11 @@ import threading
 import torch
 
 from ..common.settings import decode_cluster_parts, decode_part_slots, logger
-from ..common.indices import as_int32, row_blocks
+from ..common.indices import as_int32
 from ..common.validation import check_scale, check_tensor, output_buffer
 from . import announce_compile, zeros_arg
 from .cluster import CLUSTER_PRELUDE
+from .row_scan import row_blocks_cuda
 
 __all__ = [
     "DECODE_CLUSTER_CONFIGS",
@@ -1308,12 +1309,12 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
                          f"{h} heads and {rows} rows")
     if cfg["skip_tail"] and s == 1:
         # one-query rows (decode) walk every trip: their caches are rarely shorter than k, and
-        # row_blocks' nine small launches cost ~15 us of an 85 us step (H100, CUDA graph); the
+        # counting them cost ~15 us of an 85 us step when it took nine small launches (H100, CUDA graph); the
         # full walk gives the same bits (masked trips add nothing). A fill per call, not a cached
         # tensor: one first made inside torch.compile's CUDA-graph warm-up would stay in its pool
         trips = torch.full((b, rows), kp // parts // step, dtype=torch.int32, device=q.device)
-    elif cfg["skip_tail"]:
-        trips = row_blocks(idx.view(b * rows, kp // parts), step, kv.shape[1]).view(b, rows)
+    elif cfg["skip_tail"]:  # one launch (entries past the keys count as valid: they only add masked trips)
+        trips = row_blocks_cuda(idx.view(b * rows, kp // parts), step, target).view(b, rows)
     else:
         trips = zeros_arg(1, torch.int32, q.device)
     with torch.cuda.device(q.device):
