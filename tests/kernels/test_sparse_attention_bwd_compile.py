@@ -110,9 +110,9 @@ def test_ws_program_finds_each_rows_last_valid_block_itself():
     cfg = {"heads": 64, "dqk": 576, "dv": 512, "has_sink": False, "dtype": "bfloat16"}
     assert bwd._normalise_config(cfg)["skip_tail"] and not bwd._normalise_config({**cfg, "schedule": "plain"})["skip_tail"]
     src = bwd.build_bwd_program(cfg, "main", target=SM90A).get_kernel_source().split("dsa_bwd_ws_kernel(", 1)[1]
-    assert "dsa_row_last_scan(" in src and "RowBlocks" not in src and "kb < n_blocks" in src
+    assert "dsa_row_last_scan<256>(" in src and "RowBlocks" not in src and "kb < n_blocks" in src
     full = bwd.build_bwd_program({**cfg, "skip_tail": False}, "main", target=SM90A).get_kernel_source()
-    assert "dsa_row_last_scan(" not in full.split("dsa_bwd_ws_kernel(", 1)[1]
+    assert "dsa_row_last_scan<256>(" not in full.split("dsa_bwd_ws_kernel(", 1)[1]
 
 
 @pytest.mark.slow
