@@ -136,11 +136,6 @@ DEFAULT_CONFIG: dict = {
     # partials in HBM, no second launch). The wrapper picks the count from k and the heads only (batch
     # invariant; common.settings.decode_cluster_parts)
     "cluster_parts": 0,
-    # (wip, to measure) seesaw consumer 1 stores the bf16 P its own MMA reads instead of converting its
-    # scores a second time (the same bits); the output leaves one 64-column tile at a time, each TMA store
-    # issued while the next tile is converted, behind a barrier of the consumer's own warpgroup (the same bits)
-    "p_once": True,
-    "tile_stores": True,
 }
 
 # The schedule of generation steps (one query per row): their programs that cut a row into parts exist
@@ -181,7 +176,7 @@ _SCHEDULE_REGS = {
 }
 _COMPILE_KEYS = ("dim_qk", "dim_v", "has_sink", "dtype", "block_h", "block_k", "schedule", "producer_regs",
                  "consumer_regs", "skip_tail", "load_hint", "partial", "persistent_ctas", "tma_io", "cluster",
-                 "cluster_parts", "p_once", "tile_stores")
+                 "cluster_parts")
 _LOAD_HINTS = {None: 0, "l2_256": 1, "l2_256_keep": 2}
 _CLUSTER_DIMS = {None: None, "heads": (2, 1, 1), "rows": (1, 2, 1)}
 
@@ -312,7 +307,6 @@ def _normalise_config(config: dict) -> dict:
         raise ValueError("persistent_ctas must be >= 0 and takes the qk_one or split schedule without partial, got "
                          f"{cfg['persistent_ctas']} with {cfg['schedule']!r}, partial={cfg['partial']}")
     cfg["tma_io"] = bool(cfg["tma_io"]) and not cfg["partial"] and not cfg["persistent_ctas"]
-    cfg["p_once"], cfg["tile_stores"] = bool(cfg["p_once"]), bool(cfg["tile_stores"])
     if cfg["cluster"] not in _CLUSTER_DIMS:
         raise ValueError(f"cluster must be one of {sorted(_CLUSTER_DIMS, key=str)}, got {cfg['cluster']!r}")
     if cfg["cluster"] and cfg["persistent_ctas"]:
@@ -329,7 +323,7 @@ def _normalise_config(config: dict) -> dict:
 
 def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, producer_regs, consumer_regs,
              skip_tail=False, load_hint=None, partial=False, persistent_ctas=0, tma_io=False, cluster=None,
-             cluster_parts=0, p_once=False, tile_stores=False):
+             cluster_parts=0):
     """The TileLang prim_func of one configuration (imported lazily)."""
     import tilelang.language as T
 
@@ -591,7 +585,7 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
                     )
                 else:
                     inv[h] = T.if_then_else(l_tot[h] != 0, 1.0 / l_tot[h], 0.0)
-            if not partial and not (tma_io and tile_stores):
+            if not partial and not tma_io:
                 for h, d in T.Parallel(HB, D_half):
                     O_s[h, d] = T.cast(acc_o[h, d] * inv[h], dtype)
             if g == 0:
@@ -605,12 +599,6 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
                 for h, d in T.Parallel(HB, D_half):
                     if h0 + h < H:
                         Output[bz, by, h0 + h, g * D_half + d] = acc_o[h, d] * inv[h]
-            elif tma_io and not tile_stores:
-                # rows past H fall outside the tensor and are not written
-                T.fence_proxy_async()
-                T.sync_threads(_BAR_OUT, 256)
-                T.tma_copy(O_s, Output[bz, by, h0 : h0 + HB, g * D_half : (g + 1) * D_half])
-                T.tma_store_wait()
             elif tma_io:
                 # one 64-column tile at a time: converted into shared memory, then out by a TMA store (rows
                 # past H fall outside the tensor and are not written) while the next tile is converted. The
@@ -787,10 +775,7 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
         seesaw_softmax(c, acc_s, acc_o, m_i, m_blk, alpha, l_i, rowsum)
         T.copy(acc_s, p_reg)
         T.wgmma_gemm(p_reg, stages[1][1][0], acc_o)
-        if p_once:
-            T.copy(p_reg, P1_s)  # the bf16 P the local MMA reads, not a second conversion of acc_s
-        else:
-            T.copy(acc_s, P1_s)
+        T.copy(p_reg, P1_s)  # the bf16 P its own MMA reads, not a second conversion of acc_s
         T.fence_proxy_async()
         T.named_barrier_arrive(_BAR_S1, 256)
         T.wait_wgmma(0)
