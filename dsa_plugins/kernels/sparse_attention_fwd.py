@@ -136,6 +136,9 @@ DEFAULT_CONFIG: dict = {
     # partials in HBM, no second launch). The wrapper picks the count from k and the heads only (batch
     # invariant; common.settings.decode_cluster_parts)
     "cluster_parts": 0,
+    # (experiment) False compiles without TileLang's automatic thread-storage syncs: the warpgroup barriers
+    # it adds around shared-memory accesses that the program's own mbarriers and named barriers order already
+    "auto_sync": True,
 }
 
 # The schedule of generation steps (one query per row): their programs that cut a row into parts exist
@@ -176,7 +179,7 @@ _SCHEDULE_REGS = {
 }
 _COMPILE_KEYS = ("dim_qk", "dim_v", "has_sink", "dtype", "block_h", "block_k", "schedule", "producer_regs",
                  "consumer_regs", "skip_tail", "load_hint", "partial", "persistent_ctas", "tma_io", "cluster",
-                 "cluster_parts")
+                 "cluster_parts", "auto_sync")
 _LOAD_HINTS = {None: 0, "l2_256": 1, "l2_256_keep": 2}
 _CLUSTER_DIMS = {None: None, "heads": (2, 1, 1), "rows": (1, 2, 1)}
 
@@ -307,6 +310,7 @@ def _normalise_config(config: dict) -> dict:
         raise ValueError("persistent_ctas must be >= 0 and takes the qk_one or split schedule without partial, got "
                          f"{cfg['persistent_ctas']} with {cfg['schedule']!r}, partial={cfg['partial']}")
     cfg["tma_io"] = bool(cfg["tma_io"]) and not cfg["partial"] and not cfg["persistent_ctas"]
+    cfg["auto_sync"] = bool(cfg["auto_sync"])
     if cfg["cluster"] not in _CLUSTER_DIMS:
         raise ValueError(f"cluster must be one of {sorted(_CLUSTER_DIMS, key=str)}, got {cfg['cluster']!r}")
     if cfg["cluster"] and cfg["persistent_ctas"]:
@@ -323,7 +327,7 @@ def _normalise_config(config: dict) -> dict:
 
 def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, producer_regs, consumer_regs,
              skip_tail=False, load_hint=None, partial=False, persistent_ctas=0, tma_io=False, cluster=None,
-             cluster_parts=0):
+             cluster_parts=0, auto_sync=True):
     """The TileLang prim_func of one configuration (imported lazily)."""
     import tilelang.language as T
 
@@ -1059,13 +1063,14 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
 
 
 @functools.lru_cache(maxsize=None)
-def _jit_for_target(target_key: str):
+def _jit_for_target(target_key: str, auto_sync: bool = True):
     import tilelang
 
     target = _target_from_key(target_key)
     return tilelang.jit(
         target=target,
-        pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False},
+        pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False,
+                      tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: not auto_sync},
         compile_flags=["-O3", "-DNDEBUG", "--ptxas-options=--register-usage-level=10"],
     )(_program)
 
@@ -1105,7 +1110,7 @@ def build_fwd_kernel(config: dict, target="auto"):
         kernel = _kernels.get(key)
         if kernel is None:
             announce_compile("sparse attention forward")
-            jit = _jit_for_target(tkey)
+            jit = _jit_for_target(tkey, cfg["auto_sync"])
             kernel = jit(**cfg)
             _kernels[key] = kernel
             logger.info(

@@ -311,6 +311,16 @@ def test_tma_io_is_bitwise_the_thread_copies(case):
     _same_bits_and_reference(case, [{"tma_io": False}, {"tma_io": True}], seed_offset=2)
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[3] >= 512],  # the model dims: two programs to compile
+                         ids=lambda c: f"B{c[0]}S{c[1]}H{c[2]}D{c[3]}-{c[4]}K{c[5]}Skv{c[6]}-{c[7]}")
+@pytest.mark.parametrize("schedule", (None, "qk_one"))
+@pytest.mark.parametrize("repeat", range(3))
+def test_without_auto_sync_is_bitwise_the_default(case, schedule, repeat):
+    """auto_sync False (TileLang's automatic warpgroup syncs left out): the same bits, run after run."""
+    over = {} if schedule is None else {"schedule": schedule}
+    _same_bits_and_reference(case, [over or None, {**over, "auto_sync": False}], seed_offset=4 + repeat)
+
+
 @pytest.mark.parametrize("h", (16, 64, 128))
 @pytest.mark.parametrize("dims", ((576, 512, None), (512, 512, "randn")))
 def test_prefill_runs_seesaw_and_generation_steps_qk_one(dims, h):
