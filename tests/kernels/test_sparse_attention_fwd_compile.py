@@ -2,6 +2,7 @@
 the wrapper rejects bad inputs with a message that names the tensor."""
 
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -53,6 +54,11 @@ def test_shipped_config_compiles_for_sm90a(config, caplog):
         assert name in src, f"{name} is not a runtime parameter"
     # a second request is served from the cache without compiling again
     assert mod.build_fwd_kernel(dict(config), target=SM90A) is kernel
+    # the seesaw runs without TileLang's automatic warpgroup syncs (ids below ours): only the program's own
+    # named barriers; the other schedules keep them
+    ids = {int(i) for i in re.findall(r"__sync_thread_partial\((\d+), \d+\)", src)}
+    seesaw = mod._normalise_config(config)["schedule"] == "seesaw"
+    assert ids and (min(ids) >= mod._BAR_NEXT) == seesaw, sorted(ids)
 
 
 @pytest.mark.slow
