@@ -95,7 +95,7 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
 
 
 _TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep",
-                "schedule", "ws_prefetch", "ws_dq_rs", "ws_pair", "ws_wg0_chunks", "det_mode")
+                "schedule", "ws_prefetch", "ws_dq_rs", "ws_pair", "ws_wg0_chunks", "ws_auto_sync", "det_mode")
 _DET_MODES = ("contrib", "contrib_ws", "contrib_bf16", "contrib_i16", "fixed")
 # the contribution modes whose rows are not fp32 (the same names as the ws program's det_out)
 _CONTRIB_DTYPES = {"contrib_bf16": "bfloat16", "contrib_i16": "int16"}
@@ -175,6 +175,8 @@ def _normalise_config(config: dict) -> dict:
     elif not 0 <= int(n0) <= min(3, n_chunks - 1):
         raise ValueError(f"ws_wg0_chunks must be 0..{min(3, n_chunks - 1)} (dkv chunks: {n_chunks}), got {n0}")
     cfg["ws_wg0_chunks"] = int(n0)
+    # ws_auto_sync: TileLang's automatic thread-storage syncs in the ws program (experiment)
+    cfg["ws_auto_sync"] = bool(cfg.get("ws_auto_sync", True))
     if cfg["schedule"] == "ws" and not ws_ok:
         raise ValueError(f"schedule 'ws' needs dv a multiple of 128, dqk - dv in (0, 64) and block_k 64, got "
                          f"dqk={cfg['dqk']} dv={cfg['dv']} block_k={cfg['block_k']}")
@@ -872,7 +874,7 @@ def ws_supported(dqk: int, dv: int) -> bool:
 
 
 def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, emit_probs=False, l2_keep=False,
-             det_out=None, pair=False, skip_tail=False, wg0_chunks=0):
+             det_out=None, pair=False, skip_tail=False, wg0_chunks=0, auto_sync=True):
     """Main backward program, warp-specialised (256 threads, one CTA per query row and 64 heads).
 
     Warpgroup 0 gathers the selected kv rows (predicated cp.async, invalid slots zero-filled),
@@ -1034,6 +1036,9 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
             T.sync_threads()
             if skip_tail:
                 n_row[0] = T.call_extern(i32, "dsa_row_blocks<256>", T.address_of(last8_s[0]), BK)
+                # TileLang may place last8_s and valid_s at one address (their lifetimes do not overlap):
+                # every thread has read the count before warpgroup 0 writes its first block's valid flags
+                T.sync_threads()
             n_blocks = n_row[0] if skip_tail else T.ceildiv(Kp, BK)
             if pair:  # the peer's barriers are initialised before anything reaches them
                 T.call_extern("handle", "dsa_cluster_sync")
@@ -1201,8 +1206,10 @@ def _jit_factories(key):
     target = _target_from_key(key)
     main = tilelang.jit(target=target, pass_configs=_PASS_CONFIGS_MAIN)(_main_body)
     ws = tilelang.jit(target=target, pass_configs=_PASS_CONFIGS_MAIN)(_ws_body)
+    ws_nosync = tilelang.jit(target=target, pass_configs={**_PASS_CONFIGS_MAIN, "tl.disable_thread_storage_sync": True})(
+        _ws_body)
     pre = tilelang.jit(target=target)(_preprocess_body)
-    return {"preprocess": pre, "main": main, "ws": ws}
+    return {"preprocess": pre, "main": main, "ws": ws, "ws_nosync": ws_nosync}
 
 
 def _target_from_key(key):
@@ -1226,7 +1233,8 @@ def _get(kind: str, target, *args):
         prog = _COMPILED.get(key)
         if prog is None:
             announce_compile(f"sparse attention backward {kind}")
-            fac = _jit_factories(target_key(target))[kind]
+            # the ws program's last argument: TileLang's automatic syncs (a pass option, not part of the body)
+            fac = _jit_factories(target_key(target))["ws_nosync" if kind == "ws" and not args[-1] else kind]
             prog = fac(*args)
             logger.info("dsa_plugins: compiled sparse attention bwd %s kernel %s for %s", kind, args, target)
             _COMPILED[key] = prog
@@ -1253,7 +1261,9 @@ def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tu
                       cfg["ws_dq_rs"], bool(emit_probs), cfg["l2_keep"] and not deterministic,
                       _WS_DET_OUT[cfg["det_mode"]] if deterministic else None,
                       cfg["ws_pair"] and not deterministic and cfg["store_dkv"], cfg["skip_tail"],
-                      cfg["ws_wg0_chunks"])  # 0 wherever ws_pair is asked for (_normalise_config)
+                      cfg["ws_wg0_chunks"],  # 0 wherever ws_pair is asked for (_normalise_config)
+                      # the head-summed P's cross-warp sums and the pair's exchange need TileLang's syncs
+                      cfg["ws_auto_sync"] or bool(emit_probs) or (cfg["ws_pair"] and not deterministic))
     return "main", _main_args(cfg, deterministic, emit_probs)
 
 

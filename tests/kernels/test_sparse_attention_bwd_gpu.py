@@ -335,6 +335,31 @@ def test_skip_tail_walks_only_to_the_last_valid_slot(cfg, deterministic, schedul
     assert _rel(skip[0], dq_ref) < TOL and _rel(skip[1], dkv_ref) < TOL
 
 
+@pytest.mark.parametrize("cfg", [c for c in CONFIGS if c[1] >= 512], ids=lambda c: f"H{c[0]}-D{c[1]}")
+@pytest.mark.parametrize("case", CASES[1:4] + BIG_CASES + [(2, 150, 400, 130, "causal", "normal")],
+                         ids=lambda c: f"B{c[0]}S{c[1]}K{c[3]}-{c[4]}")
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
+def test_ws_without_auto_sync_matches_with_it(cfg, case, deterministic):
+    """ws_auto_sync False (the ws program without TileLang's automatic warpgroup syncs): dq bitwise, dkv
+    bitwise in deterministic mode (fp32 reduction order otherwise), both match float64; run three times."""
+    from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
+
+    B, S, Skv, K, kind, skind = case
+    q, kv, idx, dout, sink, scale = _inputs(cfg, (B, S, Skv, K, "valid" if kind == "causal" else kind, skind), seed=21)
+    if kind == "causal":
+        idx = _causal_rows(torch.Generator(device="cuda").manual_seed(22), B, S, K, Skv)
+    out64, lse64, dq_ref, dkv_ref, _ = _reference(q, kv, idx, dout, sink, scale, cfg[2])
+    out, lse = out64.to(cfg[4]), lse64.float()
+    kw = dict(sink=sink, dv=cfg[2], deterministic=deterministic)
+    base = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, config={"ws_auto_sync": True}, **kw)
+    for _ in range(3):
+        res = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, config={"ws_auto_sync": False}, **kw)
+        assert torch.equal(res[0], base[0])
+        if deterministic:
+            assert torch.equal(res[1], base[1])
+        assert _rel(res[0], dq_ref) < TOL and _rel(res[1], dkv_ref) < TOL
+
+
 @pytest.mark.parametrize("tuning", [{"stage_atomics": True}, {"stage_atomics": True, "l2_keep": True}],
                          ids=["staged", "staged-l2keep"])
 def test_staged_reductions_match_the_default(tuning):
