@@ -150,3 +150,17 @@ def kernel_unavailable_reason(name: str, tensors: tuple[torch.Tensor, ...] = ())
             want = ", ".join(str(d).replace("torch.", "") for d in allowed)
             return f"the {name} kernel takes {want} inputs, got {str(t.dtype).replace('torch.', '')}"
     return None
+
+
+def compiled_once(cache: dict, lock, key, what: str, build):
+    """``cache[key]``, built by ``build()`` on the first request (under ``lock``: TIR construction is not
+    thread-safe) after announcing the compile of ``what``."""
+    prog = cache.get(key)
+    if prog is not None:
+        return prog
+    with lock:
+        prog = cache.get(key)
+        if prog is None:
+            announce_compile(what)
+            prog = cache[key] = build()
+    return prog

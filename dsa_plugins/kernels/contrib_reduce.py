@@ -23,7 +23,7 @@ import threading
 import torch
 from torch import Tensor
 
-from . import announce_compile, target_key
+from . import compiled_once, target_key
 
 __all__ = ["DET_BUDGET_BYTES", "build_reduce", "keys_last_invalid", "reduce_body", "slot_order", "slot_order_async"]
 
@@ -170,14 +170,10 @@ def build_reduce(dqk: int, nhb: int, contrib_dtype: str = "float32", target="aut
     import tilelang
 
     key = (target_key(target), int(dqk), int(nhb), str(contrib_dtype))
-    prog = _COMPILED.get(key)
-    if prog is not None:
+
+    def build():
+        prog = tilelang.jit(target=target)(reduce_body)(*key[1:])
+        logger.info("dsa_plugins: compiled the contribution reduce %s for %s", key[1:], target)
         return prog
-    with _LOCK:  # TIR construction is not thread-safe
-        prog = _COMPILED.get(key)
-        if prog is None:
-            announce_compile("deterministic contribution reduce")
-            prog = tilelang.jit(target=target)(reduce_body)(*key[1:])
-            logger.info("dsa_plugins: compiled the contribution reduce %s for %s", key[1:], target)
-            _COMPILED[key] = prog
-    return prog
+
+    return compiled_once(_COMPILED, _LOCK, key, "deterministic contribution reduce", build)

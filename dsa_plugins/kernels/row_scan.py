@@ -22,7 +22,7 @@ import threading
 import torch
 from torch import Tensor
 
-from . import announce_compile, target_key
+from . import compiled_once, target_key
 
 __all__ = ["ROW_SCAN_PRELUDE", "ROW_SCAN_THREADS", "build_row_blocks", "row_blocks_cuda"]
 
@@ -78,18 +78,12 @@ def build_row_blocks(target="auto"):
     """The compiled counting program (:func:`row_blocks_body`); cached per process and target."""
     import tilelang
 
-    key = target_key(target)
-    prog = _COMPILED.get(key)
-    if prog is not None:
+    def build():
+        prog = tilelang.jit(target=target)(row_blocks_body)()
+        logger.info("dsa_plugins: compiled the row block counts for %s", target)
         return prog
-    with _LOCK:  # TIR construction is not thread-safe
-        prog = _COMPILED.get(key)
-        if prog is None:
-            announce_compile("row block counts")
-            prog = tilelang.jit(target=target)(row_blocks_body)()
-            logger.info("dsa_plugins: compiled the row block counts for %s", target)
-            _COMPILED[key] = prog
-    return prog
+
+    return compiled_once(_COMPILED, _LOCK, target_key(target), "row block counts", build)
 
 
 def row_blocks_cuda(indices: Tensor, block: int, target="auto") -> Tensor:

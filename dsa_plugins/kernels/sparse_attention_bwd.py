@@ -61,7 +61,7 @@ from torch import Tensor
 from ..common.indices import global_rows, row_blocks
 from ..common.settings import deterministic_mode, warn_once
 from ..common.validation import output_buffer
-from . import announce_compile, target_key, zeros_arg
+from . import compiled_once, target_key, zeros_arg
 from .cluster import CLUSTER_PRELUDE
 from .row_scan import ROW_SCAN_PRELUDE
 from .contrib_reduce import DET_BUDGET_BYTES, build_reduce, keys_last_invalid, slot_order_async
@@ -1209,8 +1209,8 @@ def _jit_factories(key):
     target = _target_from_key(key)
     main = tilelang.jit(target=target, pass_configs=_PASS_CONFIGS_MAIN)(_main_body)
     ws = tilelang.jit(target=target, pass_configs=_PASS_CONFIGS_MAIN)(_ws_body)
-    ws_nosync = tilelang.jit(target=target, pass_configs={**_PASS_CONFIGS_MAIN, "tl.disable_thread_storage_sync": True})(
-        _ws_body)
+    no_sync = {**_PASS_CONFIGS_MAIN, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
+    ws_nosync = tilelang.jit(target=target, pass_configs=no_sync)(_ws_body)
     pre = tilelang.jit(target=target)(_preprocess_body)
     return {"preprocess": pre, "main": main, "ws": ws, "ws_nosync": ws_nosync}
 
@@ -1228,20 +1228,13 @@ _LOCK = threading.Lock()
 def _get(kind: str, target, *args):
     if kind == "reduce":  # shared with the indexer loss's deterministic d_index_k
         return build_reduce(*args, target=target)
-    key = (kind, target_key(target), args)
-    prog = _COMPILED.get(key)
-    if prog is not None:
+    def build():
+        # the ws program's last argument: TileLang's automatic syncs (a pass option, not part of the body)
+        prog = _jit_factories(target_key(target))["ws_nosync" if kind == "ws" and not args[-1] else kind](*args)
+        logger.info("dsa_plugins: compiled sparse attention bwd %s kernel %s for %s", kind, args, target)
         return prog
-    with _LOCK:
-        prog = _COMPILED.get(key)
-        if prog is None:
-            announce_compile(f"sparse attention backward {kind}")
-            # the ws program's last argument: TileLang's automatic syncs (a pass option, not part of the body)
-            fac = _jit_factories(target_key(target))["ws_nosync" if kind == "ws" and not args[-1] else kind]
-            prog = fac(*args)
-            logger.info("dsa_plugins: compiled sparse attention bwd %s kernel %s for %s", kind, args, target)
-            _COMPILED[key] = prog
-    return prog
+
+    return compiled_once(_COMPILED, _LOCK, (kind, target_key(target), args), f"sparse attention backward {kind}", build)
 
 
 # det_mode -> the ws program's det_out
