@@ -51,7 +51,7 @@ import torch
 from ..common.settings import decode_cluster_parts, decode_part_slots, logger
 from ..common.indices import as_int32
 from ..common.validation import check_scale, check_tensor, output_buffer
-from . import announce_compile, zeros_arg
+from . import compiled_once, zeros_arg
 from .cluster import CLUSTER_PRELUDE
 from .row_scan import row_blocks_cuda
 
@@ -1107,23 +1107,18 @@ def build_fwd_kernel(config: dict, target="auto"):
     cfg = _normalise_config(config)
     tkey = _target_key(target)
     key = (tkey,) + tuple(cfg[k] for k in _COMPILE_KEYS)
-    kernel = _kernels.get(key)
-    if kernel is not None:
+
+    def build():
+        kernel = _jit_for_target(tkey, cfg["auto_sync"])(**cfg)
+        logger.info(
+            "compiled sparse_attention_fwd Dqk=%d Dv=%d sink=%s %s block_h=%d block_k=%d schedule=%s for %s",
+            cfg["dim_qk"], cfg["dim_v"], cfg["has_sink"], cfg["dtype"], cfg["block_h"], cfg["block_k"],
+            cfg["schedule"],
+            tkey.partition(":")[2],
+        )
         return kernel
-    with _build_lock:
-        kernel = _kernels.get(key)
-        if kernel is None:
-            announce_compile("sparse attention forward")
-            jit = _jit_for_target(tkey, cfg["auto_sync"])
-            kernel = jit(**cfg)
-            _kernels[key] = kernel
-            logger.info(
-                "compiled sparse_attention_fwd Dqk=%d Dv=%d sink=%s %s block_h=%d block_k=%d schedule=%s for %s",
-                cfg["dim_qk"], cfg["dim_v"], cfg["has_sink"], cfg["dtype"], cfg["block_h"], cfg["block_k"],
-                cfg["schedule"],
-                tkey.partition(":")[2],
-            )
-    return kernel
+
+    return compiled_once(_kernels, _build_lock, key, "sparse attention forward", build)
 
 
 def _combine_program(dim_v, has_sink, dtype):
@@ -1187,20 +1182,16 @@ def build_combine_kernel(dim_v: int, has_sink: bool, dtype: str = "bfloat16", ta
         raise ValueError(f"dtype must be one of {sorted(_TORCH_DTYPES)}, got {dtype!r}")
     tkey = _target_key(target)
     key = (tkey, int(dim_v), bool(has_sink), dtype)
-    kernel = _combine_kernels.get(key)
-    if kernel is None:
-        with _build_lock:
-            kernel = _combine_kernels.get(key)
-            if kernel is None:
-                import tilelang
 
-                announce_compile("sparse attention forward (decode combine)")
-                kernel = tilelang.jit(
-                    target=_target_from_key(tkey),
-                    pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False},
-                )(_combine_program)(int(dim_v), bool(has_sink), dtype)
-                _combine_kernels[key] = kernel
-    return kernel
+    def build():
+        import tilelang
+
+        return tilelang.jit(
+            target=_target_from_key(tkey),
+            pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False},
+        )(_combine_program)(int(dim_v), bool(has_sink), dtype)
+
+    return compiled_once(_combine_kernels, _build_lock, key, "sparse attention forward (decode combine)", build)
 
 
 def config_for(dim_qk: int, dim_v: int, has_sink: bool, dtype: torch.dtype, overrides: dict | None = None) -> dict:
