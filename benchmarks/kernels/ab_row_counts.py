@@ -55,20 +55,24 @@ def main(argv=None) -> int:
         flat = idx.reshape(-1, idx.shape[-1]).to(torch.int32).contiguous()
         assert torch.equal(row_blocks_cuda(flat, 64), row_blocks(flat, 64, None)), label
         fwd, count, eager = {}, {}, {}
-        for name, way in ways.items():
-            F.row_blocks_cuda = way
-            call = lambda: F._launch(q, kv, idx, scale, sink, dv, out, lse)  # noqa: E731
-            fwd[name] = capture_graph(call)
-            count[name] = capture_graph(lambda way=way: way(flat, 64))
-            eager[name] = call
         times = {(kind, n): [] for kind in ("fwd", "count", "eager") for n in ways}
-        for r in range(args.rounds):
-            for name in ways if r % 2 == 0 else reversed(list(ways)):
-                F.row_blocks_cuda = ways[name]
-                times["fwd", name].append(graph_replay_ms(fwd[name], args.replays))
-                times["count", name].append(graph_replay_ms(count[name], args.replays))
-                times["eager", name].append(_eager_ms(eager[name], args.replays))
-        F.row_blocks_cuda = row_blocks_cuda
+        try:
+            for name, way in ways.items():
+                F.row_blocks_cuda = way
+                call = lambda: F._launch(q, kv, idx, scale, sink, dv, out, lse)  # noqa: E731
+                fwd[name] = capture_graph(call)
+                # the counts alone, in blocks of 64 slots over the unpadded rows (the forward's wrapper counts
+                # its own step over padded rows: the same one launch or the same torch ops)
+                count[name] = capture_graph(lambda way=way: way(flat, 64))
+                eager[name] = call
+            for r in range(args.rounds):
+                for name in ways if r % 2 == 0 else reversed(list(ways)):
+                    F.row_blocks_cuda = ways[name]
+                    times["fwd", name].append(graph_replay_ms(fwd[name], args.replays))
+                    times["count", name].append(graph_replay_ms(count[name], args.replays))
+                    times["eager", name].append(_eager_ms(eager[name], args.replays))
+        finally:
+            F.row_blocks_cuda = row_blocks_cuda
         med = {key: statistics.median(v) * 1e3 for key, v in times.items()}
         print(f"{label}: graph fwd one_launch {med['fwd', 'one_launch']:.1f} us torch {med['fwd', 'torch']:.1f} us"
               f" | counts alone {med['count', 'one_launch']:.1f} / {med['count', 'torch']:.1f} us"

@@ -153,8 +153,9 @@ def kernel_unavailable_reason(name: str, tensors: tuple[torch.Tensor, ...] = ())
 
 
 def compiled_once(cache: dict, lock, key, what: str, build):
-    """``cache[key]``, built by ``build()`` on the first request (under ``lock``: TIR construction is not
-    thread-safe) after announcing the compile of ``what``."""
+    """``cache[key]``, built by ``build()`` on the first request after announcing the compile of ``what``.
+    Builds that share ``lock`` (each kernel family holds its own) run one at a time, so a program is built
+    once however many threads ask for it; TileLang's disk cache serves later processes."""
     prog = cache.get(key)
     if prog is not None:
         return prog

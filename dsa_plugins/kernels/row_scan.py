@@ -87,11 +87,16 @@ def build_row_blocks(target="auto"):
 
 
 def row_blocks_cuda(indices: Tensor, block: int, target="auto") -> Tensor:
-    """[R, K] int32 CUDA indices (contiguous, K >= 1) -> [R] int32: the blocks of ``block`` slots each row
-    walks to reach its last entry >= 0, in one launch (``common.indices.row_blocks`` with n_keys=None)."""
+    """[R, K] int32 CUDA indices (K >= 1; made contiguous here) -> [R] int32: the blocks of ``block`` slots
+    each row walks to reach its last entry >= 0, in one launch (``common.indices.row_blocks`` with
+    n_keys=None)."""
+    if int(block) < 1:
+        raise ValueError(f"row_blocks_cuda: block must be >= 1, got {block}")
     if indices.dim() != 2 or indices.dtype != torch.int32 or not indices.is_cuda or indices.shape[1] == 0:
         raise ValueError(f"row_blocks_cuda: indices must be a [R, K >= 1] int32 CUDA tensor, got "
                          f"{tuple(indices.shape)} {indices.dtype} on {indices.device}")
+    if indices.numel() >= 2**31:  # the program's offsets are 32-bit
+        raise ValueError(f"row_blocks_cuda: indices must hold fewer than 2**31 entries, got {indices.numel()}")
     out = torch.empty(indices.shape[0], dtype=torch.int32, device=indices.device)
     if indices.shape[0]:
         build_row_blocks(target)(indices.contiguous(), out, int(block))

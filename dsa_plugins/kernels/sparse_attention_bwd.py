@@ -50,6 +50,7 @@ step.
 """
 
 import functools
+import inspect
 import json
 import logging
 import os
@@ -179,7 +180,8 @@ def _normalise_config(config: dict) -> dict:
     # barriers per block (its own named barriers already order them; the head-summed P and the pair keep them):
     # the same bits (GPU test), but only 0.3-2.5% faster in an interleaved A/B on an H100 (B1 S4096 Skv8192, two
     # rounds; single rounds moved by up to 15% either way): on, until a steadier measurement says otherwise
-    cfg["ws_auto_sync"] = bool(cfg.get("ws_auto_sync", True))
+    auto_sync = cfg.get("ws_auto_sync")
+    cfg["ws_auto_sync"] = True if auto_sync is None else bool(auto_sync)
     if cfg["schedule"] == "ws" and not ws_ok:
         raise ValueError(f"schedule 'ws' needs dv a multiple of 128, dqk - dv in (0, 64) and block_k 64, got "
                          f"dqk={cfg['dqk']} dv={cfg['dv']} block_k={cfg['block_k']}")
@@ -912,7 +914,10 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     ``wg0_chunks`` (0..3, not with ``pair``): warpgroup 0 forms and reduces the last ``wg0_chunks`` dkv chunks
     itself, in its S and dP accumulators once P and dS are stored, so that the two warpgroups' work per block
     is even (warpgroup 1's chunk loop is the CTA's chain; warpgroup 0 otherwise waits for it at the P/dS
-    buffer)."""
+    buffer).
+    ``auto_sync`` is not read here: the factory that compiles the program (``_jit_factories``: "ws" or
+    "ws_nosync") sets whether TileLang adds its automatic syncs; as an argument it keeps the two apart in the
+    caches."""
     import tilelang.cuda.language as TC
     import tilelang.language as T
 
@@ -1202,6 +1207,10 @@ _PASS_CONFIGS_MAIN = {
 }
 
 
+#: the ws program's arguments (:func:`_main_kernel` builds them; the last one selects the factory)
+_WS_ARGS = len(inspect.signature(_ws_body).parameters)
+
+
 @functools.cache
 def _jit_factories(key):
     import tilelang
@@ -1228,8 +1237,11 @@ _LOCK = threading.Lock()
 def _get(kind: str, target, *args):
     if kind == "reduce":  # shared with the indexer loss's deterministic d_index_k
         return build_reduce(*args, target=target)
+
     def build():
-        # the ws program's last argument: TileLang's automatic syncs (a pass option, not part of the body)
+        # the ws program's last argument (auto_sync): TileLang's automatic syncs, a pass option of its factory
+        if kind == "ws" and len(args) != _WS_ARGS:
+            raise ValueError(f"the ws program takes {_WS_ARGS} arguments, got {len(args)}")
         prog = _jit_factories(target_key(target))["ws_nosync" if kind == "ws" and not args[-1] else kind](*args)
         logger.info("dsa_plugins: compiled sparse attention bwd %s kernel %s for %s", kind, args, target)
         return prog
@@ -1253,13 +1265,13 @@ def _uses_ws(cfg: dict, deterministic: bool) -> bool:
 def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tuple:
     """(program kind, compile args) of the main kernel the wrapper launches."""
     if _uses_ws(cfg, deterministic):
+        pair = cfg["ws_pair"] and not deterministic and cfg["store_dkv"]
         return "ws", (cfg["heads"], cfg["dqk"], cfg["dv"], cfg["dtype"], cfg["store_dkv"], cfg["ws_prefetch"],
                       cfg["ws_dq_rs"], bool(emit_probs), cfg["l2_keep"] and not deterministic,
-                      _WS_DET_OUT[cfg["det_mode"]] if deterministic else None,
-                      cfg["ws_pair"] and not deterministic and cfg["store_dkv"], cfg["skip_tail"],
+                      _WS_DET_OUT[cfg["det_mode"]] if deterministic else None, pair, cfg["skip_tail"],
                       cfg["ws_wg0_chunks"],  # 0 wherever ws_pair is asked for (_normalise_config)
                       # the head-summed P's cross-warp sums and the pair's exchange need TileLang's syncs
-                      cfg["ws_auto_sync"] or bool(emit_probs) or (cfg["ws_pair"] and not deterministic))
+                      cfg["ws_auto_sync"] or bool(emit_probs) or pair)
     return "main", _main_args(cfg, deterministic, emit_probs)
 
 

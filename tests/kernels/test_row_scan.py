@@ -18,8 +18,10 @@ HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
 def test_rejects_bad_indices_by_name():
     with pytest.raises(ValueError, match="row_blocks_cuda: indices must be"):
         row_scan.row_blocks_cuda(torch.zeros(4, 8, dtype=torch.int32), 128)  # on the CPU
-    with pytest.raises(ValueError, match="int32"):
+    with pytest.raises(ValueError, match="torch.int64"):
         row_scan.row_blocks_cuda(torch.zeros(4, 8, dtype=torch.int64), 128)
+    with pytest.raises(ValueError, match="block must be >= 1, got 0"):
+        row_scan.row_blocks_cuda(torch.zeros(4, 8, dtype=torch.int32), 0)
 
 
 @pytest.mark.slow
@@ -27,7 +29,7 @@ def test_rejects_bad_indices_by_name():
 def test_counting_program_compiles_for_sm90a():
     kernel = row_scan.build_row_blocks(target=SM90A)
     src = kernel.get_kernel_source()
-    assert f"dsa_row_last_scan<{row_scan.ROW_SCAN_THREADS}>" in src and "slots" in src and "block" in src
+    assert f"dsa_row_last_scan<{row_scan.ROW_SCAN_THREADS}>" in src and "int block, int rows, int slots" in src
     assert row_scan.build_row_blocks(target=SM90A) is kernel
 
 

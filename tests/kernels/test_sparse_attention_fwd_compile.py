@@ -128,6 +128,13 @@ def test_config_validation():
     with pytest.raises(ValueError, match="load_hint"):
         mod._normalise_config({"load_hint": "nope"})
     assert mod._normalise_config({"schedule": "seesaw"})["consumer_regs"] == (224, 224)
+    # TileLang's automatic syncs: off for the seesaw only (its barriers were checked), and not to be turned off
+    # elsewhere
+    assert mod._normalise_config({"schedule": "seesaw"})["auto_sync"] is False
+    assert mod._normalise_config({"schedule": "qk_one"})["auto_sync"] is True
+    assert mod._normalise_config({"schedule": "seesaw", "auto_sync": True})["auto_sync"] is True
+    with pytest.raises(ValueError, match="auto_sync=False is verified for the seesaw schedule only"):
+        mod._normalise_config({"schedule": "qk_one", "auto_sync": False})
     with pytest.raises(ValueError, match="persistent_ctas"):
         mod._normalise_config({"schedule": "seesaw", "persistent_ctas": 132})
     with pytest.raises(ValueError, match="persistent_ctas"):
