@@ -49,28 +49,27 @@ def cases(which: str):
                lambda a=(s, skv, h, dqk, dv, k, sink): make_inputs(*a), dv)
 
 
-def _compile(args) -> None:
-    dqk, dv, sink, over = args
-    from dsa_plugins.kernels import sparse_attention_fwd as F
-
-    F.build_fwd_kernel(F.config_for(dqk, dv, sink, torch.bfloat16, over))
-
-
 def precompile(which: str, variants, jobs: int) -> None:
-    """Compile every program the rounds will run, ``jobs`` at a time (TileLang's disk cache keeps them)."""
-    import concurrent.futures as cf
-    import multiprocessing as mp
-
+    """Compile every program the rounds will run, ``jobs`` processes at a time, for the target the wrapper
+    passes (warmup's jobs; TileLang's disk cache keeps them for the rounds)."""
     from bench_attention_peers import SHAPES_8K, SHAPES_K
 
+    from dsa_plugins.kernels import sparse_attention_fwd as F
+    from dsa_plugins.warmup import KernelJob, compile_jobs
+
     dims = {(576, 512, False)} if which == "decode" else {(d[4], d[5], d[7]) for d in SHAPES_K + SHAPES_8K[:3]}
-    todo = [(*d, v) for d in sorted(dims) for v in variants]
-    with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
-        for job, fut in [(j, ex.submit(_compile, j)) for j in todo]:
+    todo = []
+    for dqk, dv, sink in sorted(dims):
+        for v in variants:
+            if which == "decode" and "schedule" not in (v or {}):  # as the wrapper runs generation steps
+                v = {**(v or {}), "schedule": F.DECODE_SCHEDULE}
             try:
-                fut.result()
+                cfg = F.config_for(dqk, dv, sink, torch.bfloat16, v)
             except ValueError as exc:  # reported again when the variant is captured
-                print(f"precompile {job}: {exc}", flush=True)
+                print(f"precompile {dqk}/{dv} {json.dumps(v)}: {exc}", flush=True)
+                continue
+            todo.append(KernelJob(f"forward {dqk}/{dv} {json.dumps(v)}", F.__name__, "build_fwd_kernel", (cfg,)))
+    compile_jobs(todo, jobs, on_gpu=True)
 
 
 def main(argv=None) -> int:

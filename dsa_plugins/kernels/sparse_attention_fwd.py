@@ -122,11 +122,10 @@ DEFAULT_CONFIG: dict = {
     # Q comes in with TMA (one thread issues it, the consumers wait on an mbarrier) and each consumer's
     # output half leaves with TMA stores, one 64-column tile at a time behind a barrier of that consumer's
     # own 128 threads (1.0-3.5% faster than one store per half), instead of 256 threads' vector loads and
-    # stores: the SM's
-    # load/store pipe then carries only the gathers, and the next CTA's first gathers no longer queue
-    # behind the last one's output. H100, interleaved A/B under CUDA graphs: 1.08x at V4 H64 k256,
-    # 1.06x at k512, 1.02-1.03x at k 1024-2048 and MLA H64/H128 (fwd_fixed_cost_h100.md). The partial
-    # and persistent programs keep the threads' copies (tma_io is turned off for them)
+    # stores: the SM's load/store pipe then carries only the gathers, and the next CTA's first gathers no
+    # longer queue behind the last one's output. H100, interleaved A/B under CUDA graphs: 1.08x at V4 H64
+    # k256, 1.06x at k512, 1.02-1.03x at k 1024-2048 and MLA H64/H128 (fwd_fixed_cost_h100.md). The
+    # partial and persistent programs keep the threads' copies (tma_io is turned off for them)
     "tma_io": True,
     # launch CTAs in clusters of two (co-scheduled on neighbouring SMs), no shared memory traffic between
     # them: "heads" pairs the two head blocks of one query row (H 128), "rows" two adjacent query rows.
@@ -340,7 +339,8 @@ def _normalise_config(config: dict) -> dict:
 def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, producer_regs, consumer_regs,
              skip_tail=False, load_hint=None, partial=False, persistent_ctas=0, tma_io=False, cluster=None,
              cluster_parts=0, auto_sync=True):
-    """The TileLang prim_func of one configuration (imported lazily)."""
+    """The TileLang prim_func of one configuration (imported lazily). ``auto_sync`` is not read here: it is a
+    pass option of the compile (``_jit_for_target``), an argument so that it keys the caches."""
     import tilelang.language as T
 
     D_half = dim_v // 2  # value columns per consumer warpgroup
