@@ -1,6 +1,6 @@
 """Benchmark (and compile warm-up) of the TileLang sparse attention backward.
 
-    python benchmarks/kernels/bench_sparse_attention_bwd.py --warmup [--jobs 16]   # compile in parallel
+    python benchmarks/kernels/bench_sparse_attention_bwd.py --warmup [--jobs 16] [--shapes ...]   # compile in parallel
     python benchmarks/kernels/bench_sparse_attention_bwd.py [--csv out.csv] [--variants JSON]
     (a variant {"deterministic": true, ...} times that mode only, e.g. {"deterministic": true,
     "det_mode": "fixed"} beside the default --det rows)
@@ -216,8 +216,11 @@ def main():
     PROFILE = args.profile
     variants = json.loads(args.variants)
     if args.warmup:
-        cfgs = [(c, True) for c in _test_configs()]
+        # with --shapes: only what those shapes' runs need; else also every GPU test configuration
+        cfgs = [] if args.shapes else [(c, True) for c in _test_configs()]
         for _, B, S, Skv, H, Dqk, Dv, K, sink in SHAPES:
+            if args.shapes and _ not in args.shapes.split(","):
+                continue
             for var in variants:
                 if var.get("only") and var["only"] != _:
                     continue

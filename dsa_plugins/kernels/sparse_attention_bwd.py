@@ -64,6 +64,8 @@ from ..common.settings import deterministic_mode, warn_once
 from ..common.validation import output_buffer
 from . import compiled_once, target_key, zeros_arg
 from .cluster import CLUSTER_PRELUDE
+from .fast_exp2 import PRELUDE as EX2_FTZ_PRELUDE
+from .fast_exp2 import ex2_ftz
 from .row_scan import ROW_SCAN_PRELUDE
 from .contrib_reduce import DET_BUDGET_BYTES, build_reduce, keys_last_invalid, slot_order_async
 
@@ -96,7 +98,8 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
 
 
 _TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep",
-                "schedule", "ws_prefetch", "ws_dq_rs", "ws_pair", "ws_wg0_chunks", "ws_auto_sync", "det_mode")
+                "schedule", "ws_prefetch", "ws_dq_rs", "ws_pair", "ws_wg0_chunks", "ws_auto_sync", "det_mode",
+                "fast_exp2")
 _DET_MODES = ("contrib", "contrib_ws", "contrib_bf16", "contrib_i16", "fixed")
 # the contribution modes whose rows are not fp32 (the same names as the ws program's det_out)
 _CONTRIB_DTYPES = {"contrib_bf16": "bfloat16", "contrib_i16": "int16"}
@@ -180,6 +183,11 @@ def _normalise_config(config: dict) -> dict:
     # barriers per block (its own named barriers already order them; the head-summed P and the pair keep them):
     # the same bits (GPU test), but only 0.3-2.5% faster in an interleaved A/B on an H100 (B1 S4096 Skv8192, two
     # rounds; single rounds moved by up to 15% either way): on, until a steadier measurement says otherwise
+    # fast_exp2: the ws program's P = 2^x as one MUFU.EX2 (kernels.fast_exp2); the plain program keeps exp2f.
+    # H100, B1 S4096 Skv8192, with the reductions' row addresses (dsa_red_tile), against neither: MLA H64 1.04x,
+    # H128 1.03x, V4 H128 1.05x, V4 H64 1.03x
+    fast = cfg.get("fast_exp2")
+    cfg["fast_exp2"] = True if fast is None else bool(fast)
     auto_sync = cfg.get("ws_auto_sync")
     cfg["ws_auto_sync"] = True if auto_sync is None else bool(auto_sync)
     if cfg["schedule"] == "ws" and not ws_ok:
@@ -586,7 +594,7 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
 # q and q ^ 1 trade pairs so each holds 4 consecutive columns, then lanes g and g ^ 1 (rows r and
 # r + 1) trade float4s so that 8 lanes cover one row's 128-byte line: a warp's reduction touches
 # 4 whole lines (the v2 reductions straight from the layout touch 8 rows x 32 bytes).
-_WS_PRELUDE = CLUSTER_PRELUDE + ROW_SCAN_PRELUDE + r"""
+_WS_PRELUDE = CLUSTER_PRELUDE + ROW_SCAN_PRELUDE + EX2_FTZ_PRELUDE + r"""
 // kMode 0: red.v4.f32; 1: the same with an L2 evict_last policy; 2: fixed point (deterministic mode):
 // each value times the power of two `fix` is rounded to a 64-bit integer and added to `sums` with
 // red.add.u64 (integer addition is associative: the sums do not depend on the order the CTAs reach
@@ -628,14 +636,17 @@ __device__ __forceinline__ void dsa_fixed_quad(int64_t* sums, float* dkv, int ro
   }
 }
 
+// red.v4 at p where ok (a predicate inside the asm: no branch around it)
 template <int kMode>
-__device__ __forceinline__ void dsa_red4(float* dkv, long long off, float4 v, unsigned long long policy) {
+__device__ __forceinline__ void dsa_red4(float* p, float4 v, unsigned long long policy, bool ok) {
   if (kMode == 1) {
-    asm volatile("red.global.add.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;"
-                 :: "l"(dkv + off), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "l"(policy));
+    asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %6, 0;\n\t"
+                 "@q red.global.add.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;\n\t}"
+                 :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "l"(policy), "r"(static_cast<int>(ok)));
   } else {
-    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};"
-                 :: "l"(dkv + off), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w));
+    asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %5, 0;\n\t"
+                 "@q red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n\t}"
+                 :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(static_cast<int>(ok)));
   }
 }
 
@@ -749,6 +760,15 @@ __device__ __forceinline__ void dsa_red_tile(const float* acc, void* dkv_raw, co
       if (row_a >= 0) exps[(row0 + slot) * (ld / 8) + blk] = static_cast<unsigned char>(__float_as_uint(sa.y) >> 23);
       if (row_b >= 0) exps[(row0 + slot + 1) * (ld / 8) + blk] = static_cast<unsigned char>(__float_as_uint(sb.y) >> 23);
     }
+    // each row's address once per half: the columns of pair mp are 32 mp further (an immediate offset). Computing
+    // every address from the row index made ptxas re-derive the lane's column from its bits, ~10 instructions per
+    // reduction under the warpgroup's register pressure: warpgroup 1's loop went from 2024 to 1631 instructions
+    // (MLA H64, sm_90a SASS) and the backward 1-3% faster (H100, with the predicated red.v4 below)
+    const int lane_col = col0 + 16 * gb + 8 * odd + 4 * (q >> 1);
+    float* red_a = dkv + ((long long)row_a * ld + lane_col);
+    float* red_b = dkv + ((long long)row_b * ld + lane_col);
+    char* st_a = contrib + ((row0 + slot) * ld + lane_col) * kBytes;
+    char* st_b = st_a + (long long)ld * kBytes;
     #pragma unroll
     for (int mp = 0; mp < kGroups / 2; ++mp) {
       if (kMode == 2) {
@@ -756,14 +776,13 @@ __device__ __forceinline__ void dsa_red_tile(const float* acc, void* dkv_raw, co
         dsa_fixed_quad(sums, dkv, row_b, ld, col0 + 16 * (2 * mp + gb), vb[mp], fix, limit, q);
         continue;
       }
-      const int col = col0 + 16 * (2 * mp + gb) + 8 * odd + 4 * (q >> 1);
       if (kMode >= 3) {
-        if (row_a >= 0) dsa_store_row4<kMode>(contrib + ((row0 + slot) * ld + col) * kBytes, va[mp], sa.x);
-        if (row_b >= 0) dsa_store_row4<kMode>(contrib + ((row0 + slot + 1) * ld + col) * kBytes, vb[mp], sb.x);
+        if (row_a >= 0) dsa_store_row4<kMode>(st_a + 32 * mp * kBytes, va[mp], sa.x);
+        if (row_b >= 0) dsa_store_row4<kMode>(st_b + 32 * mp * kBytes, vb[mp], sb.x);
         continue;
       }
-      if (row_a >= 0) dsa_red4<kMode>(dkv, (long long)row_a * ld + col, va[mp], policy);
-      if (row_b >= 0) dsa_red4<kMode>(dkv, (long long)row_b * ld + col, vb[mp], policy);
+      dsa_red4<kMode>(red_a + 32 * mp, va[mp], policy, row_a >= 0);
+      dsa_red4<kMode>(red_b + 32 * mp, vb[mp], policy, row_b >= 0);
     }
   }
 }
@@ -879,7 +898,7 @@ def ws_supported(dqk: int, dv: int) -> bool:
 
 
 def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, emit_probs=False, l2_keep=False,
-             det_out=None, pair=False, skip_tail=False, wg0_chunks=0, auto_sync=True):
+             det_out=None, pair=False, skip_tail=False, wg0_chunks=0, fast_exp2=False, auto_sync=True):
     """Main backward program, warp-specialised (256 threads, one CTA per query row and 64 heads).
 
     Warpgroup 0 gathers the selected kv rows (predicated cp.async, invalid slots zero-filled),
@@ -915,6 +934,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     itself, in its S and dP accumulators once P and dS are stored, so that the two warpgroups' work per block
     is even (warpgroup 1's chunk loop is the CTA's chain; warpgroup 0 otherwise waits for it at the P/dS
     buffer).
+    ``fast_exp2``: P's exponentials as ex2.approx.ftz (``kernels.fast_exp2``: one MUFU.EX2 each instead of
+    exp2f's three extra instructions; 0 instead of a denormal below 2^-126).
     ``auto_sync`` is not read here: the factory that compiles the program (``_jit_factories``: "ws" or
     "ws_nosync") sets whether TileLang adds its automatic syncs; as an argument it keeps the two apart in the
     caches."""
@@ -1098,7 +1119,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                     for i, r in T.Parallel(BH, BK):
                         acc_s[i, r] = T.if_then_else(
                             (valid_s[r] != 0) if prefetch else (Idx[t, kb * BK + r] >= 0),
-                            T.exp2(acc_s[i, r] * scale_log2 - lse_s[i]), 0.0)
+                            ex2_ftz(T, acc_s[i, r] * scale_log2 - lse_s[i]) if fast_exp2
+                            else T.exp2(acc_s[i, r] * scale_log2 - lse_s[i]), 0.0)
                     if emit_probs:
                         # sum of P over this CTA's heads, per slot (fp32, before P is rounded)
                         T.reduce_sum(acc_s, psum_f, dim=0, clear=True)
@@ -1270,6 +1292,7 @@ def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tu
                       cfg["ws_dq_rs"], bool(emit_probs), cfg["l2_keep"] and not deterministic,
                       _WS_DET_OUT[cfg["det_mode"]] if deterministic else None, pair, cfg["skip_tail"],
                       cfg["ws_wg0_chunks"],  # 0 wherever ws_pair is asked for (_normalise_config)
+                      cfg["fast_exp2"],
                       # the head-summed P's cross-warp sums and the pair's exchange need TileLang's syncs
                       cfg["ws_auto_sync"] or bool(emit_probs) or pair)
     return "main", _main_args(cfg, deterministic, emit_probs)
