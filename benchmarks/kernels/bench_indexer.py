@@ -1,6 +1,10 @@
 """Scratch driver: timings of the TileLang indexer top-k and radix top-k on one GPU.
 
     python benchmarks/kernels/bench_indexer.py [--out DIR] [--quick] [--sweep] [--fp8]
+    python benchmarks/kernels/bench_indexer.py --variants '[{"relu_max": false}]' [--rounds 2]
+
+--variants times each compile-time override of the shipped configuration beside the default in turn (T 8K and
+32K, Hi 64 and 32, Di 128, bf16 and fp8), ``--rounds`` times, with the sets checked against the default's.
 
 --fp8 adds the fp8 (e4m3, per-key scales) indexer at the same shapes, and with --sweep its
 candidate configurations.
@@ -11,6 +15,7 @@ FLOPs of the indexer: 2 * Hi * Di per valid (causal) query-key pair, top-k time 
 
 import argparse
 import csv
+import json
 import os
 import sys
 import time
@@ -172,6 +177,8 @@ def main():
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--decode", action="store_true", help="only the generation-step (decode) cases")
+    ap.add_argument("--variants", default=None, help="JSON list of overrides of the shipped configuration")
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     print("GPU:", torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
 
@@ -199,6 +206,19 @@ def main():
     ]
     if not (args.sweep and args.fp8):
         fp8_sweep = []
+    if args.variants:
+        cases = [(8192, 64, False), (8192, 32, False), (32768, 64, False), (8192, 64, True)]
+        variants = [{}] + json.loads(args.variants)
+        with ThreadPoolExecutor(8) as ex:  # compile every program first, side by side
+            for f in [ex.submit(K.build_indexer, {**K.default_config(h, 128, f8), **v})
+                      for _, h, f8 in cases for v in variants]:
+                f.result()
+        for T_, hi_, f8 in cases:
+            for _ in range(args.rounds):
+                for v in variants:
+                    bench_indexer(T_, hi_, 128, 2048, config={**K.default_config(hi_, 128, f8), **v} if v else None,
+                                  fp8=f8)
+        return
     t0 = time.time()
     cfgs = list(K.SHIPPED_CONFIGS) + (sweep if args.sweep and not args.fp8 else []) + fp8_sweep
     with ThreadPoolExecutor(8) as ex:

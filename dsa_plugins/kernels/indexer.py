@@ -39,6 +39,9 @@ epilogue of one key block under the MMA of the next (``T.wgmma_gemm``, the stage
 store waits) 1.083 / 16.61. (Carrying the overlap across loop iterations
 makes ptxas inject a ``warpgroup.wait`` before the epilogue, C7517.)
 
+The relu is one ``max.NaN`` (``relu_max``, default): a NaN score stays NaN, as with the compare and select it
+replaced, at one instruction per score instead of two (scores 1.04-1.08x faster on an H100).
+
 TileLang is imported lazily so that this module imports without TileLang or a GPU.
 
 Size: one file for the family: the score and plan programs, their configurations (prefill and
@@ -80,7 +83,17 @@ SHIPPED_CONFIGS: list = PREFILL_CONFIGS + DECODE_CONFIGS
 #: Default chunk buffer budget (bytes of fp32 scores held at once).
 DEFAULT_MAX_CHUNK_BYTES = 1 << 30
 
-_CFG_KEYS = ("heads", "dim", "block_q", "block_k", "threads", "num_stages", "ws", "split_n", "fp8")
+_CFG_KEYS = ("heads", "dim", "block_q", "block_k", "threads", "num_stages", "ws", "split_n", "fp8", "relu_max")
+
+# relu as one max.NaN (sm_80+: NaN in, NaN out; a negative score or -0.0 gives +0.0), where a compare and a select
+# per score were needed to keep a NaN score NaN (fmaxf would turn it into 0)
+_RELU_PRELUDE = r"""
+__device__ __forceinline__ float dsa_relu_keep_nan(float x) {
+  float y;
+  asm("max.NaN.f32 %0, %1, 0f00000000;" : "=f"(y) : "f"(x));
+  return y;
+}
+"""
 
 
 def default_config(heads: int, dim: int, fp8: bool = False, rows: int | None = None) -> dict:
@@ -113,7 +126,7 @@ def _factory():
     @tilelang.jit
     def indexer_scores(
         heads: int, dim: int, block_q: int, block_k: int, threads: int, num_stages: int, split_n: bool = False,
-        fp8: bool = False,
+        fp8: bool = False, relu_max: bool = False,
     ):
         # split_n: the warpgroups split the (query, head) columns instead of the key rows;
         # each warpgroup must then hold whole queries (all heads of a query).
@@ -144,7 +157,7 @@ def _factory():
             # blocks (each key block's tile is written by one CTA, so the splits need no merge).
             # Score columns are relative to the block's first key block (BlkLo): a row's buffer holds
             # its block's key range only, whatever the rows beside it see.
-            with T.Kernel(nqb, splits, threads=threads) as (bx, by):
+            with T.Kernel(nqb, splits, threads=threads, prelude=_RELU_PRELUDE if relu_max else None) as (bx, by):
                 q_s = T.alloc_shared([block_q * heads, dim], dtype)
                 k_s = T.alloc_shared([block_k, dim], dtype)
                 s = T.alloc_fragment([block_k, block_q * heads], acc)
@@ -171,7 +184,10 @@ def _factory():
                     T.gemm(k_s, q_s, s, transpose_B=True, clear_accum=True, policy=policy)
                     for a, b, h in T.Parallel(block_k, block_q, heads):
                         # not T.max(s, 0): fmaxf would turn a NaN score into 0
-                        s3[a, b, h] = T.if_then_else(s3[a, b, h] < 0.0, 0.0, s3[a, b, h]) * w_f[b, h]
+                        if relu_max:
+                            s3[a, b, h] = T.call_extern(acc, "dsa_relu_keep_nan", s3[a, b, h]) * w_f[b, h]
+                        else:
+                            s3[a, b, h] = T.if_then_else(s3[a, b, h] < 0.0, 0.0, s3[a, b, h]) * w_f[b, h]
                     T.reduce_sum(s3, red, dim=-1, clear=True)
                     for b, a in T.Parallel(block_q, block_k):
                         out_s[b, a] = red[a, b] * ks_s[a] if fp8 else red[a, b]
@@ -375,7 +391,11 @@ def _norm_config(config: dict) -> tuple:
         cfg = {**default_config(cfg["heads"], cfg["dim"], bool(cfg.get("fp8", False))), **cfg}
     cfg.setdefault("split_n", False)
     cfg.setdefault("fp8", False)
-    return tuple((k, (bool(cfg[k]) if k in ("ws", "split_n", "fp8") else int(cfg[k]))) for k in _CFG_KEYS)
+    # relu_max: the relu as one max.NaN (_RELU_PRELUDE) instead of a compare and a select per score: the consumers'
+    # loop 687 -> 559 instructions (Hi 64, sm_90a SASS); H100, same process, the same sets: scores 1.04-1.06x bf16
+    # and 1.08x fp8 at T 8K, indexer + top-k 1.02-1.04x bf16, 1.07x fp8
+    cfg.setdefault("relu_max", True)
+    return tuple((k, (bool(cfg[k]) if k in ("ws", "split_n", "fp8", "relu_max") else int(cfg[k]))) for k in _CFG_KEYS)
 
 
 _BUILD_LOCK = threading.Lock()
