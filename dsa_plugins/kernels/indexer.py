@@ -394,7 +394,7 @@ def _norm_config(config: dict) -> tuple:
     # relu_max: the relu as one max.NaN (_RELU_PRELUDE) instead of a compare and a select per score: the consumers'
     # loop 687 -> 559 instructions (Hi 64, sm_90a SASS); H100, same process, the same sets: scores 1.04-1.06x bf16
     # and 1.08x fp8 at T 8K, indexer + top-k 1.02-1.04x bf16, 1.07x fp8
-    cfg.setdefault("relu_max", True)
+    cfg["relu_max"] = True if cfg.get("relu_max") is None else cfg["relu_max"]
     return tuple((k, (bool(cfg[k]) if k in ("ws", "split_n", "fp8", "relu_max") else int(cfg[k]))) for k in _CFG_KEYS)
 
 

@@ -179,15 +179,15 @@ def _normalise_config(config: dict) -> dict:
     elif not 0 <= int(n0) <= min(3, n_chunks - 1):
         raise ValueError(f"ws_wg0_chunks must be 0..{min(3, n_chunks - 1)} (dkv chunks: {n_chunks}), got {n0}")
     cfg["ws_wg0_chunks"] = int(n0)
-    # ws_auto_sync: TileLang's automatic thread-storage syncs in the ws program. False drops warpgroup 0's ten
-    # barriers per block (its own named barriers already order them; the head-summed P and the pair keep them):
-    # the same bits (GPU test), but only 0.3-2.5% faster in an interleaved A/B on an H100 (B1 S4096 Skv8192, two
-    # rounds; single rounds moved by up to 15% either way): on, until a steadier measurement says otherwise
     # fast_exp2: the ws program's P = 2^x as one MUFU.EX2 (kernels.fast_exp2); the plain program keeps exp2f.
     # H100, B1 S4096 Skv8192, with the reductions' row addresses (dsa_red_tile), against neither: MLA H64 1.04x,
     # H128 1.03x, V4 H128 1.05x, V4 H64 1.03x
     fast = cfg.get("fast_exp2")
     cfg["fast_exp2"] = True if fast is None else bool(fast)
+    # ws_auto_sync: TileLang's automatic thread-storage syncs in the ws program. False drops warpgroup 0's ten
+    # barriers per block (its own named barriers already order them; the head-summed P and the pair keep them):
+    # the same bits (GPU test), but only 0.3-2.5% faster in an interleaved A/B on an H100 (B1 S4096 Skv8192, two
+    # rounds; single rounds moved by up to 15% either way): on, until a steadier measurement says otherwise
     auto_sync = cfg.get("ws_auto_sync")
     cfg["ws_auto_sync"] = True if auto_sync is None else bool(auto_sync)
     if cfg["schedule"] == "ws" and not ws_ok:

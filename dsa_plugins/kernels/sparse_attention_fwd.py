@@ -328,7 +328,7 @@ def _normalise_config(config: dict) -> dict:
                          f"{cfg['persistent_ctas']} with {cfg['schedule']!r}, partial={cfg['partial']}")
     cfg["tma_io"] = bool(cfg["tma_io"]) and not cfg["partial"] and not cfg["persistent_ctas"]
     cfg["auto_sync"] = cfg["schedule"] != "seesaw" if cfg["auto_sync"] is None else bool(cfg["auto_sync"])
-    cfg["fast_exp2"] = bool(cfg["fast_exp2"])
+    cfg["fast_exp2"] = True if cfg["fast_exp2"] is None else bool(cfg["fast_exp2"])
     if not cfg["auto_sync"] and cfg["schedule"] != "seesaw":
         raise ValueError(f"auto_sync=False is verified for the seesaw schedule only (its barriers order its shared "
                          f"memory), got schedule {cfg['schedule']!r}")
