@@ -72,6 +72,8 @@ def _src(compiled, key):
 def test_indexer_configs_compile(compiled, i):
     src = _src(compiled, ("indexer", i))
     assert "wgmma" in src  # the score GEMM runs on Hopper tensor cores
+    # the relu as one max.NaN (relu_max, the default): a NaN score stays NaN without a compare and a select
+    assert "dsa_relu_keep_nan(" in src and "max.NaN.f32" in src
     if K.SHIPPED_CONFIGS[i].get("fp8"):
         assert "kFloat8_e4m3" in src and "KScale" in src
 
@@ -178,3 +180,11 @@ def test_plan_chunks_budget_and_cover():
         assert wb == max(0, int((hi[a:b].astype(np.int64) - lo[a:b]).max()))
 
 
+
+
+@pytest.mark.slow
+def test_indexer_relu_as_compare_and_select_compiles():
+    """relu_max=False (the compare and select the max.NaN replaced) still compiles, without the prelude's max."""
+    _need_toolchain()
+    src = K.build_indexer({**K.PREFILL_CONFIGS[0], "relu_max": False}, target=SM90).get_kernel_source()
+    assert "wgmma" in src and "dsa_relu_keep_nan" not in src

@@ -73,6 +73,8 @@ def test_shipped_config_compiles_for_sm90a(config, caplog):
     # the warp-specialised program: two warpgroups handing P / dS over named barriers, dkv sent as
     # full-line v4 reductions from the accumulators
     assert "dsa_red_tile<0>(" in src and "__named_barrier_arrive" in src and "AtomicAdd" not in src
+    # P = 2^x as one ex2.approx.ftz (fast_exp2); each reduction predicated inside its asm, no branch around it
+    assert "dsa_ex2_ftz(" in src and "exp2f(" not in src and "@q red.global.add.v4.f32" in src
     for name in ("main_det", "main_det_probs"):
         # deterministic: each slot's contribution stored as int16 rows (mode 5), no reduction of any kind
         det = progs[name].get_kernel_source()

@@ -49,6 +49,8 @@ def test_shipped_config_compiles_for_sm90a(config, caplog):
     # Q in by TMA (evict_first: read once) and the output out by TMA stores, waited for before exit
     assert "tma_load<tl::CacheHintSm90::EVICT_FIRST>(Q_desc" in src and "tma_store(Output_desc" in src
     assert "tma_store_wait" in src
+    # the softmax's exponentials as one ex2.approx.ftz each (fast_exp2, the default)
+    assert "dsa_ex2_ftz(" in src and "ex2.approx.ftz.f32" in src
     # dynamic shapes: lengths, heads and K are kernel parameters, the scale a runtime scalar
     for name in ("seqlen", "seqlen_kv", "heads", "topk_padded", "scale"):
         assert name in src, f"{name} is not a runtime parameter"
@@ -66,9 +68,10 @@ def test_shipped_config_compiles_for_sm90a(config, caplog):
 @pytest.mark.parametrize("variant", [{"schedule": "seesaw"}, {"schedule": "seesaw", "has_sink": True, "dim_qk": 512},
                                      {"load_hint": "l2_256_keep"},
                                      {"persistent_ctas": 132, "has_sink": True, "dim_qk": 512},
-                                     {"tma_io": False}, {"tma_io": False, "has_sink": True, "dim_qk": 512}],
+                                     {"tma_io": False}, {"tma_io": False, "has_sink": True, "dim_qk": 512},
+                                     {"fast_exp2": False}],
                          ids=["seesaw-576", "seesaw-512-sink", "l2_keep", "persistent-512-sink", "thread_io-576",
-                              "thread_io-512-sink"])
+                              "thread_io-512-sink", "exp2f-576"])
 def test_forward_variants_compile_for_sm90a(variant):
     """The opt-in variants (the seesaw schedule, the gather hints, the persistent grid, TMA for Q and the
     output off) compile for sm_90a."""
@@ -77,6 +80,8 @@ def test_forward_variants_compile_for_sm90a(variant):
     assert "wgmma" in src
     if "load_hint" in variant:
         assert "dsa_cp_async16<2>" in src and "evict_last" in src
+    if "fast_exp2" in variant:  # the softmax back on exp2f (denormal results kept)
+        assert "dsa_ex2_ftz" not in src and "exp2f(" in src
     if "persistent_ctas" in variant:  # a row-block loop whose barrier phases run on across blocks
         assert "* 132) + ((int)blockIdx.x)" in src and "(base" in src
     if variant.get("tma_io") is False:  # Q and the output copied by the threads, no TMA
