@@ -219,14 +219,13 @@ def main():
         # with --shapes: only what those shapes' runs need (the default, which every run is compared with, and each
         # variant); else also every GPU test configuration
         cfgs = [] if args.shapes else [(c, True) for c in _test_configs()]
-        if args.shapes:
-            unknown = set(args.shapes.split(",")) - {s[0] for s in SHAPES}
-            if unknown:
-                sys.exit(f"unknown shapes {sorted(unknown)}; known: {[s[0] for s in SHAPES]}")
+        wanted = set(args.shapes.split(",")) if args.shapes else None
+        if wanted and wanted - {s[0] for s in SHAPES}:
+            sys.exit(f"unknown shapes {sorted(wanted - {s[0] for s in SHAPES})}; known: {[s[0] for s in SHAPES]}")
         for _, B, S, Skv, H, Dqk, Dv, K, sink in SHAPES:
-            if args.shapes and _ not in args.shapes.split(","):
+            if wanted and _ not in wanted:
                 continue
-            if args.shapes:
+            if wanted:
                 cfgs.append(({"heads": H, "dqk": Dqk, "dv": Dv, "has_sink": sink, "dtype": "bfloat16"}, args.det))
             for var in variants:
                 if var.get("only") and var["only"] != _:

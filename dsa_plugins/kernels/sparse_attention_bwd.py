@@ -64,8 +64,7 @@ from ..common.settings import deterministic_mode, warn_once
 from ..common.validation import output_buffer
 from . import compiled_once, target_key, zeros_arg
 from .cluster import CLUSTER_PRELUDE
-from .fast_exp2 import PRELUDE as EX2_FTZ_PRELUDE
-from .fast_exp2 import ex2_ftz
+from . import fast_exp2 as _ex2
 from .row_scan import ROW_SCAN_PRELUDE
 from .contrib_reduce import DET_BUDGET_BYTES, build_reduce, keys_last_invalid, slot_order_async
 
@@ -594,7 +593,7 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
 # q and q ^ 1 trade pairs so each holds 4 consecutive columns, then lanes g and g ^ 1 (rows r and
 # r + 1) trade float4s so that 8 lanes cover one row's 128-byte line: a warp's reduction touches
 # 4 whole lines (the v2 reductions straight from the layout touch 8 rows x 32 bytes).
-_WS_PRELUDE = CLUSTER_PRELUDE + ROW_SCAN_PRELUDE + EX2_FTZ_PRELUDE + r"""
+_WS_PRELUDE = CLUSTER_PRELUDE + ROW_SCAN_PRELUDE + _ex2.PRELUDE + r"""
 // kMode 0: red.v4.f32; 1: the same with an L2 evict_last policy; 2: fixed point (deterministic mode):
 // each value times the power of two `fix` is rounded to a 64-bit integer and added to `sums` with
 // red.add.u64 (integer addition is associative: the sums do not depend on the order the CTAs reach
@@ -1119,8 +1118,7 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                     for i, r in T.Parallel(BH, BK):
                         acc_s[i, r] = T.if_then_else(
                             (valid_s[r] != 0) if prefetch else (Idx[t, kb * BK + r] >= 0),
-                            ex2_ftz(T, acc_s[i, r] * scale_log2 - lse_s[i]) if fast_exp2
-                            else T.exp2(acc_s[i, r] * scale_log2 - lse_s[i]), 0.0)
+                            _ex2.exp2(T, acc_s[i, r] * scale_log2 - lse_s[i], fast_exp2), 0.0)
                     if emit_probs:
                         # sum of P over this CTA's heads, per slot (fp32, before P is rounded)
                         T.reduce_sum(acc_s, psum_f, dim=0, clear=True)

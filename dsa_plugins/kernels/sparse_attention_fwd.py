@@ -56,8 +56,7 @@ from ..common.indices import as_int32
 from ..common.validation import check_scale, check_tensor, output_buffer
 from . import compiled_once, zeros_arg
 from .cluster import CLUSTER_PRELUDE
-from .fast_exp2 import PRELUDE as EX2_FTZ_PRELUDE
-from .fast_exp2 import ex2_ftz
+from . import fast_exp2 as _ex2
 from .row_scan import row_blocks_cuda
 
 __all__ = [
@@ -389,7 +388,7 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
 
     def exp2(x):
         # the main loop's exponentials (see DEFAULT_CONFIG["fast_exp2"]); the epilogue keeps exp2f
-        return ex2_ftz(T, x) if fast_exp2 else T.exp2(x)
+        return _ex2.exp2(T, x, fast_exp2)
 
     def cp16(dst, src, ok):
         # a plain function, not a macro: a macro would bind the pointers to (non-const) variables
@@ -920,7 +919,7 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
 
     n_blk = 2 if split else 1
     prelude = "".join(([_FWD_PRELUDE] if hint else []) + ([_CLUSTER_PRELUDE] if cluster_parts else [])
-                      + ([EX2_FTZ_PRELUDE] if fast_exp2 else [])) or None
+                      + ([_ex2.PRELUDE] if fast_exp2 else [])) or None
     cluster_dims = (1, cluster_parts, 1) if cluster_parts else _CLUSTER_DIMS[cluster]
     grid = (persistent_ctas, 1, 1) if persistent_ctas else (T.ceildiv(H, HB), SO, B)
 

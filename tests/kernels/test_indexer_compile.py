@@ -180,8 +180,6 @@ def test_plan_chunks_budget_and_cover():
         assert wb == max(0, int((hi[a:b].astype(np.int64) - lo[a:b]).max()))
 
 
-
-
 @pytest.mark.slow
 def test_indexer_relu_as_compare_and_select_compiles():
     """relu_max=False (the compare and select the max.NaN replaced) still compiles, without the prelude's max."""
