@@ -78,12 +78,13 @@ def slot_order_async(idx: Tensor, n_rows: int, kp: int, nhb: int):
     return ready
 
 
-def reduce_body(dqk, nhb, contrib_dtype="float32", warps=4):
+def reduce_body(dqk, nhb, contrib_dtype="float32", block=8, warps=4):
     """dKV[n] += sum of the contribution rows of kv row n, in a fixed order: Rows[RowPtr[n]:RowPtr[n + 1]]
     are the rows (of head block 0; block hb is kp rows further) of the slots naming n, sorted.
     ``contrib_dtype``: the contribution buffer's ("float32"; "bfloat16" for "contrib_bf16"; "int16" for
     "contrib_i16", each value times the power of two whose exponent field is its block's byte in Exps:
-    exact); the sums are fp32.
+    exact); the sums are fp32. ``block``: values per exponent byte, 8 (columns x..x+3 and x+32..x+35 of each
+    64-column chunk, x a multiple of 4 below 32) or 4 (columns x..x+3: the rows of the ws program's pairs).
 
     One CTA per kv row. Warp w sums the row's sorted slots w, w + warps, ... in turn (its lanes read
     each contribution row as coalesced runs of 8 bytes a lane: 64 fp32 or 128 bf16 columns, so
@@ -109,7 +110,7 @@ def reduce_body(dqk, nhb, contrib_dtype="float32", warps=4):
     @T.prim_func
     def dsa_bwd_reduce(
         Contrib: T.Tensor([M, dqk], getattr(T, contrib_dtype)),
-        Exps: T.Tensor([M, dqk // 8] if scaled else [1], T.uint8),
+        Exps: T.Tensor([M, dqk // block] if scaled else [1], T.uint8),
         Rows: T.Tensor([L], i32),
         RowPtr: T.Tensor([N1], i32),
         dKV: T.Tensor([N, dqk], f32),
@@ -132,9 +133,14 @@ def reduce_body(dqk, nhb, contrib_dtype="float32", warps=4):
                         for r in T.unroll(runs):
                             if scaled:  # the lane's 4 columns lie in one block: 64-column chunk, 4-column group
                                 col = r * width + lane * vec
-                                blk = T.min(col // 64 * 8 + col % 32 // 4, dqk // 8 - 1)
-                                sc = T.alloc_var(f32, init=T.reinterpret(
-                                    T.shift_left(T.cast(Exps[base + hb * kp, blk], T.uint32), T.uint32(23)), f32))
+                                blk = (T.min(col // 64 * 8 + col % 32 // 4, dqk // 8 - 1) if block == 8
+                                       else T.min(col // 4, dqk // 4 - 1))
+                                # exponent byte 255 (a block that held a value that is not finite): NaN, so
+                                # that its sum is NaN whatever the block's stored values
+                                ex = T.alloc_var(T.uint32, init=T.cast(Exps[base + hb * kp, blk], T.uint32))
+                                sc = T.alloc_var(f32, init=T.reinterpret(T.bitwise_or(
+                                    T.shift_left(ex, T.uint32(23)),
+                                    T.if_then_else(ex == T.uint32(255), T.uint32(0x400000), T.uint32(0))), f32))
                                 for c in T.vectorized(vec):
                                     if whole or r * width + lane * vec + c < dqk:
                                         acc[r * vec + c] += T.cast(Contrib[base + hb * kp, r * width + lane * vec + c],
@@ -164,12 +170,15 @@ _COMPILED: dict = {}
 _LOCK = threading.Lock()
 
 
-def build_reduce(dqk: int, nhb: int, contrib_dtype: str = "float32", target="auto"):
+def build_reduce(dqk: int, nhb: int, contrib_dtype: str = "float32", block: int = 8, target="auto"):
     """The compiled reduce program (:func:`reduce_body`) for rows of ``dqk`` columns, ``nhb`` contribution
-    rows per slot and ``contrib_dtype`` ("float32", "bfloat16" or "int16"); cached per process."""
+    rows per slot, ``contrib_dtype`` ("float32", "bfloat16" or "int16") and ``block`` values per exponent byte
+    (int16); cached per process."""
     import tilelang
 
-    key = (target_key(target), int(dqk), int(nhb), str(contrib_dtype))
+    if block not in (4, 8):
+        raise ValueError(f"block must be 4 or 8 values per exponent byte, got {block}")
+    key = (target_key(target), int(dqk), int(nhb), str(contrib_dtype), int(block))
 
     def build():
         prog = tilelang.jit(target=target)(reduce_body)(*key[1:])

@@ -98,8 +98,10 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
 
 _TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep",
                 "schedule", "ws_prefetch", "ws_dq_rs", "ws_pair", "ws_wg0_chunks", "ws_auto_sync", "det_mode",
-                "fast_exp2")
+                "fast_exp2", "det_store_pred", "det_pair")
 _DET_MODES = ("contrib", "contrib_ws", "contrib_bf16", "contrib_i16", "fixed")
+# the modes whose contribution rows the ws program stores
+_CONTRIB_WS_MODES = ("contrib_ws", "contrib_bf16", "contrib_i16")
 # the contribution modes whose rows are not fp32 (the same names as the ws program's det_out)
 _CONTRIB_DTYPES = {"contrib_bf16": "bfloat16", "contrib_i16": "int16"}
 _SCHEDULES = ("ws", "plain")
@@ -183,6 +185,18 @@ def _normalise_config(config: dict) -> dict:
     # H128 1.03x, V4 H128 1.05x, V4 H64 1.03x
     fast = cfg.get("fast_exp2")
     cfg["fast_exp2"] = True if fast is None else bool(fast)
+    # det_store_pred: the ws program's contribution stores predicated inside their asm, no branch (see _ws_body).
+    # On for D512 only. H100, B1 S4096 Skv8192, "contrib_i16": V4 H128 k1024 12.10 / 12.11 ms against 12.50 / 12.58
+    # without, V4 H64 k512 3.60 / 3.60 against 3.67 / 3.70 (one process, two rounds); at 576/512 slower (MLA H64 /
+    # H128 1.79 / 1.85x the atomic time against 1.77 / 1.78x, another run: its spills grow from 68 to 92 bytes)
+    pred = cfg.get("det_store_pred")
+    cfg["det_store_pred"] = bool(cfg["dqk"] == cfg["dv"] if pred is None else pred)
+    # det_pair: the ws program's contribution modes with the two head blocks of a query row summed in a 2-CTA
+    # cluster before storing (the exchange of ws_pair): one contribution row per slot of the pair, half the bytes
+    # to store and to reduce. Where ws_pair can run (an even number of head blocks, dqk == dv)
+    dp = cfg.get("det_pair")
+    cfg["det_pair"] = (bool(True if dp is None else dp) and cfg["schedule"] == "ws"
+                       and ws_pair_supported(cfg["heads"], cfg["dqk"], cfg["dv"]))
     # ws_auto_sync: TileLang's automatic thread-storage syncs in the ws program. False drops warpgroup 0's ten
     # barriers per block (its own named barriers already order them; the head-summed P and the pair keep them):
     # the same bits (GPU test), but only 0.3-2.5% faster in an interleaved A/B on an H100 (B1 S4096 Skv8192, two
@@ -657,8 +671,8 @@ __device__ __forceinline__ void dsa_red4(float* p, float4 v, unsigned long long 
 // x = 16 gb + 8 odd + 4 (q >> 1)) share a power of two chosen from their largest magnitude m (values times
 // 2^(14 - e), m < 2^e, rounded: |int| <= 2^14, a step of 2^-14..2^-13 of m), and the byte
 // exps[row, col0 / 8 + x / 4] gets the exponent field of its inverse 2^(e - 14) (255 where a value is not
-// finite: the reduce reads it as inf, times the stored zeros: NaN). Each lane's block is its own, so no
-// shuffles delay the stores.
+// finite: the reduce reads it as NaN, so the row's sum is NaN whatever was stored). Each lane's block is its own,
+// so no shuffles delay the stores.
 __device__ __forceinline__ unsigned int dsa_bf16x2(float lo, float hi) {
   unsigned int r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -679,20 +693,33 @@ __device__ __forceinline__ unsigned int dsa_absmax4_bits(float4 v) {
              max(__float_as_uint(v.z) & 0x7fffffffu, __float_as_uint(v.w) & 0x7fffffffu));
 }
 
-template <int kMode>
-__device__ __forceinline__ void dsa_store_row4(void* dst, float4 v, float scale) {
-  if (kMode == 3) {
-    __stcs(reinterpret_cast<float4*>(dst), v);
-  } else {
-    uint2 packed;
-    if (kMode == 4) {
-      packed = make_uint2(dsa_bf16x2(v.x, v.y), dsa_bf16x2(v.z, v.w));
+// a contribution row's 4 values at dst where ok. kPred: the predicate inside the store's asm and no guard on the
+// scale (no branch: a block that is not finite has scale 0 and stores whatever 0 * v rounds to, which the
+// reduce ignores, as its exponent byte 255 reads back as NaN); else a branch around a plain streaming store and
+// zeros for such a block.
+template <int kMode, bool kPred>
+__device__ __forceinline__ void dsa_store_row4(void* dst, float4 v, float scale, bool ok) {
+  if (kPred) {
+    if (kMode == 3) {
+      asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %5, 0;\n\t"
+                   "@q st.global.cs.v4.f32 [%0], {%1, %2, %3, %4};\n\t}"
+                   :: "l"(dst), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(static_cast<int>(ok)) : "memory");
     } else {
-      // a block with a value that is not finite stores zeros (its scale is 0, but NaN * 0 is NaN): its
-      // exponent byte 255 reads back as inf, and 0 * inf makes the sum NaN
-      packed = scale == 0.0f ? make_uint2(0u, 0u) : make_uint2(dsa_i16x2(v.x, v.y, scale), dsa_i16x2(v.z, v.w, scale));
+      const unsigned a = kMode == 4 ? dsa_bf16x2(v.x, v.y) : dsa_i16x2(v.x, v.y, scale);
+      const unsigned b = kMode == 4 ? dsa_bf16x2(v.z, v.w) : dsa_i16x2(v.z, v.w, scale);
+      asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %3, 0;\n\t"
+                   "@q st.global.cs.v2.b32 [%0], {%1, %2};\n\t}"
+                   :: "l"(dst), "r"(a), "r"(b), "r"(static_cast<int>(ok)) : "memory");
     }
-    __stcs(reinterpret_cast<uint2*>(dst), packed);
+  } else if (ok) {
+    if (kMode == 3) {
+      __stcs(reinterpret_cast<float4*>(dst), v);
+    } else {
+      const uint2 packed = kMode == 4 ? make_uint2(dsa_bf16x2(v.x, v.y), dsa_bf16x2(v.z, v.w))
+                           : scale == 0.0f ? make_uint2(0u, 0u)
+                                           : make_uint2(dsa_i16x2(v.x, v.y, scale), dsa_i16x2(v.z, v.w, scale));
+      __stcs(reinterpret_cast<uint2*>(dst), packed);
+    }
   }
 }
 
@@ -708,11 +735,13 @@ __device__ __forceinline__ float2 dsa_i16_scale(unsigned int m) {
 // Sends a wgmma accumulator tile [64 slots, 16 kGroups columns] (a warpgroup's registers: acc[8 m + ...] holds
 // columns 16 m .. 16 m + 15 of rows g and g + 8 of its warp's 16) to dkv rows rows[slot] (< 0: nothing) at column
 // col0: kGroups 4 is a whole 64-column chunk, 2 the half a CTA of a pair reduces (dsa_pair_finish).
-template <int kMode, int kGroups = 4>
+// kPredStores (the contribution modes): see dsa_store_row4. In kMode 5 a half tile's block is the 4 values a lane
+// holds of a row (columns x..x+3, x = col0 + 16 gb + 8 odd + 4 (q >> 1)): exps[row, x / 4], ld / 4 bytes a row.
+template <int kMode, int kGroups = 4, bool kPredStores = false>
 __device__ __forceinline__ void dsa_red_tile(const float* acc, void* dkv_raw, const int* row_slots, int slot0, int ld,
                                              int col0, int64_t* sums, void* scales_raw, long long row0) {
   const int* rows = row_slots + slot0;  // the tile's first slot (an offset, not an indexed address: no bounds test)
-  static_assert(kGroups == 4 || (kGroups == 2 && kMode <= 1), "half tiles: the atomic modes only");
+  static_assert(kGroups == 4 || (kGroups == 2 && kMode != 2), "half tiles: not the fixed-point mode");
   float* dkv = static_cast<float*>(dkv_raw);
   const float* scales = static_cast<const float*>(scales_raw);  // kMode 2: the power of two and the limit
   unsigned char* exps = static_cast<unsigned char*>(scales_raw);  // kMode 5: the blocks' exponent bytes
@@ -752,12 +781,17 @@ __device__ __forceinline__ void dsa_red_tile(const float* acc, void* dkv_raw, co
       vb[mp] = gb ? y : r;
     }
     float2 sa = make_float2(1.0f, 1.0f), sb = sa;
-    if (kMode == 5) {  // this lane's 8 values of each row: one block
-      sa = dsa_i16_scale(max(dsa_absmax4_bits(va[0]), dsa_absmax4_bits(va[1])));
-      sb = dsa_i16_scale(max(dsa_absmax4_bits(vb[0]), dsa_absmax4_bits(vb[1])));
-      const int blk = col0 / 8 + 4 * gb + 2 * odd + (q >> 1);
-      if (row_a >= 0) exps[(row0 + slot) * (ld / 8) + blk] = static_cast<unsigned char>(__float_as_uint(sa.y) >> 23);
-      if (row_b >= 0) exps[(row0 + slot + 1) * (ld / 8) + blk] = static_cast<unsigned char>(__float_as_uint(sb.y) >> 23);
+    if (kMode == 5) {  // this lane's values of each row (8 in a whole tile, 4 in a half): one block
+      const unsigned ma = kGroups == 4 ? max(dsa_absmax4_bits(va[0]), dsa_absmax4_bits(va[kGroups / 2 - 1]))
+                                       : dsa_absmax4_bits(va[0]);
+      const unsigned mb = kGroups == 4 ? max(dsa_absmax4_bits(vb[0]), dsa_absmax4_bits(vb[kGroups / 2 - 1]))
+                                       : dsa_absmax4_bits(vb[0]);
+      sa = dsa_i16_scale(ma);
+      sb = dsa_i16_scale(mb);
+      constexpr int kBlock = kGroups == 4 ? 8 : 4;  // values per block
+      const int blk = (kGroups == 4 ? col0 / 8 : col0 / 4) + 4 * gb + 2 * odd + (q >> 1);
+      if (row_a >= 0) exps[(row0 + slot) * (ld / kBlock) + blk] = static_cast<unsigned char>(__float_as_uint(sa.y) >> 23);
+      if (row_b >= 0) exps[(row0 + slot + 1) * (ld / kBlock) + blk] = static_cast<unsigned char>(__float_as_uint(sb.y) >> 23);
     }
     // each row's address once per half: the columns of pair mp are 32 mp further (an immediate offset). Computing
     // every address from the row index made ptxas re-derive the lane's column from its bits, ~10 instructions per
@@ -776,8 +810,8 @@ __device__ __forceinline__ void dsa_red_tile(const float* acc, void* dkv_raw, co
         continue;
       }
       if (kMode >= 3) {
-        if (row_a >= 0) dsa_store_row4<kMode>(st_a + 32 * mp * kBytes, va[mp], sa.x);
-        if (row_b >= 0) dsa_store_row4<kMode>(st_b + 32 * mp * kBytes, vb[mp], sb.x);
+        dsa_store_row4<kMode, kPredStores>(st_a + 32 * mp * kBytes, va[mp], sa.x, row_a >= 0);
+        dsa_store_row4<kMode, kPredStores>(st_b + 32 * mp * kBytes, vb[mp], sb.x, row_b >= 0);
         continue;
       }
       dsa_red4<kMode>(red_a + 32 * mp, va[mp], policy, row_a >= 0);
@@ -851,10 +885,12 @@ __device__ __forceinline__ void dsa_pair_send(const float* acc, float* keep, voi
   }
 }
 // keep + the peer's half of chunk `chunk` (columns col0 + 32 rank ..), reduced into the dkv rows named by the
-// slots row_slots[slot0 ..]
-template <int kMode>
+// slots row_slots[slot0 ..]; in the contribution modes stored in the contribution rows row0 .. (one per slot of the
+// pair: the sum of both head blocks, added in either order: the same fp32 value), exps their blocks' bytes
+template <int kMode, bool kPredStores = false>
 __device__ __forceinline__ void dsa_pair_finish(float* keep, void* dkv, const int* row_slots, int slot0, int ld, int col0,
-                                                void* recv, void* bars, int chunk, int rank) {
+                                                void* recv, void* bars, int chunk, int rank, void* exps = nullptr,
+                                                long long row0 = 0) {
   const int tid = threadIdx.x & 127;
   const int s = chunk & 1;
   const unsigned full = dsa_smem_u32(bars) + 8 * s, empty = dsa_smem_u32(bars) + 16 + 8 * s;
@@ -877,7 +913,7 @@ __device__ __forceinline__ void dsa_pair_finish(float* keep, void* dkv, const in
   if ((tid & 31) == 0)
     asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(dsa_peer_saddr(empty, rank ^ 1)) : "memory");
   if (tid == 0) dsa_mbar_arm(full, 8192);  // the slot's next phase (its bytes cannot come before the arrivals above)
-  dsa_red_tile<kMode, 2>(keep, dkv, row_slots, slot0, ld, col0 + 32 * rank, nullptr, nullptr, 0);
+  dsa_red_tile<kMode, 2, kPredStores>(keep, dkv, row_slots, slot0, ld, col0 + 32 * rank, nullptr, exps, row0);
 }
 """
 
@@ -897,7 +933,8 @@ def ws_supported(dqk: int, dv: int) -> bool:
 
 
 def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, emit_probs=False, l2_keep=False,
-             det_out=None, pair=False, skip_tail=False, wg0_chunks=0, fast_exp2=False, auto_sync=True):
+             det_out=None, pair=False, skip_tail=False, wg0_chunks=0, fast_exp2=False,
+             det_store_pred=False, auto_sync=True):
     """Main backward program, warp-specialised (256 threads, one CTA per query row and 64 heads).
 
     Warpgroup 0 gathers the selected kv rows (predicated cp.async, invalid slots zero-filled),
@@ -935,6 +972,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     buffer).
     ``fast_exp2``: P's exponentials as ex2.approx.ftz (``kernels.fast_exp2``: one MUFU.EX2 each instead of
     exp2f's three extra instructions; 0 instead of a denormal below 2^-126).
+    ``det_store_pred`` (the contribution modes): each contribution store predicated inside its asm, without a
+    branch or a guard on its block's scale (``dsa_store_row4``).
     ``auto_sync`` is not read here: the factory that compiles the program (``_jit_factories``: "ws" or
     "ws_nosync") sets whether TileLang adds its automatic syncs; as an argument it keeps the two apart in the
     caches."""
@@ -964,8 +1003,10 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     fixed_point, contrib = det_out == "fixed", det_out in contrib_modes
     contrib_dt = getattr(T, _CONTRIB_DTYPES.get(det_out, "float32"))
     red_mode = contrib_modes[det_out] if contrib else 2 if fixed_point else 1 if l2_keep else 0
-    red_fn = f"dsa_red_tile<{red_mode}>"
-    assert not pair or (det_out is None and NHB % 2 == 0 and DT == 0), (det_out, NHB, DT)
+    pred = contrib and det_store_pred
+    red_fn = f"dsa_red_tile<{red_mode}, 4, true>" if pred else f"dsa_red_tile<{red_mode}>"
+    assert not pair or (det_out != "fixed" and NHB % 2 == 0 and DT == 0), (det_out, NHB, DT)
+    pair_fn = f"dsa_pair_finish<{red_mode}, true>" if pred else f"dsa_pair_finish<{red_mode}>"
     assert 0 <= wg0_chunks < NCH and not (pair and wg0_chunks), (wg0_chunks, NCH, pair)
     NCH1 = NCH - wg0_chunks  # warpgroup 1's chunks: chunks[:NCH1]; warpgroup 0's: chunks[NCH1:]
     chunk_ids1 = chunk_ids[:NCH1]
@@ -985,14 +1026,20 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
         else:
             T.wgmma_gemm(ds_s, qt_s, acc, transpose_A=True, clear_accum=True)
 
+    def scales_ptr(Scales):
+        return T.address_of(Scales[0, 0] if det_out == "contrib_i16" else Scales[0])
+
+    def pair_row0(t, hb, kb):
+        # the contribution row of the pair's slot block kb (one row per slot of the pair; none in the atomic modes)
+        return (T.cast(t * (NHB // 2) + hb // 2, T.int64) * Kp + kb * BK) if contrib else T.int64(0)
+
     @T.macro
     def reduce_chunk(ci, acc, kb, t, hb, dKV, Idx, FixedSums, Scales):
         # chunk ci of slot block kb, from either warpgroup's accumulator, to dkv (or the deterministic buffers)
         T.call_extern("handle", red_fn, acc.data, T.address_of(dKV[0, 0]),
                       T.address_of(Idx[t, 0]), kb * BK, dqk, chunks[ci][0],
                       T.address_of(FixedSums[0, 0] if fixed_point else FixedSums[0]),
-                      T.address_of(Scales[0, 0] if det_out == "contrib_i16" else Scales[0]),
-                      (T.cast(t * NHB + hb, T.int64) * Kp + kb * BK) if contrib else T.int64(0))
+                      scales_ptr(Scales), (T.cast(t * NHB + hb, T.int64) * Kp + kb * BK) if contrib else T.int64(0))
 
     @T.prim_func
     def dsa_bwd_ws(
@@ -1010,7 +1057,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
         FixedSums: T.Tensor([N, dqk] if fixed_point else [1], T.int64),
         # "fixed": the power of two the values are scaled by and the limit; "contrib_i16": each contribution
         # row's exponent bytes, one per block of 8 values (see dsa_red_tile)
-        Scales: T.Tensor([ND, dqk // 8], T.uint8) if det_out == "contrib_i16" else T.Tensor([2], f32),
+        # (per 4 values with ``pair``: each CTA of the pair stores half of every chunk)
+        Scales: T.Tensor([ND, dqk // (4 if pair else 8)], T.uint8) if det_out == "contrib_i16" else T.Tensor([2], f32),
     ):
         # head blocks fastest (see _body): one query row's CTAs reduce into the same dkv rows at the same time
         with TC.Kernel(NHB * Tq, threads=256, prelude=_WS_PRELUDE, cluster_dims=(2, 1, 1) if pair else None) as bx:
@@ -1189,12 +1237,12 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                             # send this chunk's half, then sum and reduce the previous chunk's (the last of the
                             # previous block at ci 0: its kv rows are that block's)
                             if ci > 0 or kb > 0:
-                                T.call_extern("handle", f"dsa_pair_finish<{red_mode}>", keep.data,
+                                T.call_extern("handle", pair_fn, keep.data,
                                               T.address_of(dKV[0, 0]),
                                               T.address_of(Idx[t, 0]), (kb if ci > 0 else kb - 1) * BK, dqk,
                                               chunks[ci - 1][0] if ci > 0 else chunks[NCH - 1][0],
                                               T.address_of(recv_s[0]), T.address_of(bars_s[0]), kb * NCH + ci - 1,
-                                              hb % 2)
+                                              hb % 2, scales_ptr(Scales), pair_row0(t, hb, (kb if ci > 0 else kb - 1)))
                             T.call_extern("handle", "dsa_pair_send", acc_kv[ci % 2].data, keep.data,
                                           T.address_of(recv_s[0]), T.address_of(bars_s[0]), kb * NCH + ci, hb % 2)
                         elif store_dkv:
@@ -1208,9 +1256,10 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                             dQ[t, h0 + i, dv + d] = acc_dqt[i, d]
             if pair:
                 if tx >= 128 and store_dkv and n_blocks > 0:  # the last chunk's half
-                    T.call_extern("handle", f"dsa_pair_finish<{red_mode}>", keep.data, T.address_of(dKV[0, 0]),
+                    T.call_extern("handle", pair_fn, keep.data, T.address_of(dKV[0, 0]),
                                   T.address_of(Idx[t, 0]), (n_blocks - 1) * BK, dqk, chunks[NCH - 1][0],
-                                  T.address_of(recv_s[0]), T.address_of(bars_s[0]), n_blocks * NCH - 1, hb % 2)
+                                  T.address_of(recv_s[0]), T.address_of(bars_s[0]), n_blocks * NCH - 1, hb % 2,
+                                  scales_ptr(Scales), pair_row0(t, hb, n_blocks - 1))
                 # no CTA leaves while its peer may still signal its barriers
                 T.call_extern("handle", "dsa_cluster_sync")
 
@@ -1282,15 +1331,21 @@ def _uses_ws(cfg: dict, deterministic: bool) -> bool:
     return cfg["schedule"] == "ws" and (not deterministic or cfg["det_mode"] != "contrib")
 
 
+def _det_pair(cfg: dict, deterministic: bool) -> bool:
+    """Whether the deterministic program stores one contribution row per slot of a head-block pair."""
+    return deterministic and cfg["det_pair"] and cfg["det_mode"] in _CONTRIB_WS_MODES and cfg["store_dkv"]
+
+
 def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tuple:
     """(program kind, compile args) of the main kernel the wrapper launches."""
     if _uses_ws(cfg, deterministic):
-        pair = cfg["ws_pair"] and not deterministic and cfg["store_dkv"]
+        pair = (cfg["ws_pair"] and not deterministic and cfg["store_dkv"]) or _det_pair(cfg, deterministic)
         return "ws", (cfg["heads"], cfg["dqk"], cfg["dv"], cfg["dtype"], cfg["store_dkv"], cfg["ws_prefetch"],
                       cfg["ws_dq_rs"], bool(emit_probs), cfg["l2_keep"] and not deterministic,
                       _WS_DET_OUT[cfg["det_mode"]] if deterministic else None, pair, cfg["skip_tail"],
-                      cfg["ws_wg0_chunks"],  # 0 wherever ws_pair is asked for (_normalise_config)
+                      0 if pair else cfg["ws_wg0_chunks"],  # the pair's exchange stays in warpgroup 1
                       cfg["fast_exp2"],
+                      cfg["det_store_pred"] and deterministic and cfg["det_mode"] in _CONTRIB_WS_MODES,
                       # the head-summed P's cross-warp sums and the pair's exchange need TileLang's syncs
                       cfg["ws_auto_sync"] or bool(emit_probs) or pair)
     return "main", _main_args(cfg, deterministic, emit_probs)
@@ -1313,8 +1368,9 @@ def _program_key(cfg: dict, name: str) -> tuple:
     or deterministic ``_det``, with the head-summed P output ``_probs`` or not) or the contribution reduce."""
     if name in ("preprocess", "preprocess_det"):
         return "preprocess", _preprocess_args(cfg, name == "preprocess_det")
-    if name == "reduce":
-        return "reduce", (cfg["dqk"], (cfg["heads"] + _BLOCK_H - 1) // _BLOCK_H, _contrib_dtype(cfg))
+    if name == "reduce":  # with det_pair one contribution row per pair of head blocks, int16 blocks of 4 values
+        nhb, pair = (cfg["heads"] + _BLOCK_H - 1) // _BLOCK_H, _det_pair(cfg, True)
+        return "reduce", (cfg["dqk"], nhb // 2 if pair else nhb, _contrib_dtype(cfg), 4 if pair else 8)
     if name not in BWD_PROGRAMS:
         raise ValueError(f"unknown backward program {name!r}; known: {BWD_PROGRAMS}")
     return _main_kernel(cfg, "_det" in name, name.endswith("_probs"))
@@ -1413,7 +1469,10 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
     two per 8 values ("contrib_i16": 15.6 / 32.5 / 13.8 ms, dkv within 5e-5 of the fp32 sums; a block
     with a value that is not finite sums to NaN), or as fp32 (``det_mode`` "contrib_ws": 17.0 / 33.9 /
     15.0 ms) or bf16 ("contrib_bf16": 12.7 / 25.3 / 11.6 ms, each contribution rounded to bf16:
-    within 1.7e-3 of the fp32 sums). dq and dsink are deterministic in every mode (no atomics).
+    within 1.7e-3 of the fp32 sums). Where two head blocks of a row can pair (dqk == dv, an even number
+    of them: DeepSeek-V4 H128) they sum each chunk in a 2-CTA cluster first and store one row per slot of
+    the pair (``det_pair``, int16 blocks of 4 values): half the rows to reduce, 1.56x the default's time
+    (H100). dq and dsink are deterministic in every mode (no atomics).
 
     return_probs=True adds a fourth result, probs [B,S,K] fp32: sum over heads of the attention
     probabilities P[h, j] = exp(scale * s_hj - lse'_h) of each slot (lse' with the sink), 0 for
@@ -1562,25 +1621,26 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
     elif not deterministic:
         main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), blocks)
     else:  # the contribution modes: "contrib" (the plain program) and "contrib_ws"
-        red = _get("reduce", target, *_program_key(cfg, "reduce")[1])
+        _, (_, ncr, _, block) = _program_key(cfg, "reduce")  # ncr contribution rows per slot
+        red = _get("reduce", target, Dqk, ncr, _contrib_dtype(cfg), block)
         cdt = getattr(torch, _contrib_dtype(cfg))
-        per_row = nhb * Kp * (Dqk * cdt.itemsize + (Dqk // 8 if cdt == torch.int16 else 0))  # with the exponents
+        per_row = ncr * Kp * (Dqk * cdt.itemsize + (Dqk // block if cdt == torch.int16 else 0))  # with the exponents
         chunk = max(1, min(T_, _DET_BUDGET_BYTES // per_row))
-        contrib = torch.empty(chunk * nhb * Kp, Dqk, device=dev, dtype=cdt)
-        # contrib_i16: each contribution row's exponent byte per block of 8 values (the ws program's Scales)
-        scales = (torch.empty(chunk * nhb * Kp, Dqk // 8, device=dev, dtype=torch.uint8)
+        contrib = torch.empty(chunk * ncr * Kp, Dqk, device=dev, dtype=cdt)
+        # contrib_i16: each contribution row's exponent byte per block of values (the ws program's Scales)
+        scales = (torch.empty(chunk * ncr * Kp, Dqk // block, device=dev, dtype=torch.uint8)
                   if cdt == torch.int16 else zeros_arg(1, torch.uint8, dev))
         for t0 in range(0, T_, chunk):
             t1 = min(T_, t0 + chunk)
             tc = t1 - t0
-            cb = contrib[: tc * nhb * Kp]
-            sb = scales[: tc * nhb * Kp] if cdt == torch.int16 else scales
+            cb = contrib[: tc * ncr * Kp]
+            sb = scales[: tc * ncr * Kp] if cdt == torch.int16 else scales
             # probs[:, t0:t1] is not contiguous with two head blocks or more: a chunk buffer of its own
             view = part = None if probs is None else probs[:, t0:t1]
             if view is not None and not view.is_contiguous():
                 part = (torch.zeros if skip else torch.empty)(nhb, tc, Kp, device=dev, dtype=torch.float32)
             # the slots' fixed order depends on the indices only: sorted on a side stream while the main program runs
-            order_ready = slot_order_async(idx[t0:t1], N, Kp, nhb)
+            order_ready = slot_order_async(idx[t0:t1], N, Kp, ncr)
             try:
                 if kind == "ws":  # "contrib_ws" / "_bf16" / "_i16": the same contribution rows, from the ws program
                     sums, fix = _no_fixed_point(dev)

@@ -75,11 +75,22 @@ def test_shipped_config_compiles_for_sm90a(config, caplog):
     assert "dsa_red_tile<0>(" in src and "__named_barrier_arrive" in src and "AtomicAdd" not in src
     # P = 2^x as one ex2.approx.ftz (fast_exp2); each reduction predicated inside its asm, no branch around it
     assert "dsa_ex2_ftz(" in src and "exp2f(" not in src and "@q red.global.add.v4.f32" in src
+    d512 = config["dqk"] == config["dv"]
+    pair = d512 and (config["heads"] + 63) // 64 % 2 == 0
     for name in ("main_det", "main_det_probs"):
-        # deterministic: each slot's contribution stored as int16 rows (mode 5), no reduction of any kind
+        # deterministic: each slot's contribution stored as int16 rows (mode 5), no reduction of any kind; at
+        # D512 each store predicated inside its asm (det_store_pred), and with an even number of head blocks
+        # one row per slot of a pair, summed in a cluster (det_pair)
         det = progs[name].get_kernel_source()
-        assert "wgmma" in det and "AtomicAdd" not in det and "dsa_red_tile<5>(" in det
-        assert "dsa_red_tile<0>(" not in det and "dsa_red_tile<2>(" not in det
+        body = det.split("dsa_bwd_ws_kernel(", 1)[1]
+        assert "wgmma" in det and "AtomicAdd" not in det
+        assert "dsa_red_tile<0>(" not in body and "dsa_red_tile<2>(" not in body
+        if pair:
+            assert "dsa_pair_finish<5, true>(" in body and "dsa_pair_send(" in body
+            assert "dsa_red_tile<5" not in body
+        else:
+            assert ("dsa_red_tile<5, 4, true>(" if d512 else "dsa_red_tile<5>(") in body
+            assert "dsa_pair_send(" not in body
     for name in ("main", "main_det", "main_probs", "main_det_probs"):
         # one grid dimension, head blocks fastest (a query row's CTAs reduce into the same dkv rows together):
         # no blockIdx.y, whose 65535 would cap the query rows
@@ -142,7 +153,7 @@ def test_ws_pair_variant_exchanges_halves_in_a_cluster():
     assert body.count("dsa_cluster_sync();") == 2 and "dsa_red_tile<0>(" not in body
     for other in ({"heads": 64}, {"heads": 128, "dqk": 576}, {"heads": 192}):
         assert not bwd._normalise_config({**cfg, **other})["ws_pair"], other
-    det = bwd.build_bwd_program(cfg, "main_det", target=SM90A).get_kernel_source()
+    det = bwd.build_bwd_program({**cfg, "det_pair": False}, "main_det", target=SM90A).get_kernel_source()
     assert "dsa_pair_send(" not in det.split("dsa_bwd_ws_kernel(", 1)[1]
 
 
@@ -424,27 +435,34 @@ def test_int16_rounding_by_the_magic_constant_matches_round_half_even():
     assert torch.equal(low.to(torch.float64), torch.round(x.double()))  # torch.round: half to even
 
 
-def test_int16_blocks_written_by_the_ws_program_are_the_ones_the_reduce_reads():
+@pytest.mark.parametrize("pair", [False, True], ids=["whole-tiles", "pair-halves"])
+def test_int16_blocks_written_by_the_ws_program_are_the_ones_the_reduce_reads(pair):
     """The "contrib_i16" block of each column, as the ws program's lanes write it (dsa_red_tile: lane q, g of
     a quad-row pair holds columns col0 + 16 (2 mp + gb) + 8 odd + 4 (q >> 1) + 0..3, mp = 0, 1, and writes the
-    byte col0 / 8 + 4 gb + 2 odd + (q >> 1)) and as the reduce reads it (col // 64 * 8 + col % 32 // 4)."""
+    byte col0 / 8 + 4 gb + 2 odd + (q >> 1)) and as the reduce reads it (col // 64 * 8 + col % 32 // 4). A CTA of
+    a pair (det_pair) holds half of each chunk (col0 + 32 rank, mp = 0 only) and writes one byte per 4 columns,
+    col0 / 4 + 4 gb + 2 odd + (q >> 1), which the reduce reads as col // 4."""
     import inspect
 
-    assert "col0 / 8 + 4 * gb + 2 * odd + (q >> 1)" in bwd._WS_PRELUDE
-    assert "col // 64 * 8 + col % 32 // 4" in inspect.getsource(contrib_reduce.reduce_body)
-    for dqk in (512, 576):
+    assert "(kGroups == 4 ? col0 / 8 : col0 / 4) + 4 * gb + 2 * odd + (q >> 1)" in bwd._WS_PRELUDE
+    reduce_src = inspect.getsource(contrib_reduce.reduce_body)
+    assert "col // 64 * 8 + col % 32 // 4" in reduce_src and "T.min(col // 4, dqk // 4 - 1)" in reduce_src
+    for dqk in (512,) if pair else (512, 576):
         written = {}
-        for col0 in range(0, dqk, 64):
-            for lane in range(32):
-                q, g = lane & 3, lane >> 2
-                odd, gb = q & 1, g & 1
-                for mp in (0, 1):
-                    for c in range(4):
-                        col = col0 + 16 * (2 * mp + gb) + 8 * odd + 4 * (q >> 1) + c
-                        assert written.setdefault(col, col0 // 8 + 4 * gb + 2 * odd + (q >> 1)) == \
-                               col0 // 8 + 4 * gb + 2 * odd + (q >> 1)
+        for chunk in range(0, dqk, 64):
+            for rank in (0, 1) if pair else (0,):
+                col0 = chunk + 32 * rank if pair else chunk
+                for lane in range(32):
+                    q, g = lane & 3, lane >> 2
+                    odd, gb = q & 1, g & 1
+                    blk = (col0 // 4 if pair else col0 // 8) + 4 * gb + 2 * odd + (q >> 1)
+                    for mp in (0,) if pair else (0, 1):
+                        for c in range(4):
+                            col = col0 + 16 * (2 * mp + gb) + 8 * odd + 4 * (q >> 1) + c
+                            assert written.setdefault(col, blk) == blk
         assert sorted(written) == list(range(dqk))
-        assert all(written[col] == col // 64 * 8 + col % 32 // 4 for col in range(dqk))
+        read = (lambda col: col // 4) if pair else (lambda col: col // 64 * 8 + col % 32 // 4)
+        assert all(written[col] == read(col) for col in range(dqk))
 
 
 @pytest.mark.parametrize("nhb", [1, 2])

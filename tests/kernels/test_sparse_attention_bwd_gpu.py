@@ -452,6 +452,68 @@ def test_ws_pair_sums_head_blocks_in_a_cluster(cfg, case):
     assert (pair[0][empty] == 0).all()
 
 
+@pytest.mark.parametrize("det_mode", ["contrib_i16", "contrib_bf16", "contrib_ws"])
+@pytest.mark.parametrize("cfg", [CONFIGS[1], (100, 512, 512, True, torch.bfloat16), (256, 512, 512, False, torch.bfloat16),
+                                 (128, 512, 512, True, torch.float16)],
+                         ids=lambda c: f"H{c[0]}-D{c[1]}-{str(c[4])[6:]}")
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[4], CASES[5], BIG_CASES[0]],
+                         ids=lambda c: f"S{c[1]}K{c[3]}-{c[4]}")
+def test_det_pair_stores_one_contribution_row_per_head_block_pair(det_mode, cfg, case):
+    """``det_pair`` (the default where ws_pair can run): the two head blocks of a query row sum each dkv chunk in a
+    2-CTA cluster and store one contribution row per slot of the pair. Bitwise reproducible; dq and the head-summed
+    probabilities bitwise those of the unpaired deterministic program; dkv within the float64 tolerance and close
+    to the unpaired sums (int16 blocks of 4 values instead of 8); padded heads (H 100), two pairs per row (H 256),
+    dups, -1, out of range, empty rows, K not a multiple of the block; never NaN."""
+    from dsa_plugins.kernels.sparse_attention_bwd import _normalise_config, sparse_attention_bwd
+
+    H, Dqk, Dv, has_sink, dtype = cfg
+    assert _normalise_config({"heads": H, "dqk": Dqk, "dv": Dv})["det_pair"]
+    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=61)
+    out64, lse64, dq_ref, dkv_ref, _ = _reference(q, kv, idx, dout, sink, scale, Dv)
+    out, lse = out64.to(dtype), lse64.float()
+    args = (q, kv, idx, out, lse, dout, scale)
+
+    def run(pair):
+        return sparse_attention_bwd(*args, sink=sink, dv=Dv, deterministic=True, return_probs=True,
+                                    config={"det_mode": det_mode, "det_pair": pair})
+
+    pair, solo = run(True), run(False)
+    assert not pair[1].isnan().any()
+    g_dq, g_dkv, _ = _given_inputs_grads(q, kv, idx, out, lse, dout, scale, sink, Dv)
+    assert _err(pair[0], dq_ref, g_dq) < TOL and _err(pair[1], dkv_ref, g_dkv) < TOL
+    assert torch.equal(pair[0], solo[0]) and torch.equal(pair[3], solo[3])
+    assert _rel(pair[1], solo[1]) < (3e-3 if det_mode == "contrib_bf16" else 1e-4)
+    for _ in range(3):
+        again = run(True)
+        assert torch.equal(again[1], pair[1]) and torch.equal(again[0], pair[0])
+
+
+def test_det_pair_chunks_and_nan():
+    """The paired contribution rows over many query chunks give the same dq bits and dkv up to the order of the
+    chunks' sums, and a NaN in dout reaches the kv rows its query selected (as in the atomic mode), every other
+    row finite."""
+    from dsa_plugins.kernels import sparse_attention_bwd as mod
+
+    cfg, case = CONFIGS[1], (2, 37, 80, 70, "mixed", "normal")
+    _, Dqk, Dv, _, dtype = cfg
+    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=67)
+    out64, lse64, *_ = _reference(q, kv, idx, dout, sink, scale, Dv)
+    out, lse = out64.to(dtype), lse64.float()
+    args = (q, kv, idx, out, lse)
+    full = mod.sparse_attention_bwd(*args, dout, scale, sink=sink, dv=Dv, deterministic=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mod, "_DET_BUDGET_BYTES", 5 * 128 * Dqk * 4)
+        chunked = mod.sparse_attention_bwd(*args, dout, scale, sink=sink, dv=Dv, deterministic=True)
+    assert torch.equal(full[0], chunked[0]) and _rel(chunked[1], full[1]) < 1e-6
+    dout = dout.clone()
+    dout[0, 3, 0, 5] = float("nan")
+    dkv = mod.sparse_attention_bwd(*args, dout, scale, sink=sink, dv=Dv, deterministic=True)[1]
+    atomic = mod.sparse_attention_bwd(*args, dout, scale, sink=sink, dv=Dv)[1]
+    nan_rows = torch.isnan(atomic[0]).any(-1)
+    assert nan_rows.any() and torch.equal(torch.isnan(dkv[0]).any(-1), nan_rows)
+    assert torch.isfinite(dkv[0, ~nan_rows]).all() and torch.isfinite(dkv[1]).all()
+
+
 @pytest.mark.parametrize("n0", [1, 2, 3])
 @pytest.mark.parametrize("cfg", [CONFIGS[2], CONFIGS[1], (100, 576, 512, False, torch.bfloat16),
                                  (64, 512, 512, True, torch.float16)],
