@@ -98,7 +98,7 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
 
 _TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep",
                 "schedule", "ws_prefetch", "ws_dq_rs", "ws_pair", "ws_wg0_chunks", "ws_auto_sync", "det_mode",
-                "fast_exp2", "det_store_pred", "det_pair")
+                "fast_exp2", "det_store_pred", "det_pair", "ws_tma_q")
 _DET_MODES = ("contrib", "contrib_ws", "contrib_bf16", "contrib_i16", "fixed")
 # the modes whose contribution rows the ws program stores
 _CONTRIB_WS_MODES = ("contrib_ws", "contrib_bf16", "contrib_i16")
@@ -189,6 +189,12 @@ def _normalise_config(config: dict) -> dict:
     # On for D512 only. H100, B1 S4096 Skv8192, "contrib_i16": V4 H128 k1024 12.10 / 12.11 ms against 12.50 / 12.58
     # without, V4 H64 k512 3.60 / 3.60 against 3.67 / 3.70 (one process, two rounds); at 576/512 slower (MLA H64 /
     # H128 1.79 / 1.85x the atomic time against 1.77 / 1.78x, another run: its spills grow from 68 to 92 bytes)
+    # ws_tma_q: the ws program's q and dout by TMA (see _ws_body). On for D512: H100, B1 S4096 Skv8192, one process,
+    # two rounds against the threads' copies: V4 H64 k512 2.195 / 2.199 ms against 2.299 / 2.306 (1.05x), V4 H128
+    # k1024 7.45 / 7.40 against 7.52 / 7.48 (1.01x); the 576-wide program spills more with it (120 against 100
+    # bytes) and measured 0.99x (MLA H64 7.95 / 7.91 against 7.81 / 7.84; H128 and causal rows no better)
+    tma = cfg.get("ws_tma_q")
+    cfg["ws_tma_q"] = bool(cfg["dqk"] == cfg["dv"] if tma is None else tma)
     pred = cfg.get("det_store_pred")
     cfg["det_store_pred"] = bool(cfg["dqk"] == cfg["dv"] if pred is None else pred)
     # det_pair: the ws program's contribution modes with the two head blocks of a query row summed in a 2-CTA
@@ -934,7 +940,7 @@ def ws_supported(dqk: int, dv: int) -> bool:
 
 def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, emit_probs=False, l2_keep=False,
              det_out=None, pair=False, skip_tail=False, wg0_chunks=0, fast_exp2=False,
-             det_store_pred=False, auto_sync=True):
+             det_store_pred=False, tma_q=False, auto_sync=True):
     """Main backward program, warp-specialised (256 threads, one CTA per query row and 64 heads).
 
     Warpgroup 0 gathers the selected kv rows (predicated cp.async, invalid slots zero-filled),
@@ -974,6 +980,9 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     exp2f's three extra instructions; 0 instead of a denormal below 2^-126).
     ``det_store_pred`` (the contribution modes): each contribution store predicated inside its asm, without a
     branch or a guard on its block's scale (``dsa_store_row4``).
+    ``tma_q``: q and dout come in by TMA (one thread issues them on an mbarrier; rows past ``heads`` fall outside
+    the tensor and read as zeros) while the CTA scans its row and gathers its first block; each warpgroup waits
+    for them before its first MMA that reads them.
     ``auto_sync`` is not read here: the factory that compiles the program (``_jit_factories``: "ws" or
     "ws_nosync") sets whether TileLang adds its automatic syncs; as an argument it keeps the two apart in the
     caches."""
@@ -1087,6 +1096,7 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
             recv_s = T.alloc_shared([2 * 4 * 128 * 4], f32) if pair else None  # the two exchange slots
             bars_s = T.alloc_shared([4], T.uint64) if pair else None
             keep = T.alloc_local([16], f32) if pair else None  # this CTA's half of the chunk in flight
+            bar_q = T.alloc_barrier(1) if tma_q else None
 
             tx = T.get_thread_binding()
             h0 = hb * BH
@@ -1094,12 +1104,20 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
             n_row = T.alloc_local([1], i32) if skip_tail else None
 
             # both warpgroups: q, dout, lse', Delta of the 64 heads (padded heads: zeros, lse' +inf)
-            for i, d in T.Parallel(BH, dv):
-                q_s[i, d] = T.if_then_else(h0 + i < heads, Q[t, T.min(h0 + i, heads - 1), d], 0)
-                do_s[i, d] = T.if_then_else(h0 + i < heads, dO[t, T.min(h0 + i, heads - 1), d], 0)
-            if DT > 0:
-                for i, d in T.Parallel(BH, DT):
-                    qt_s[i, d] = T.if_then_else(h0 + i < heads, Q[t, T.min(h0 + i, heads - 1), dv + d], 0)
+            if tma_q:
+                T.tma_copy(Q[t, h0 : h0 + BH, 0:dv], q_s, barrier=bar_q, eviction_policy="evict_first")
+                T.tma_copy(dO[t, h0 : h0 + BH, 0:dv], do_s, barrier=bar_q, eviction_policy="evict_first")
+                if DT > 0:
+                    T.tma_copy(Q[t, h0 : h0 + BH, dv:dqk], qt_s, barrier=bar_q, eviction_policy="evict_first")
+                if T.shuffle_elect(256):
+                    T.barrier_arrive(bar_q)
+            else:
+                for i, d in T.Parallel(BH, dv):
+                    q_s[i, d] = T.if_then_else(h0 + i < heads, Q[t, T.min(h0 + i, heads - 1), d], 0)
+                    do_s[i, d] = T.if_then_else(h0 + i < heads, dO[t, T.min(h0 + i, heads - 1), d], 0)
+                if DT > 0:
+                    for i, d in T.Parallel(BH, DT):
+                        qt_s[i, d] = T.if_then_else(h0 + i < heads, Q[t, T.min(h0 + i, heads - 1), dv + d], 0)
             for i in T.Parallel(BH):
                 lse_s[i] = T.if_then_else(h0 + i < heads, Lse2[t, T.min(h0 + i, heads - 1)], T.infinity(f32))
                 delta_s[i] = T.if_then_else(h0 + i < heads, Delta[t, T.min(h0 + i, heads - 1)], 0)
@@ -1155,6 +1173,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                                 idx_reg[r] = Idx[t, (kb + 1) * BK + r * ROWS_PER_PASS + tx // 8]
                     T.ptx_wait_group(0)
                     T.fence_proxy_async()
+                    if tma_q and kb == 0:
+                        T.mbarrier_wait_parity(bar_q, 0)
                     T.sync_threads(_BAR_WG0, 128)
                     T.wgmma_gemm(q_s, kv_s, acc_s, transpose_B=True, clear_accum=True)
                     if DT > 0:
@@ -1216,6 +1236,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                 T.clear(acc_dq1)
                 if DT > 0:
                     T.clear(acc_dqt)
+                if tma_q:
+                    T.mbarrier_wait_parity(bar_q, 0)
                 for kb in T.serial(n_blocks):
                     T.sync_threads(_BAR_PDS_READY, 256)
                     T.wgmma_gemm(ds_s, kv_s[:, DQ0:dv], acc_dq1)
@@ -1346,6 +1368,7 @@ def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tu
                       0 if pair else cfg["ws_wg0_chunks"],  # the pair's exchange stays in warpgroup 1
                       cfg["fast_exp2"],
                       cfg["det_store_pred"] and deterministic and cfg["det_mode"] in _CONTRIB_WS_MODES,
+                      cfg["ws_tma_q"],
                       # the head-summed P's cross-warp sums and the pair's exchange need TileLang's syncs
                       cfg["ws_auto_sync"] or bool(emit_probs) or pair)
     return "main", _main_args(cfg, deterministic, emit_probs)

@@ -77,6 +77,9 @@ def test_shipped_config_compiles_for_sm90a(config, caplog):
     assert "dsa_ex2_ftz(" in src and "exp2f(" not in src and "@q red.global.add.v4.f32" in src
     d512 = config["dqk"] == config["dv"]
     pair = d512 and (config["heads"] + 63) // 64 % 2 == 0
+    # q and dout by TMA at D512 (ws_tma_q), the threads' copies at 576/512
+    for name in ("main", "main_det"):
+        assert ("tl::tma_load" in progs[name].get_kernel_source()) == d512, name
     for name in ("main_det", "main_det_probs"):
         # deterministic: each slot's contribution stored as int16 rows (mode 5), no reduction of any kind; at
         # D512 each store predicated inside its asm (det_store_pred), and with an even number of head blocks

@@ -452,6 +452,32 @@ def test_ws_pair_sums_head_blocks_in_a_cluster(cfg, case):
     assert (pair[0][empty] == 0).all()
 
 
+@pytest.mark.parametrize("cfg", [CONFIGS[2], CONFIGS[4], (100, 512, 512, True, torch.bfloat16),
+                                 (128, 576, 512, False, torch.float16)],
+                         ids=lambda c: f"H{c[0]}-D{c[1]}-{str(c[4])[6:]}")
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[5], BIG_CASES[0]], ids=lambda c: f"S{c[1]}K{c[3]}-{c[4]}")
+def test_ws_tma_q_matches_the_threads_copies(cfg, case):
+    """``ws_tma_q``: q and dout by TMA (heads past H outside the tensor: zeros, as the threads' copies write them).
+    dq and the head-summed probabilities bitwise those of the threads' copies, dkv up to the reduction order,
+    both modes; padded heads (H 16, 100), fp16, batches of two, empty rows."""
+    from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
+
+    H, Dqk, Dv, has_sink, dtype = cfg
+    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=71)
+    out64, lse64, dq_ref, dkv_ref, _ = _reference(q, kv, idx, dout, sink, scale, Dv)
+    out, lse = out64.to(dtype), lse64.float()
+    args = (q, kv, idx, out, lse, dout, scale)
+    for det in (False, True):
+        tma = sparse_attention_bwd(*args, sink=sink, dv=Dv, deterministic=det, return_probs=True,
+                                   config={"ws_tma_q": True})
+        thr = sparse_attention_bwd(*args, sink=sink, dv=Dv, deterministic=det, return_probs=True,
+                                   config={"ws_tma_q": False})
+        assert torch.equal(tma[0], thr[0]) and torch.equal(tma[3], thr[3])
+        assert torch.equal(tma[1], thr[1]) if det else _rel(tma[1], thr[1]) < 1e-5
+        g_dq, g_dkv, _ = _given_inputs_grads(q, kv, idx, out, lse, dout, scale, sink, Dv)
+        assert _err(tma[0], dq_ref, g_dq) < TOL and _err(tma[1], dkv_ref, g_dkv) < TOL
+
+
 @pytest.mark.parametrize("det_mode", ["contrib_i16", "contrib_bf16", "contrib_ws"])
 @pytest.mark.parametrize("cfg", [CONFIGS[1], (100, 512, 512, True, torch.bfloat16), (256, 512, 512, False, torch.bfloat16),
                                  (128, 512, 512, True, torch.float16)],
