@@ -170,7 +170,7 @@ _COMPILED: dict = {}
 _LOCK = threading.Lock()
 
 
-def build_reduce(dqk: int, nhb: int, contrib_dtype: str = "float32", block: int = 8, target="auto"):
+def build_reduce(dqk: int, nhb: int, contrib_dtype: str = "float32", block: int = 8, *, target="auto"):
     """The compiled reduce program (:func:`reduce_body`) for rows of ``dqk`` columns, ``nhb`` contribution
     rows per slot, ``contrib_dtype`` ("float32", "bfloat16" or "int16") and ``block`` values per exponent byte
     (int16); cached per process."""

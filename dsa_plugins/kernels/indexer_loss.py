@@ -1119,7 +1119,7 @@ def _run_deterministic(iq, ik, w, idx, probs, g, logits_ws, lse, psum, lse_given
     tk, di = ik.shape
     target = _device_target(dev)
     prog = build_loss(di, True, target, det=True, lse_given=lse_given)
-    red = build_reduce(di, 1, "float32", target)
+    red = build_reduce(di, 1, "float32", target=target)
     per_row = kp * di
     # int32 offsets inside the program: a chunk's contribution elements stay below 2**31
     chunk = max(1, min(t, _DET_BUDGET_BYTES // (4 * per_row), (2**31 - 1) // per_row))

@@ -60,7 +60,7 @@ def _precompile():
                                                (True, False, True), (True, True, True))]
     with ThreadPoolExecutor(len(cfgs) + len(dims)) as ex:
         done = [ex.submit(K.build_config, c, target) for c in cfgs]
-        done += [ex.submit(build_reduce, di, 1, "float32", target) for di in dims]
+        done += [ex.submit(build_reduce, di, 1, "float32", target=target) for di in dims]
         for f in done:
             f.result()
 
