@@ -43,8 +43,9 @@ _SIDE_STREAMS: dict = {}
 
 
 def slot_order(idx: Tensor, n_rows: int, kp: int, nhb: int, rows: Tensor, rowptr: Tensor) -> None:
-    """The reduce's slot order (:func:`reduce_body`), written into ``rows`` [T * Kp] int32 (each slot's contribution row of head
-    block 0, sorted by kv row, ties in slot order) and ``rowptr`` [n_rows + 1] int32 (where each kv row's
+    """The reduce's slot order (:func:`reduce_body`), written into ``rows`` [T * Kp] int32 (each slot's first contribution
+    row, of group 0 of the ``nhb`` groups a query row stores (head blocks, or their pairs), sorted by kv row, ties in slot
+    order) and ``rowptr`` [n_rows + 1] int32 (where each kv row's
     slots start). Invalid slots sort last and no RowPtr range reaches them."""
     sorted_keys, order = torch.sort(keys_last_invalid(idx, n_rows), stable=True)
     torch.searchsorted(sorted_keys, torch.arange(n_rows + 1, device=idx.device, dtype=torch.int32),
@@ -80,7 +81,8 @@ def slot_order_async(idx: Tensor, n_rows: int, kp: int, nhb: int):
 
 def reduce_body(dqk, nhb, contrib_dtype="float32", block=8, warps=4):
     """dKV[n] += sum of the contribution rows of kv row n, in a fixed order: Rows[RowPtr[n]:RowPtr[n + 1]]
-    are the rows (of head block 0; block hb is kp rows further) of the slots naming n, sorted.
+    are the rows (of group 0 of the ``nhb`` contribution groups of a query row, head blocks or their pairs; group g
+    is g * kp rows further) of the slots naming n, sorted.
     ``contrib_dtype``: the contribution buffer's ("float32"; "bfloat16" for "contrib_bf16"; "int16" for
     "contrib_i16", each value times the power of two whose exponent field is its block's byte in Exps:
     exact); the sums are fp32. ``block``: values per exponent byte, 8 (columns x..x+3 and x+32..x+35 of each
@@ -96,7 +98,7 @@ def reduce_body(dqk, nhb, contrib_dtype="float32", block=8, warps=4):
 
     f32 = T.float32
     i32 = T.int32
-    M = T.dynamic("M")  # Tq * NHB * Kp contribution rows
+    M = T.dynamic("M")  # Tq * nhb * Kp contribution rows
     L = T.dynamic("L")  # Tq * Kp slots
     N = T.dynamic("N")
     N1 = T.dynamic("N1")  # N + 1

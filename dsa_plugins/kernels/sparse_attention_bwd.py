@@ -194,12 +194,13 @@ def _normalise_config(config: dict) -> dict:
     # k1024 7.45 / 7.40 against 7.52 / 7.48 (1.01x); the 576-wide program spills more with it (120 against 100
     # bytes) and measured 0.99x (MLA H64 7.95 / 7.91 against 7.81 / 7.84; H128 and causal rows no better)
     tma = cfg.get("ws_tma_q")
-    cfg["ws_tma_q"] = bool(cfg["dqk"] == cfg["dv"] if tma is None else tma)
+    cfg["ws_tma_q"] = bool(cfg["dqk"] == cfg["dv"] if tma is None else tma) and cfg["schedule"] == "ws"
     pred = cfg.get("det_store_pred")
-    cfg["det_store_pred"] = bool(cfg["dqk"] == cfg["dv"] if pred is None else pred)
+    cfg["det_store_pred"] = bool(cfg["dqk"] == cfg["dv"] if pred is None else pred) and cfg["schedule"] == "ws"
     # det_pair: the ws program's contribution modes with the two head blocks of a query row summed in a 2-CTA
     # cluster before storing (the exchange of ws_pair): one contribution row per slot of the pair, half the bytes
-    # to store and to reduce. Where ws_pair can run (an even number of head blocks, dqk == dv)
+    # to store and to reduce. Where ws_pair can run (an even number of head blocks, dqk == dv); its deterministic
+    # program leaves every chunk to warpgroup 1 (ws_wg0_chunks is not used there), as ws_pair does
     dp = cfg.get("det_pair")
     cfg["det_pair"] = (bool(True if dp is None else dp) and cfg["schedule"] == "ws"
                        and ws_pair_supported(cfg["heads"], cfg["dqk"], cfg["dv"]))
@@ -729,7 +730,7 @@ __device__ __forceinline__ void dsa_store_row4(void* dst, float4 v, float scale,
   }
 }
 
-// kMode 5: the power of two for a block of 8 values whose largest magnitude has the bits m (0 where it is not
+// kMode 5: the power of two for a block of values (8, or 4 in a pair's half tiles) whose largest magnitude has the bits m (0 where it is not
 // finite) and its inverse (NaN there); e is clamped to [-112, 128] so both are normal floats.
 __device__ __forceinline__ float2 dsa_i16_scale(unsigned int m) {
   if (m >= 0x7f800000u) return make_float2(0.0f, __int_as_float(0x7fffffff));
@@ -962,14 +963,15 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     largest scaled value allowed, beyond which it goes to dKV as NaN) rounded to
     an integer and added with red.add.u64, so the sums do not depend on the order of the additions
     (non-finite values go to dKV as they are, see ``dsa_fixed_add``); "contrib": dKV [ND, dqk] is the
-    contribution buffer [Tq, NHB, Kp] x dqk and each valid slot's values are stored in its own row
-    (full-line stores from the same layout), for the reduce to sum in a fixed order; "contrib_bf16":
-    the same with dKV a bf16 buffer (each value rounded to bf16: half the bytes); "contrib_i16": dKV an
-    int16 buffer in block floating point, Scales [ND, dqk / 8] uint8 the exponent of each block of 8 values
-    (see ``dsa_red_tile``). ``pair`` (the atomic modes, an even number of head blocks, dqk == dv: the 16 KB
-    it needs fit beside the D512 tiles, not the 576-wide ones): CTAs run in clusters of two, the two head
-    blocks of one query row, which sum each dkv chunk through distributed shared memory and reduce half of
-    it each (``dsa_pair_send``, ``dsa_pair_finish``: pipelined by one chunk). ``skip_tail``: each query row walks
+    contribution buffer [Tq, NHB, Kp] x dqk ([Tq, NHB / 2, Kp] with ``pair``) and each valid slot's values
+    are stored in its own row (full-line stores from the same layout), for the reduce to sum in a fixed
+    order; "contrib_bf16": the same with dKV a bf16 buffer (each value rounded to bf16: half the bytes);
+    "contrib_i16": dKV an int16 buffer in block floating point, Scales [ND, dqk / 8] uint8 the exponent of
+    each block of 8 values ([ND, dqk / 4], blocks of 4, with ``pair``; see ``dsa_red_tile``). ``pair`` (any
+    mode but "fixed", an even number of head blocks, dqk == dv: the 16 KB it needs fit beside the D512
+    tiles, not the 576-wide ones): CTAs run in clusters of two, the two head blocks of one query row, which
+    sum each dkv chunk through distributed shared memory and reduce (or, in the contribution modes, store)
+    half of it each (``dsa_pair_send``, ``dsa_pair_finish``: pipelined by one chunk). ``skip_tail``: each query row walks
     its slot blocks only up to its last valid slot, which the CTA finds itself (``dsa_row_last_scan``): the
     blocks after it hold only -1 and add nothing (causal rows, the first tokens of packed sequences).
     ``wg0_chunks`` (0..3, not with ``pair``): warpgroup 0 forms and reduces the last ``wg0_chunks`` dkv chunks
@@ -1065,8 +1067,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
         Probs: T.Tensor([NHB, Tq, Kp] if emit_probs else [1], f32),
         FixedSums: T.Tensor([N, dqk] if fixed_point else [1], T.int64),
         # "fixed": the power of two the values are scaled by and the limit; "contrib_i16": each contribution
-        # row's exponent bytes, one per block of 8 values (see dsa_red_tile)
-        # (per 4 values with ``pair``: each CTA of the pair stores half of every chunk)
+        # row's exponent bytes, one per block of 8 values (see dsa_red_tile; per 4 values with ``pair``: each CTA
+        # of the pair stores half of every chunk)
         Scales: T.Tensor([ND, dqk // (4 if pair else 8)], T.uint8) if det_out == "contrib_i16" else T.Tensor([2], f32),
     ):
         # head blocks fastest (see _body): one query row's CTAs reduce into the same dkv rows at the same time
@@ -1393,7 +1395,8 @@ def _program_key(cfg: dict, name: str) -> tuple:
         return "preprocess", _preprocess_args(cfg, name == "preprocess_det")
     if name == "reduce":  # with det_pair one contribution row per pair of head blocks, int16 blocks of 4 values
         nhb, pair = (cfg["heads"] + _BLOCK_H - 1) // _BLOCK_H, _det_pair(cfg, True)
-        return "reduce", (cfg["dqk"], nhb // 2 if pair else nhb, _contrib_dtype(cfg), 4 if pair else 8)
+        block = 4 if pair and _contrib_dtype(cfg) == "int16" else 8  # (no exponent bytes in the other dtypes)
+        return "reduce", (cfg["dqk"], nhb // 2 if pair else nhb, _contrib_dtype(cfg), block)
     if name not in BWD_PROGRAMS:
         raise ValueError(f"unknown backward program {name!r}; known: {BWD_PROGRAMS}")
     return _main_kernel(cfg, "_det" in name, name.endswith("_probs"))
@@ -1545,6 +1548,9 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
     kv2 = kv.reshape(N, Dqk).contiguous()
     o2 = out.reshape(T_, H, dv).contiguous()
     do2 = dout.reshape(T_, H, dv).contiguous()
+    if cfg["ws_tma_q"]:  # a TMA tensor's base must be 16-byte aligned (a contiguous view may start at any element)
+        q2 = q2 if q2.data_ptr() % 16 == 0 else q2.clone()
+        do2 = do2 if do2.data_ptr() % 16 == 0 else do2.clone()
     lse2_in = lse.reshape(T_, H).contiguous()
     idx = _prepare_indices(indices, Skv, BK)
 

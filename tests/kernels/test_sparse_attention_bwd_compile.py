@@ -160,6 +160,37 @@ def test_ws_pair_variant_exchanges_halves_in_a_cluster():
     assert "dsa_pair_send(" not in det.split("dsa_bwd_ws_kernel(", 1)[1]
 
 
+def test_det_pair_defaults_and_its_reduce():
+    """``det_pair`` (one contribution row per slot of a head-block pair): on where ws_pair can run (an even number of
+    head blocks, dqk == dv, the ws schedule) and off elsewhere; its reduce sums ncr = NHB / 2 rows per slot with
+    int16 blocks of 4 values (the other dtypes have no exponent bytes: the same program as unpaired, block 8)."""
+    v4 = {"heads": 128, "dqk": 512, "dv": 512, "has_sink": True, "dtype": "bfloat16"}
+    assert bwd._normalise_config(v4)["det_pair"] and bwd._normalise_config({**v4, "heads": 256})["det_pair"]
+    for other in ({"heads": 64}, {"heads": 192}, {"dqk": 576}, {"schedule": "plain"}, {"det_pair": False}):
+        assert not bwd._normalise_config({**v4, **other})["det_pair"], other
+    key = bwd._program_key
+    assert key(bwd._normalise_config(v4), "reduce") == ("reduce", (512, 1, "int16", 4))
+    assert key(bwd._normalise_config({**v4, "heads": 256}), "reduce") == ("reduce", (512, 2, "int16", 4))
+    assert key(bwd._normalise_config({**v4, "det_mode": "contrib_bf16"}), "reduce") == ("reduce", (512, 1, "bfloat16", 8))
+    assert key(bwd._normalise_config({**v4, "det_pair": False}), "reduce") == ("reduce", (512, 2, "int16", 8))
+    assert key(bwd._normalise_config({**v4, "heads": 64}), "reduce") == ("reduce", (512, 1, "int16", 8))
+    mla = bwd._normalise_config({**v4, "dqk": 576})
+    assert key(mla, "reduce") == ("reduce", (576, 2, "int16", 8)) and not mla["ws_tma_q"] and not mla["det_store_pred"]
+    plain = bwd._normalise_config({**v4, "schedule": "plain"})
+    assert not plain["ws_tma_q"] and not plain["det_store_pred"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
+def test_pair_reduce_reads_one_exponent_byte_per_4_columns():
+    """The det_pair reduce (int16 blocks of 4 values): a lane's 4 columns r * 128 + 4 lane .. + 3 take byte
+    r * 32 + lane of its row's dqk / 4 = 128 bytes."""
+    red = bwd.build_bwd_program({"heads": 128, "dqk": 512, "dv": 512, "has_sink": True, "dtype": "bfloat16"}, "reduce",
+                                target=SM90A).get_kernel_source()
+    assert "Exps[(((((int64_t)base) * (int64_t)128) + (((int64_t)r_1) * (int64_t)32)) + " \
+           "(((int64_t)((int)threadIdx.x)) & (int64_t)31))]" in red
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
 def test_ws_wg0_chunks_move_the_last_dkv_chunks_to_warpgroup_0():

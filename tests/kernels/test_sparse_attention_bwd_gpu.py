@@ -452,18 +452,23 @@ def test_ws_pair_sums_head_blocks_in_a_cluster(cfg, case):
     assert (pair[0][empty] == 0).all()
 
 
-@pytest.mark.parametrize("cfg", [CONFIGS[2], CONFIGS[4], (100, 512, 512, True, torch.bfloat16),
+@pytest.mark.parametrize("cfg", [CONFIGS[2], CONFIGS[4], (100, 512, 512, True, torch.bfloat16), CONFIGS[0], CONFIGS[1],
                                  (128, 576, 512, False, torch.float16)],
                          ids=lambda c: f"H{c[0]}-D{c[1]}-{str(c[4])[6:]}")
 @pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[5], BIG_CASES[0]], ids=lambda c: f"S{c[1]}K{c[3]}-{c[4]}")
 def test_ws_tma_q_matches_the_threads_copies(cfg, case):
-    """``ws_tma_q``: q and dout by TMA (heads past H outside the tensor: zeros, as the threads' copies write them).
-    dq and the head-summed probabilities bitwise those of the threads' copies, dkv up to the reduction order,
-    both modes; padded heads (H 16, 100), fp16, batches of two, empty rows."""
+    """``ws_tma_q`` (the D512 default): q and dout by TMA (heads past H outside the tensor: zeros, as the threads'
+    copies write them). dq and the head-summed probabilities bitwise those of the threads' copies, dkv up to the
+    reduction order, both modes; padded heads (H 16, 100), fp16, batches of two, empty rows, and q / dout views
+    that start off a 16-byte boundary (the wrapper copies them: a TMA tensor's base must be aligned)."""
     from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
 
     H, Dqk, Dv, has_sink, dtype = cfg
     q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=71)
+    if case is CASES[1]:  # the same values in views one element past an aligned base
+        q = torch.cat([q.new_zeros(1), q.flatten()])[1:].view(q.shape)
+        dout = torch.cat([dout.new_zeros(1), dout.flatten()])[1:].view(dout.shape)
+        assert q.data_ptr() % 16 and dout.data_ptr() % 16
     out64, lse64, dq_ref, dkv_ref, _ = _reference(q, kv, idx, dout, sink, scale, Dv)
     out, lse = out64.to(dtype), lse64.float()
     args = (q, kv, idx, out, lse, dout, scale)
@@ -512,6 +517,38 @@ def test_det_pair_stores_one_contribution_row_per_head_block_pair(det_mode, cfg,
     for _ in range(3):
         again = run(True)
         assert torch.equal(again[1], pair[1]) and torch.equal(again[0], pair[0])
+
+
+@pytest.mark.parametrize("det_mode", ["contrib_i16", "contrib_ws"])
+@pytest.mark.parametrize("case", [CASES[4], CASES[5], BIG_CASES[0]], ids=lambda c: f"S{c[1]}K{c[3]}-{c[4]}")
+def test_det_pair_stores_the_same_bits_without_predicated_stores(det_mode, case):
+    """The pair's half tiles stored with a branch around each store (``det_store_pred`` False) instead of the
+    predicate inside the asm: the same dkv bits, and a NaN in dout still reaches exactly the kv rows it reaches
+    in the atomic mode (that path stores zeros for a block that is not finite)."""
+    from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
+
+    cfg = CONFIGS[1]
+    H, Dqk, Dv, has_sink, dtype = cfg
+    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=73)
+    out64, lse64, *_ = _reference(q, kv, idx, dout, sink, scale, Dv)
+    out, lse = out64.to(dtype), lse64.float()
+
+    def run(d, pred):
+        return sparse_attention_bwd(q, kv, idx, out, lse, d, scale, sink=sink, dv=Dv, deterministic=True,
+                                    config={"det_mode": det_mode, "det_store_pred": pred})
+
+    a, b = run(dout, True), run(dout, False)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    if case is CASES[5]:
+        return
+    bad = dout.clone()
+    bad[0, 3, 0, 5] = float("nan")
+    atomic = sparse_attention_bwd(q, kv, idx, out, lse, bad, scale, sink=sink, dv=Dv)[1]
+    nan_rows = torch.isnan(atomic[0]).any(-1)
+    for pred in (True, False):
+        dkv = run(bad, pred)[1]
+        assert nan_rows.any() and torch.equal(torch.isnan(dkv[0]).any(-1), nan_rows)
+        assert torch.isfinite(dkv[0, ~nan_rows]).all()
 
 
 def test_det_pair_chunks_and_nan():
