@@ -378,6 +378,7 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
     NC = dv // DC
     NHB = (heads + BH - 1) // BH
     pad_h = heads % BH != 0
+    stage_q_dout, stage_lse_delta = _head_rows_macros(T, heads, dv, DT, BH)
 
     Tq = T.dynamic("Tq")
     N = T.dynamic("N")
@@ -457,15 +458,8 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
 
             h0 = hb * BH
             if pad_h:
-                for i, d in T.Parallel(BH, dv):
-                    q_s[i, d] = T.if_then_else(h0 + i < heads, Q[t, T.min(h0 + i, heads - 1), d], 0)
-                    do_s[i, d] = T.if_then_else(h0 + i < heads, dO[t, T.min(h0 + i, heads - 1), d], 0)
-                if DT > 0:
-                    for i, d in T.Parallel(BH, DT):
-                        qt_s[i, d] = T.if_then_else(h0 + i < heads, Q[t, T.min(h0 + i, heads - 1), dv + d], 0)
-                for i in T.Parallel(BH):
-                    lse_s[i] = T.if_then_else(h0 + i < heads, Lse2[t, T.min(h0 + i, heads - 1)], T.infinity(f32))
-                    delta_s[i] = T.if_then_else(h0 + i < heads, Delta[t, T.min(h0 + i, heads - 1)], 0)
+                stage_q_dout(Q, dO, t, h0, q_s, do_s, qt_s)
+                stage_lse_delta(Lse2, Delta, t, h0, lse_s, delta_s)
             else:
                 T.copy(Q[t, h0 : h0 + BH, 0:dv], q_s)
                 T.copy(dO[t, h0 : h0 + BH, 0:dv], do_s)
@@ -928,6 +922,29 @@ __device__ __forceinline__ void dsa_pair_finish(float* keep, void* dkv, const in
 _BAR_PDS_READY, _BAR_PDS_FREE, _BAR_KV_FREE, _BAR_WG0 = 15, 14, 13, 12
 
 
+def _head_rows_macros(T, heads: int, dv: int, DT: int, BH: int):
+    """Two T.macros that stage the rows of query ``t``'s heads h0 .. h0 + BH - 1 in shared memory by the threads:
+    q and dout (and q's K-only tail of DT columns), and lse' and Delta. Heads past ``heads`` read as zeros (lse'
+    +inf, so their P is 0). Both backward programs use them (the ws one where q and dout do not come by TMA)."""
+
+    @T.macro
+    def q_dout(Q, dO, t, h0, q_s, do_s, qt_s):
+        for i, d in T.Parallel(BH, dv):
+            q_s[i, d] = T.if_then_else(h0 + i < heads, Q[t, T.min(h0 + i, heads - 1), d], 0)
+            do_s[i, d] = T.if_then_else(h0 + i < heads, dO[t, T.min(h0 + i, heads - 1), d], 0)
+        if DT > 0:
+            for i, d in T.Parallel(BH, DT):
+                qt_s[i, d] = T.if_then_else(h0 + i < heads, Q[t, T.min(h0 + i, heads - 1), dv + d], 0)
+
+    @T.macro
+    def lse_delta(Lse2, Delta, t, h0, lse_s, delta_s):
+        for i in T.Parallel(BH):
+            lse_s[i] = T.if_then_else(h0 + i < heads, Lse2[t, T.min(h0 + i, heads - 1)], T.infinity(T.float32))
+            delta_s[i] = T.if_then_else(h0 + i < heads, Delta[t, T.min(h0 + i, heads - 1)], 0)
+
+    return q_dout, lse_delta
+
+
 def ws_pair_supported(heads: int, dqk: int, dv: int) -> bool:
     """The ws program's pair mode: head blocks in pairs, and the 16 KB of its exchange slots beside the
     D512 tiles (the 576-wide ones leave 3 KB)."""
@@ -1000,6 +1017,7 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     DQ0 = dv // 2  # dq columns of warpgroup 0; warpgroup 1 has [DQ0, dqk)
     NHB = (heads + BH - 1) // BH
     pad_h = heads % BH != 0
+    stage_q_dout, stage_lse_delta = _head_rows_macros(T, heads, dv, DT, BH)
     VEC = 8  # bf16 per 16-byte cp.async
     ROWS_PER_PASS = 16  # 8 threads per row, 128 threads
     passes = tuple(range(BK // ROWS_PER_PASS))
@@ -1114,15 +1132,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                 if T.shuffle_elect(256):
                     T.barrier_arrive(bar_q)
             else:
-                for i, d in T.Parallel(BH, dv):
-                    q_s[i, d] = T.if_then_else(h0 + i < heads, Q[t, T.min(h0 + i, heads - 1), d], 0)
-                    do_s[i, d] = T.if_then_else(h0 + i < heads, dO[t, T.min(h0 + i, heads - 1), d], 0)
-                if DT > 0:
-                    for i, d in T.Parallel(BH, DT):
-                        qt_s[i, d] = T.if_then_else(h0 + i < heads, Q[t, T.min(h0 + i, heads - 1), dv + d], 0)
-            for i in T.Parallel(BH):
-                lse_s[i] = T.if_then_else(h0 + i < heads, Lse2[t, T.min(h0 + i, heads - 1)], T.infinity(f32))
-                delta_s[i] = T.if_then_else(h0 + i < heads, Delta[t, T.min(h0 + i, heads - 1)], 0)
+                stage_q_dout(Q, dO, t, h0, q_s, do_s, qt_s)
+            stage_lse_delta(Lse2, Delta, t, h0, lse_s, delta_s)
             if pair:
                 if tx == 0:
                     T.call_extern("handle", "dsa_pair_init", T.address_of(bars_s[0]))
