@@ -55,6 +55,13 @@ KERNEL_GROUPS: dict[str, tuple[str, ...]] = {
 }
 
 
+def tma_operand(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous, copied when its base is not 16-byte aligned: a program that reads it by TMA needs that
+    (a contiguous view may start at any element of its storage)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def zeros_arg(n: int, dtype: torch.dtype, device) -> torch.Tensor:
     """A [n] zero tensor for a program argument the compiled variant does not read (or reads as
     zeros). Made per call, never cached: a tensor kept from a first call made inside

@@ -62,7 +62,7 @@ from torch import Tensor
 from ..common.indices import global_rows, row_blocks
 from ..common.settings import deterministic_mode, warn_once
 from ..common.validation import output_buffer
-from . import compiled_once, target_key, zeros_arg
+from . import compiled_once, target_key, tma_operand, zeros_arg
 from .cluster import CLUSTER_PRELUDE
 from . import fast_exp2 as _ex2
 from .row_scan import ROW_SCAN_PRELUDE
@@ -189,14 +189,14 @@ def _normalise_config(config: dict) -> dict:
     # On for D512 only. H100, B1 S4096 Skv8192, "contrib_i16": V4 H128 k1024 12.10 / 12.11 ms against 12.50 / 12.58
     # without, V4 H64 k512 3.60 / 3.60 against 3.67 / 3.70 (one process, two rounds); at 576/512 slower (MLA H64 /
     # H128 1.79 / 1.85x the atomic time against 1.77 / 1.78x, another run: its spills grow from 68 to 92 bytes)
+    pred = cfg.get("det_store_pred")
+    cfg["det_store_pred"] = bool(cfg["dqk"] == cfg["dv"] if pred is None else pred) and cfg["schedule"] == "ws"
     # ws_tma_q: the ws program's q and dout by TMA (see _ws_body). On for D512: H100, B1 S4096 Skv8192, one process,
     # two rounds against the threads' copies: V4 H64 k512 2.195 / 2.199 ms against 2.299 / 2.306 (1.05x), V4 H128
     # k1024 7.45 / 7.40 against 7.52 / 7.48 (1.01x); the 576-wide program spills more with it (120 against 100
     # bytes) and measured 0.99x (MLA H64 7.95 / 7.91 against 7.81 / 7.84; H128 and causal rows no better)
     tma = cfg.get("ws_tma_q")
     cfg["ws_tma_q"] = bool(cfg["dqk"] == cfg["dv"] if tma is None else tma) and cfg["schedule"] == "ws"
-    pred = cfg.get("det_store_pred")
-    cfg["det_store_pred"] = bool(cfg["dqk"] == cfg["dv"] if pred is None else pred) and cfg["schedule"] == "ws"
     # det_pair: the ws program's contribution modes with the two head blocks of a query row summed in a 2-CTA
     # cluster before storing (the exchange of ws_pair): one contribution row per slot of the pair, half the bytes
     # to store and to reduce. Where ws_pair can run (an even number of head blocks, dqk == dv); its deterministic
@@ -1058,9 +1058,13 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     def scales_ptr(Scales):
         return T.address_of(Scales[0, 0] if det_out == "contrib_i16" else Scales[0])
 
+    def contrib_row0(group, kb):
+        # the first contribution row of slot block kb of contribution group ``group`` (query row t's head block,
+        # t * NHB + hb, or its pair, t * NHB / 2 + hb / 2: one row per slot); none in the atomic modes
+        return (T.cast(group, T.int64) * Kp + kb * BK) if contrib else T.int64(0)
+
     def pair_row0(t, hb, kb):
-        # the contribution row of the pair's slot block kb (one row per slot of the pair; none in the atomic modes)
-        return (T.cast(t * (NHB // 2) + hb // 2, T.int64) * Kp + kb * BK) if contrib else T.int64(0)
+        return contrib_row0(t * (NHB // 2) + hb // 2, kb)
 
     @T.macro
     def reduce_chunk(ci, acc, kb, t, hb, dKV, Idx, FixedSums, Scales):
@@ -1068,7 +1072,7 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
         T.call_extern("handle", red_fn, acc.data, T.address_of(dKV[0, 0]),
                       T.address_of(Idx[t, 0]), kb * BK, dqk, chunks[ci][0],
                       T.address_of(FixedSums[0, 0] if fixed_point else FixedSums[0]),
-                      scales_ptr(Scales), (T.cast(t * NHB + hb, T.int64) * Kp + kb * BK) if contrib else T.int64(0))
+                      scales_ptr(Scales), contrib_row0(t * NHB + hb, kb))
 
     @T.prim_func
     def dsa_bwd_ws(
@@ -1559,9 +1563,8 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
     kv2 = kv.reshape(N, Dqk).contiguous()
     o2 = out.reshape(T_, H, dv).contiguous()
     do2 = dout.reshape(T_, H, dv).contiguous()
-    if cfg["ws_tma_q"]:  # a TMA tensor's base must be 16-byte aligned (a contiguous view may start at any element)
-        q2 = q2 if q2.data_ptr() % 16 == 0 else q2.clone()
-        do2 = do2 if do2.data_ptr() % 16 == 0 else do2.clone()
+    if cfg["ws_tma_q"]:
+        q2, do2 = tma_operand(q2), tma_operand(do2)
     lse2_in = lse.reshape(T_, H).contiguous()
     idx = _prepare_indices(indices, Skv, BK)
 
@@ -1661,8 +1664,9 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
     elif not deterministic:
         main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), blocks)
     else:  # the contribution modes: "contrib" (the plain program) and "contrib_ws"
-        _, (_, ncr, _, block) = _program_key(cfg, "reduce")  # ncr contribution rows per slot
-        red = _get("reduce", target, Dqk, ncr, _contrib_dtype(cfg), block)
+        _, red_args = _program_key(cfg, "reduce")
+        red = _get("reduce", target, *red_args)
+        ncr, block = red_args[1], red_args[3]  # contribution rows per slot, values per exponent byte
         cdt = getattr(torch, _contrib_dtype(cfg))
         per_row = ncr * Kp * (Dqk * cdt.itemsize + (Dqk // block if cdt == torch.int16 else 0))  # with the exponents
         chunk = max(1, min(T_, _DET_BUDGET_BYTES // per_row))
