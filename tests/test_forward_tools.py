@@ -68,5 +68,5 @@ def test_trace_patches_apply_to_the_backward_source(fine):
     src = tool.traced_source(fine)
     compile(src, "traced_bwd.py", "exec")  # still Python
     assert src.count('"dsa_lap"') == (12 if fine else 10) and "Trace: T.Tensor([NHB * Tq, 16], T.int64)" in src
-    assert "*_no_fixed_point(dev), TRACE[0])" in src and len(tool.PHASES) == 8
+    assert "*_no_fixed_point(dev), TRACE[0],\n" in src and len(tool.PHASES) == 8
     assert ("Trace[bx, 13] = tr[11]" in src) == fine

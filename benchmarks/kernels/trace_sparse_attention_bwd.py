@@ -126,7 +126,8 @@ def traced_source(fine: bool = False) -> str:
                  "                    Trace[bx, 10] = n_blocks\n"
                  '                    Trace[bx, 11] = T.call_extern(i32, "dsa_smid")\n'
                  + ("                    Trace[bx, 12] = tr[10]\n                    Trace[bx, 13] = tr[11]\n" if fine else ""))
-    s = _replace(s, "*_no_fixed_point(dev))\n", "*_no_fixed_point(dev), TRACE[0])\n")
+    call = "*_no_fixed_point(dev),\n             *fused)\n"  # the atomic launch: Trace sits before out, lse and sink
+    s = _replace(s, call, call.replace("(dev),", "(dev), TRACE[0],"))
     return s
 
 

@@ -55,9 +55,10 @@ KERNEL_GROUPS: dict[str, tuple[str, ...]] = {
 }
 
 
-def tma_operand(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous, copied when its base is not 16-byte aligned: a program that reads it by TMA needs that
-    (a contiguous view may start at any element of its storage)."""
+def aligned_operand(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous, copied when its base is not 16-byte aligned: the programs read their operands by TMA,
+    cp.async and 16-byte vector loads, which need that (a contiguous view may start at any element of its
+    storage)."""
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
 

@@ -62,7 +62,7 @@ from torch import Tensor
 from ..common.indices import global_rows, row_blocks
 from ..common.settings import deterministic_mode, warn_once
 from ..common.validation import output_buffer
-from . import compiled_once, target_key, tma_operand, zeros_arg
+from . import aligned_operand, compiled_once, target_key, zeros_arg
 from .cluster import CLUSTER_PRELUDE
 from . import fast_exp2 as _ex2
 from .row_scan import ROW_SCAN_PRELUDE
@@ -98,7 +98,7 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
 
 _TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep",
                 "schedule", "ws_prefetch", "ws_dq_rs", "ws_pair", "ws_wg0_chunks", "ws_auto_sync", "det_mode",
-                "fast_exp2", "det_store_pred", "det_pair", "ws_tma_q")
+                "fast_exp2", "det_store_pred", "det_pair", "ws_tma_q", "ws_fused_pre")
 _DET_MODES = ("contrib", "contrib_ws", "contrib_bf16", "contrib_i16", "fixed")
 # the modes whose contribution rows the ws program stores
 _CONTRIB_WS_MODES = ("contrib_ws", "contrib_bf16", "contrib_i16")
@@ -197,6 +197,15 @@ def _normalise_config(config: dict) -> dict:
     # bytes) and measured 0.99x (MLA H64 7.95 / 7.91 against 7.81 / 7.84; H128 and causal rows no better)
     tma = cfg.get("ws_tma_q")
     cfg["ws_tma_q"] = bool(cfg["dqk"] == cfg["dv"] if tma is None else tma) and cfg["schedule"] == "ws"
+    # ws_fused_pre: the ws program forms lse' and Delta = rowsum(out * dout) itself instead of a preprocess pass
+    # over out and dout before it (see _ws_body; not with det_mode "fixed", whose preprocess also takes maxima).
+    # H100, B1 S4096 Skv8192, one process, two rounds, against the preprocess (0.19 ms at H64, 0.37 at H128): MLA H64
+    # 7.80 / 7.77 ms against 7.85 / 7.85, MLA H128 15.48 / 15.54 against 15.64 / 16.63, V4 H128 7.39 / 7.32 against
+    # 7.39 / 7.42, V4 H64 2.147 / 2.168 against 2.199 / 2.211, MLA H64 causal 6.08 / 6.33 against 6.65 / 6.67;
+    # deterministic V4 H128 11.28 against 11.75. At D512 the program itself takes 0.1-0.2 ms longer (its first dS
+    # waits for Delta, whose out rows share the CTA's start with q and dout)
+    fused = cfg.get("ws_fused_pre")
+    cfg["ws_fused_pre"] = bool(True if fused is None else fused) and cfg["schedule"] == "ws"
     # det_pair: the ws program's contribution modes with the two head blocks of a query row summed in a 2-CTA
     # cluster before storing (the exchange of ws_pair): one contribution row per slot of the pair, half the bytes
     # to store and to reduce. Where ws_pair can run (an even number of head blocks, dqk == dv); its deterministic
@@ -247,6 +256,15 @@ def _normalise_config(config: dict) -> dict:
 
 
 _PRE_BLOCK_H, _PRE_THREADS = 16, 128  # the preprocess's heads per CTA and threads
+
+
+def _lse2(T, lse, sink=None):
+    """lse' (base 2, the sink's logit ``sink`` folded in where given) from a row's natural-log ``lse``; +inf
+    (an empty row) stays +inf. The preprocess and the ws program's ``fused_pre`` both take it from here."""
+    if sink is None:
+        return lse * _LOG2E
+    m = T.max(lse, sink)
+    return T.if_then_else(lse == T.infinity(T.float32), lse, (m + T.log(T.exp(lse - m) + T.exp(sink - m))) * _LOG2E)
 
 
 def _preprocess_args(cfg: dict, maxima: bool) -> tuple:
@@ -319,16 +337,7 @@ def _preprocess_body(heads, dv, has_sink, dtype, maxima_dqk=0, block_h=_PRE_BLOC
                     lse = Lse[t, h]
                     # an empty row (lse +inf) gives nothing back, whatever dout carries (NaN included)
                     Delta[t, h] = T.if_then_else(lse == T.infinity(f32), 0.0, dsum[i])
-                    if has_sink:
-                        z = Sink[h]
-                        m = T.max(lse, z)
-                        Lse2[t, h] = T.if_then_else(
-                            lse == T.infinity(f32),
-                            lse,
-                            (m + T.log(T.exp(lse - m) + T.exp(z - m))) * _LOG2E,
-                        )
-                    else:
-                        Lse2[t, h] = lse * _LOG2E
+                    Lse2[t, h] = _lse2(T, lse, Sink[h] if has_sink else None)
 
     return dsa_bwd_preprocess
 
@@ -919,7 +928,7 @@ __device__ __forceinline__ void dsa_pair_finish(float* keep, void* dkv, const in
 """
 
 # named barriers of the ws program (bar ids; TileLang numbers its own from 1 upwards per thread range)
-_BAR_PDS_READY, _BAR_PDS_FREE, _BAR_KV_FREE, _BAR_WG0 = 15, 14, 13, 12
+_BAR_PDS_READY, _BAR_PDS_FREE, _BAR_KV_FREE, _BAR_WG0, _BAR_DELTA = 15, 14, 13, 12, 11
 
 
 def _head_rows_macros(T, heads: int, dv: int, DT: int, BH: int):
@@ -945,6 +954,20 @@ def _head_rows_macros(T, heads: int, dv: int, DT: int, BH: int):
     return q_dout, lse_delta
 
 
+def _lse_macro(T, heads: int, has_sink: bool, BH: int):
+    """A T.macro that stages lse' of query ``t``'s heads h0 .. h0 + BH - 1 in shared memory from the natural-log
+    Lse (and Sink), as the preprocess computes it (padded heads: +inf)."""
+
+    @T.macro
+    def lse(Lse, Sink, t, h0, lse_s):
+        for i in T.Parallel(BH):
+            h = T.min(h0 + i, heads - 1)
+            lse_s[i] = T.if_then_else(h0 + i < heads, _lse2(T, Lse[t, h], Sink[h] if has_sink else None),
+                                      T.infinity(T.float32))
+
+    return lse
+
+
 def ws_pair_supported(heads: int, dqk: int, dv: int) -> bool:
     """The ws program's pair mode: head blocks in pairs, and the 16 KB of its exchange slots beside the
     D512 tiles (the 576-wide ones leave 3 KB)."""
@@ -958,7 +981,7 @@ def ws_supported(dqk: int, dv: int) -> bool:
 
 def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, emit_probs=False, l2_keep=False,
              det_out=None, pair=False, skip_tail=False, wg0_chunks=0, fast_exp2=False,
-             det_store_pred=False, tma_q=False, auto_sync=True):
+             det_store_pred=False, tma_q=False, fused_pre=False, has_sink=False, auto_sync=True):
     """Main backward program, warp-specialised (256 threads, one CTA per query row and 64 heads).
 
     Warpgroup 0 gathers the selected kv rows (predicated cp.async, invalid slots zero-filled),
@@ -1002,6 +1025,11 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     ``tma_q``: q and dout come in by TMA (one thread issues them on an mbarrier; rows past ``heads`` fall outside
     the tensor and read as zeros) while the CTA scans its row and gathers its first block; each warpgroup waits
     for them before its first MMA that reads them.
+    ``fused_pre``: the program does the preprocess's work itself (no separate pass over out and dout): every
+    thread takes lse' of its heads from Lse (natural log) and, ``has_sink``, Sink; warpgroup 1, idle until the
+    first P and dS, loads the heads' rows of O into registers (half of them at the start, beside q and dout) and
+    forms Delta = rowsum(out * dout) with dout in shared memory; warpgroup 0 waits for it before its first dS.
+    Lse2 and Delta are then outputs (the sink's gradient reads them), written by the CTA of each head block.
     ``auto_sync`` is not read here: the factory that compiles the program (``_jit_factories``: "ws" or
     "ws_nosync") sets whether TileLang adds its automatic syncs; as an argument it keeps the two apart in the
     caches."""
@@ -1018,6 +1046,10 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     NHB = (heads + BH - 1) // BH
     pad_h = heads % BH != 0
     stage_q_dout, stage_lse_delta = _head_rows_macros(T, heads, dv, DT, BH)
+    stage_lse = _lse_macro(T, heads, has_sink, BH)
+    DCH = 128  # fused_pre: out's columns per fragment (32 registers a thread; the fp32 products 64)
+    o_chunks = tuple(range(dv // DCH))  # a tuple: unrolled while the program is built
+    O_EARLY = 2  # out's fragments loaded at the CTA's start (all four: 128 registers held there, 120-290 bytes spilled)
     VEC = 8  # bf16 per 16-byte cp.async
     ROWS_PER_PASS = 16  # 8 threads per row, 128 threads
     passes = tuple(range(BK // ROWS_PER_PASS))
@@ -1092,6 +1124,10 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
         # row's exponent bytes, one per block of 8 values (see dsa_red_tile; per 4 values with ``pair``: each CTA
         # of the pair stores half of every chunk)
         Scales: T.Tensor([ND, dqk // (4 if pair else 8)], T.uint8) if det_out == "contrib_i16" else T.Tensor([2], f32),
+        # fused_pre: the forward's output, its lse (natural log, sink excluded) and the sink logits
+        O: T.Tensor([Tq, heads, dv] if fused_pre else [1], dt),
+        Lse: T.Tensor([Tq, heads] if fused_pre else [1], f32),
+        Sink: T.Tensor([heads] if fused_pre and has_sink else [1], f32),
     ):
         # head blocks fastest (see _body): one query row's CTAs reduce into the same dkv rows at the same time
         with TC.Kernel(NHB * Tq, threads=256, prelude=_WS_PRELUDE, cluster_dims=(2, 1, 1) if pair else None) as bx:
@@ -1121,6 +1157,10 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
             bars_s = T.alloc_shared([4], T.uint64) if pair else None
             keep = T.alloc_local([16], f32) if pair else None  # this CTA's half of the chunk in flight
             bar_q = T.alloc_barrier(1) if tma_q else None
+            # fused_pre: warpgroup 1's out columns, its running out * dout products, their row sums
+            o_raw = [T.alloc_fragment([BH, DCH], dt) for _ in o_chunks] if fused_pre else None
+            o_acc = T.alloc_fragment([BH, DCH], f32) if fused_pre else None
+            o_sum = T.alloc_fragment([BH], f32) if fused_pre else None
 
             tx = T.get_thread_binding()
             h0 = hb * BH
@@ -1137,7 +1177,14 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                     T.barrier_arrive(bar_q)
             else:
                 stage_q_dout(Q, dO, t, h0, q_s, do_s, qt_s)
-            stage_lse_delta(Lse2, Delta, t, h0, lse_s, delta_s)
+            if fused_pre:
+                if tx >= 128:  # warpgroup 1 loads out's first columns now: in flight beside q and dout
+                    for c in o_chunks[:O_EARLY]:
+                        for i, d in T.Parallel(BH, DCH):
+                            o_raw[c][i, d] = O[t, T.min(h0 + i, heads - 1), c * DCH + d]
+                stage_lse(Lse, Sink, t, h0, lse_s)
+            else:
+                stage_lse_delta(Lse2, Delta, t, h0, lse_s, delta_s)
             if pair:
                 if tx == 0:
                     T.call_extern("handle", "dsa_pair_init", T.address_of(bars_s[0]))
@@ -1160,6 +1207,9 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                 if prefetch:
                     for r in passes:
                         idx_reg[r] = Idx[t, r * ROWS_PER_PASS + tx // 8]
+                if fused_pre and skip_tail:
+                    if n_blocks == 0:  # a row without a valid slot: Delta's barrier is still taken once
+                        T.sync_threads(_BAR_DELTA, 256)
                 for kb in T.serial(n_blocks):
                     if kb > 0:
                         T.sync_threads(_BAR_KV_FREE, 256)  # warpgroup 1 has read the previous kv block
@@ -1210,6 +1260,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                         for r in T.Parallel(BK):
                             Probs[hb, t, kb * BK + r] = psum_f[r]
                     T.wait_wgmma(0)
+                    if fused_pre and kb == 0:
+                        T.sync_threads(_BAR_DELTA, 256)  # warpgroup 1 has formed Delta
                     for i, r in T.Parallel(BH, BK):
                         acc_dp[i, r] = T.if_then_else(
                             (valid_s[r] != 0) if prefetch else (Idx[t, kb * BK + r] >= 0),
@@ -1250,11 +1302,32 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                     if h0 + i < heads:
                         dQ[t, h0 + i, d] = acc_dq0[i, d]
             else:
+                if fused_pre:
+                    # Delta = rowsum(out * dout) in fp32 while warpgroup 0 gathers and scores the first block: out's
+                    # other columns, then the products with dout's summed per thread and across the threads of each
+                    # row; an empty row (lse' +inf) gets 0, whatever dout holds
+                    for c in o_chunks[O_EARLY:]:
+                        for i, d in T.Parallel(BH, DCH):
+                            o_raw[c][i, d] = O[t, T.min(h0 + i, heads - 1), c * DCH + d]
+                    if tma_q:
+                        T.mbarrier_wait_parity(bar_q, 0)
+                    T.clear(o_acc)
+                    for c in o_chunks:
+                        for i, d in T.Parallel(BH, DCH):
+                            o_acc[i, d] += T.if_then_else(h0 + i < heads, T.cast(o_raw[c][i, d], f32), 0.0) * T.cast(
+                                do_s[i, c * DCH + d], f32)
+                    T.reduce_sum(o_acc, o_sum, dim=1)
+                    for i in T.Parallel(BH):
+                        delta_s[i] = T.if_then_else(lse_s[i] == T.infinity(f32), 0.0, o_sum[i])
+                        if h0 + i < heads:
+                            Delta[t, h0 + i] = T.if_then_else(lse_s[i] == T.infinity(f32), 0.0, o_sum[i])
+                            Lse2[t, h0 + i] = lse_s[i]
+                    T.named_barrier_arrive(_BAR_DELTA, 256)
+                elif tma_q:
+                    T.mbarrier_wait_parity(bar_q, 0)
                 T.clear(acc_dq1)
                 if DT > 0:
                     T.clear(acc_dqt)
-                if tma_q:
-                    T.mbarrier_wait_parity(bar_q, 0)
                 for kb in T.serial(n_blocks):
                     T.sync_threads(_BAR_PDS_READY, 256)
                     T.wgmma_gemm(ds_s, kv_s[:, DQ0:dv], acc_dq1)
@@ -1375,6 +1448,11 @@ def _det_pair(cfg: dict, deterministic: bool) -> bool:
     return deterministic and cfg["det_pair"] and cfg["det_mode"] in _CONTRIB_WS_MODES and cfg["store_dkv"]
 
 
+def _fused_pre(cfg: dict, deterministic: bool) -> bool:
+    """Whether the ws program forms lse' and Delta itself (no preprocess launch before it)."""
+    return cfg["ws_fused_pre"] and _uses_ws(cfg, deterministic) and not (deterministic and cfg["det_mode"] == "fixed")
+
+
 def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tuple:
     """(program kind, compile args) of the main kernel the wrapper launches."""
     if _uses_ws(cfg, deterministic):
@@ -1385,7 +1463,8 @@ def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tu
                       0 if pair else cfg["ws_wg0_chunks"],  # the pair's exchange stays in warpgroup 1
                       cfg["fast_exp2"],
                       cfg["det_store_pred"] and deterministic and cfg["det_mode"] in _CONTRIB_WS_MODES,
-                      cfg["ws_tma_q"],
+                      cfg["ws_tma_q"], _fused_pre(cfg, deterministic),
+                      cfg["has_sink"] and _fused_pre(cfg, deterministic),
                       # the head-summed P's cross-warp sums and the pair's exchange need TileLang's syncs
                       cfg["ws_auto_sync"] or bool(emit_probs) or pair)
     return "main", _main_args(cfg, deterministic, emit_probs)
@@ -1427,8 +1506,10 @@ def bwd_program_names(config: dict) -> tuple:
     """The programs of :data:`BWD_PROGRAMS` that ``config`` runs (the reduce only with the contribution
     modes, the preprocess with maxima only with "fixed")."""
     cfg = _normalise_config(config)
-    skip = "reduce" if cfg["det_mode"] == "fixed" else "preprocess_det"
-    return tuple(n for n in BWD_PROGRAMS if n != skip)
+    skip = {"reduce" if cfg["det_mode"] == "fixed" else "preprocess_det"}
+    if _fused_pre(cfg, False) and _fused_pre(cfg, True):  # no program of this config launches the preprocess
+        skip.add("preprocess")
+    return tuple(n for n in BWD_PROGRAMS if n not in skip)
 
 
 def build_bwd_kernels(config: dict, target="auto") -> dict:
@@ -1559,12 +1640,11 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
     T_ = B * S
     N = B * Skv
 
-    q2 = q.reshape(T_, H, Dqk).contiguous()
-    kv2 = kv.reshape(N, Dqk).contiguous()
-    o2 = out.reshape(T_, H, dv).contiguous()
-    do2 = dout.reshape(T_, H, dv).contiguous()
-    if cfg["ws_tma_q"]:
-        q2, do2 = tma_operand(q2), tma_operand(do2)
+    # 16-byte vector loads, cp.async gathers and TMA: aligned bases (a misaligned view is copied)
+    q2 = aligned_operand(q.reshape(T_, H, Dqk))
+    kv2 = aligned_operand(kv.reshape(N, Dqk))
+    o2 = aligned_operand(out.reshape(T_, H, dv))
+    do2 = aligned_operand(dout.reshape(T_, H, dv))
     lse2_in = lse.reshape(T_, H).contiguous()
     idx = _prepare_indices(indices, Skv, BK)
 
@@ -1637,14 +1717,19 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
     Kp = idx.shape[1]
     kind, args = _main_kernel(cfg, deterministic, return_probs)
     fixed = deterministic and cfg["det_mode"] == "fixed"
-    pre = _get("preprocess", target, *_preprocess_args(cfg, fixed))
     delta = torch.empty(T_, H, device=dev, dtype=torch.float32)
     lse2 = torch.empty(T_, H, device=dev, dtype=torch.float32)
     sink_arg = sink if sink is not None else torch.zeros(H, device=dev, dtype=torch.float32)
-    maxima_shape = ((T_ if fixed else 1), (H + _PRE_BLOCK_H - 1) // _PRE_BLOCK_H, _PRE_THREADS, 3)
-    maxima = torch.empty(maxima_shape, device=dev, dtype=torch.float32)
-    q_arg = q2 if fixed else torch.empty(1, H, 1, device=dev, dtype=q2.dtype)  # placeholder: not read
-    pre(o2, do2, lse2_in, sink_arg, delta, lse2, q_arg, maxima)
+    fuse = _fused_pre(cfg, deterministic)
+    if fuse:  # the ws program writes delta and lse2 itself
+        fused = (o2, lse2_in, sink_arg if sink is not None else zeros_arg(1, torch.float32, dev))
+    else:
+        pre = _get("preprocess", target, *_preprocess_args(cfg, fixed))
+        maxima_shape = ((T_ if fixed else 1), (H + _PRE_BLOCK_H - 1) // _PRE_BLOCK_H, _PRE_THREADS, 3)
+        maxima = torch.empty(maxima_shape, device=dev, dtype=torch.float32)
+        q_arg = q2 if fixed else torch.empty(1, H, 1, device=dev, dtype=q2.dtype)  # placeholder: not read
+        pre(o2, do2, lse2_in, sink_arg, delta, lse2, q_arg, maxima)
+        fused = (zeros_arg(1, q2.dtype, dev), zeros_arg(1, torch.float32, dev), zeros_arg(1, torch.float32, dev))
 
     s = float(scale)
     main = _get(kind, target, *args)
@@ -1657,10 +1742,11 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
     if fixed:
         fix, unfix = _fixed_point_scale(maxima, kv2, idx, N, H, dv, s)
         sums = torch.zeros(N, Dqk, device=dev, dtype=torch.int64)
-        main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), sums, fix)
+        main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), sums, fix, *fused)
         dkv.add_((sums.to(torch.float64) * unfix).to(torch.float32))
     elif kind == "ws" and not deterministic:
-        main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), *_no_fixed_point(dev))
+        main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), *_no_fixed_point(dev),
+             *fused)
     elif not deterministic:
         main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), blocks)
     else:  # the contribution modes: "contrib" (the plain program) and "contrib_ws"
@@ -1688,8 +1774,9 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
             try:
                 if kind == "ws":  # "contrib_ws" / "_bf16" / "_i16": the same contribution rows, from the ws program
                     sums, fix = _no_fixed_point(dev)
+                    chunk_fused = (fused[0][t0:t1], fused[1][t0:t1], fused[2]) if fuse else fused
                     main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1], cb, s,
-                         s * _LOG2E, _probs_arg(part, dev), sums, sb if cdt == torch.int16 else fix)
+                         s * _LOG2E, _probs_arg(part, dev), sums, sb if cdt == torch.int16 else fix, *chunk_fused)
                 else:
                     main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1],
                          cb.view(tc, nhb, Kp, Dqk), s, s * _LOG2E, _probs_arg(part, dev),

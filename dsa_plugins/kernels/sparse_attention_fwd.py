@@ -54,7 +54,7 @@ import torch
 from ..common.settings import decode_cluster_parts, decode_part_slots, logger
 from ..common.indices import as_int32
 from ..common.validation import check_scale, check_tensor, output_buffer
-from . import compiled_once, tma_operand, zeros_arg
+from . import aligned_operand, compiled_once, zeros_arg
 from .cluster import CLUSTER_PRELUDE
 from . import fast_exp2 as _ex2
 from .row_scan import row_blocks_cuda
@@ -1327,8 +1327,7 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
         raise ValueError("sparse_attention_fwd: tensors of 2**31 or more elements are not supported (int32 offsets)")
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     target = device_target(device_index)
-    q = tma_operand(q)
-    kv = kv.contiguous()
+    q, kv = aligned_operand(q), aligned_operand(kv)
     idx = as_int32(indices, kv.shape[1])
     if kp != k:
         idx = torch.nn.functional.pad(idx, (0, kp - k), value=-1)

@@ -1,6 +1,6 @@
 """CPU checks of the sparse attention backward: every shipped configuration compiles for sm_90a
-(preprocess, atomic and deterministic main programs, deterministic reduce), plus the pure-Python
-parts of the wrapper."""
+(atomic and deterministic main programs, deterministic reduce, the preprocess that the main programs now fold
+in), plus the pure-Python parts of the wrapper."""
 
 import importlib.util
 import logging
@@ -64,8 +64,13 @@ def test_shipped_config_compiles_for_sm90a(config, caplog):
         progs = bwd.build_bwd_kernels(config, target=SM90A)
     # every shipped shape runs the ws program in both modes: the deterministic one (default "contrib_i16")
     # stores int16 contribution rows, then the reduce sums them
-    assert set(progs) == {"preprocess", "main", "main_det", "main_probs", "main_det_probs", "reduce"}
-    assert "Maxima[" not in progs["preprocess"].get_kernel_source()
+    # the ws programs form lse' and Delta themselves (ws_fused_pre): no preprocess launch; it still compiles
+    assert set(progs) == {"main", "main_det", "main_probs", "main_det_probs", "reduce"}
+    assert "Maxima[" not in bwd.build_bwd_program(config, "preprocess", target=SM90A).get_kernel_source()
+    for name in ("main", "main_det", "main_probs", "main_det_probs"):
+        fused = progs[name].get_kernel_source()
+        # warpgroup 1 writes Delta and lse' and hands Delta to warpgroup 0 over its own barrier
+        assert "Delta[" in fused and "Lse2[" in fused and "__named_barrier_arrive(11, 256)" in fused, name
     probs_src = progs["main_probs"].get_kernel_source()
     assert "dsa_red_tile<0>(" in probs_src and "Probs[" in probs_src  # the ws program with the head-summed P
     src = progs["main"].get_kernel_source()
@@ -404,7 +409,10 @@ def test_contribution_rows_from_the_ws_program_compile():
     """det_mode "contrib_ws" (not yet measured on a GPU): the ws program stores each valid slot's values in
     its own contribution row (streaming full-line stores, no reduction of any kind) for the reduce."""
     cfg = {"heads": 128, "dqk": 576, "dv": 512, "has_sink": False, "dtype": "bfloat16", "det_mode": "contrib_ws"}
-    assert bwd.bwd_program_names(cfg) == ("preprocess", "main", "main_probs", "main_det", "main_det_probs", "reduce")
+    assert bwd.bwd_program_names(cfg) == ("main", "main_probs", "main_det", "main_det_probs", "reduce")
+    # without ws_fused_pre (or with det_mode "contrib", whose plain program reads Delta) the preprocess runs
+    assert bwd.bwd_program_names({**cfg, "ws_fused_pre": False})[0] == "preprocess"
+    assert bwd.bwd_program_names({**cfg, "det_mode": "contrib"})[0] == "preprocess"
     for name in ("main_det", "main_det_probs"):
         det = bwd.build_bwd_program(cfg, name, target=SM90A).get_kernel_source()
         assert "dsa_red_tile<3>(" in det and "dsa_red_tile<0>(" not in det and "__named_barrier_arrive" in det

@@ -392,7 +392,9 @@ def test_ws_schedule_agrees_with_the_plain_program(cfg, case):
     q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=31)
     out64, lse64, dq_ref, dkv_ref, _ = _reference(q, kv, idx, dout, sink, scale, Dv)
     out, lse = out64.to(dtype), lse64.float()
-    ws = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv, config={"schedule": "ws"})
+    # the preprocess's Delta on both sides (ws_fused_pre's own test compares the fused one)
+    ws = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv,
+                              config={"schedule": "ws", "ws_fused_pre": False})
     plain = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=sink, dv=Dv, config={"schedule": "plain"})
     assert not ws[0].isnan().any() and not ws[1].isnan().any()
     assert _rel(ws[0], plain[0]) < 5e-3 and _rel(ws[1], plain[1]) < 1e-5
@@ -481,6 +483,59 @@ def test_ws_tma_q_matches_the_threads_copies(cfg, case):
         assert torch.equal(tma[1], thr[1]) if det else _rel(tma[1], thr[1]) < 1e-5
         g_dq, g_dkv, _ = _given_inputs_grads(q, kv, idx, out, lse, dout, scale, sink, Dv)
         assert _err(tma[0], dq_ref, g_dq) < TOL and _err(tma[1], dkv_ref, g_dkv) < TOL
+
+
+@pytest.mark.parametrize("cfg", [CONFIGS[2], CONFIGS[4], (100, 512, 512, True, torch.bfloat16), CONFIGS[0], CONFIGS[1],
+                                 (128, 576, 512, False, torch.float16), (20, 512, 512, False, torch.bfloat16)],
+                         ids=lambda c: f"H{c[0]}-D{c[1]}-{'sink' if c[3] else 'nosink'}-{str(c[4])[6:]}")
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[4], CASES[5], BIG_CASES[0],
+                                  (2, 150, 400, 130, "causal", "normal")],
+                         ids=lambda c: f"S{c[1]}K{c[3]}-{c[4]}-{c[5]}")
+def test_ws_fused_pre_matches_the_preprocess(cfg, case):
+    """``ws_fused_pre`` (the ws program's default): lse' and Delta formed inside the program, not by the
+    preprocess. Delta is summed in another order, so dq and dkv agree with the preprocess's to rounding (a dS
+    may round to the next bf16): as close to float64 as they are; dsink within fp32 rounding; the atomic, deterministic
+    and head-summed-P programs; padded heads (H 20, 100), fp16, empty rows (Delta 0 whatever dout holds), rows
+    whose slots are all invalid (a walk of no block), misaligned out / kv views, with and without the sink."""
+    from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
+
+    H, Dqk, Dv, has_sink, dtype = cfg
+    if case[4] == "causal":
+        q, kv, _, dout, sink, scale = _inputs(cfg, (2, 150, 400, 130, "valid", "normal"), seed=83)
+        idx = _causal_rows(torch.Generator(device="cuda").manual_seed(84), 2, 150, 130, 400)
+    else:
+        q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=83)
+    out64, lse64, dq_ref, dkv_ref, dsink_ref = _reference(q, kv, idx, dout, sink, scale, Dv)
+    out, lse = out64.to(dtype), lse64.float()
+    if case is CASES[1]:  # out and kv as views one element past an aligned base (the wrapper copies them)
+        out = torch.cat([out.new_zeros(1), out.flatten()])[1:].view(out.shape)
+        kv = torch.cat([kv.new_zeros(1), kv.flatten()])[1:].view(kv.shape)
+        assert out.data_ptr() % 16 and kv.data_ptr() % 16
+    empty = ~((idx >= 0) & (idx < kv.shape[1])).any(-1)
+    dout = dout.clone()
+    dout[empty] = float("nan")  # an empty row's Delta is 0 whatever dout holds
+    args = (q, kv, idx, out, lse, dout, scale)
+    g_dq, g_dkv, g_dsink = _given_inputs_grads(*args[:5], dout.nan_to_num(0.0), scale, sink, Dv)
+    for det in (False, True):
+        fused = sparse_attention_bwd(*args, sink=sink, dv=Dv, deterministic=det, return_probs=True,
+                                     config={"ws_fused_pre": True})
+        pre = sparse_attention_bwd(*args, sink=sink, dv=Dv, deterministic=det, return_probs=True,
+                                   config={"ws_fused_pre": False})
+        for a, b in zip(fused, pre):
+            if a is not None:
+                assert not a.isnan().any()
+        assert torch.equal(fused[3], pre[3])  # P does not read Delta
+        # as close to float64 as the preprocess's (where dq cancels to rounding size, e.g. one valid key and a
+        # negligible sink, the two differ relatively by 10-20%: each is rounding noise)
+        for got, ref, given, base in ((fused[0], dq_ref, g_dq, pre[0]), (fused[1], dkv_ref, g_dkv, pre[1])):
+            err = _err(got, ref, given)
+            assert err < TOL and err <= 1.5 * _err(base, ref, given) + 1e-3
+        assert (fused[0][empty] == 0).all()
+        if sink is not None:
+            assert _rel(fused[2], pre[2]) < 1e-5 and _err(fused[2], dsink_ref, g_dsink) < TOL
+        if det:  # bitwise reproducible
+            again = sparse_attention_bwd(*args, sink=sink, dv=Dv, deterministic=True, config={"ws_fused_pre": True})
+            assert all(torch.equal(a, b) for a, b in zip(again, fused[:3]) if a is not None)
 
 
 @pytest.mark.parametrize("det_mode", ["contrib_i16", "contrib_bf16", "contrib_ws"])
