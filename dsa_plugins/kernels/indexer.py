@@ -55,7 +55,7 @@ import threading
 import numpy as np
 
 from . import topk as _topk
-from . import announce_compile
+from . import aligned_operand, announce_compile
 
 logger = logging.getLogger("dsa_plugins")
 
@@ -582,7 +582,7 @@ class _Plan:
                 if index_k_scale.shape[0] != Tk or index_k_scale.device != self.device:
                     raise ValueError(f"index_k_scale must be [{Tk}] on {self.device}, got {tuple(index_k_scale.shape)} "
                                      f"on {index_k_scale.device}")
-                self.k_scale = index_k_scale.contiguous()
+                self.k_scale = aligned_operand(index_k_scale)
                 if self.k_scale.data_ptr() % 16:  # the program loads it with TMA: 16-byte aligned
                     self.k_scale = self.k_scale.clone()
         elif index_k_scale is not None:
@@ -598,9 +598,10 @@ class _Plan:
         self.cfg = cfg
         bq, bk = cfg["block_q"], cfg["block_k"]
         self.bq, self.bk = bq, bk
-        self.q = index_q.contiguous().view(Tq * Hi, Di)
-        self.k = index_k.contiguous()
-        self.w = weights.float().contiguous()
+        # aligned bases: the programs read them by TMA and vector loads (a misaligned view is copied)
+        self.q = aligned_operand(index_q).view(Tq * Hi, Di)
+        self.k = aligned_operand(index_k)
+        self.w = aligned_operand(weights.float())
         self.chunks = []
         nqb = (Tq + bq - 1) // bq
         self.ks = torch.empty(Tq, dtype=torch.int32, device=self.device)  # windows relative to base

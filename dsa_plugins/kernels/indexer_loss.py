@@ -51,7 +51,7 @@ import torch
 
 from ..common.settings import logger
 from ..common.indices import as_int32
-from . import announce_compile, target_key, zeros_arg
+from . import aligned_operand, announce_compile, target_key, zeros_arg
 from .contrib_reduce import DET_BUDGET_BYTES, build_reduce, slot_order_async
 
 __all__ = [
@@ -1015,8 +1015,8 @@ def _check(name, t, dtypes, ndim, device=None):
 def _pad_heads(index_q, weights, hp: int = 64):
     """index_q and fp32 weights padded to ``hp`` heads (zero queries and weights: they add nothing)."""
     hi = index_q.shape[1]
-    iq = index_q.contiguous()
-    w = weights.float().contiguous()
+    iq = aligned_operand(index_q)
+    w = aligned_operand(weights.float())
     if hp != hi:
         iq = torch.nn.functional.pad(iq, (0, 0, 0, hp - hi))
         w = torch.nn.functional.pad(w, (0, hp - hi))
@@ -1096,11 +1096,11 @@ def _run_loss(index_q, index_k, weights, idx, probs, grad_rows, deterministic=Fa
         d_iq, d_w, g = iq, w, loss
     with torch.cuda.device(dev):
         if grads and deterministic:
-            _run_deterministic(iq, index_k.contiguous(), w, idx, probs.contiguous(), g, logits_ws, lse, psum,
+            _run_deterministic(iq, aligned_operand(index_k), w, idx, probs.contiguous(), g, logits_ws, lse, psum,
                                lse_given, loss, d_iq, d_w, d_ik)
         else:
             build_loss(di, grads, _device_target(dev), lse_given=lse_given)(
-                iq, index_k.contiguous(), w, idx, probs.contiguous(), g, logits_ws, lse, psum, loss, d_iq, d_w, d_ik)
+                iq, aligned_operand(index_k), w, idx, probs.contiguous(), g, logits_ws, lse, psum, loss, d_iq, d_w, d_ik)
     if not grads:
         return loss, None
     if hp != hi:
@@ -1213,7 +1213,7 @@ def _attention_target(q, kv, attn_lse, sink, scale, idx):
     and the sink (the attn_probs program's lse pass). Slots: idx [T, kp] int32 slot lists (kp a multiple of
     SLOT_STEP, -1 = none)."""
     dev = q.device
-    q, kv = q.contiguous(), kv.contiguous()
+    q, kv = aligned_operand(q), aligned_operand(kv)  # vector loads and TMA: aligned bases
     t, h, dqk = q.shape
     nhb = -(-h // BLOCK_H)
     lse_pass = attn_lse is None
@@ -1364,7 +1364,7 @@ def indexer_kl_loss_dense(index_q, index_k, weights, q, kv, attn_lse, key_start,
         raise ValueError("indexer_kl_loss_dense: tensors of 2**31 or more elements are not supported (int32 offsets)")
     hp = dense_index_heads(hi)
     iq, w, _ = _pad_heads(index_q, weights, hp)
-    ik, q, kv = index_k.contiguous(), q.contiguous(), kv.contiguous()
+    ik, q, kv = aligned_operand(index_k), aligned_operand(q), aligned_operand(kv)
     # windows clamped to the keys (int32 is then exact)
     ks = key_start.clamp(0, tk).to(torch.int32)
     ke = key_end.clamp(0, tk).to(torch.int32)

@@ -921,7 +921,7 @@ def topk_rows(scores, lengths, topk: int, *, config=None):
         if lengths.shape != (R,):
             raise ValueError(f"lengths must have shape [{R}], got {tuple(lengths.shape)}")
         ends = lengths.clamp(0, N).contiguous()
-    if N % 4 != 0 or not scores.is_contiguous():
+    if N % 4 != 0 or not scores.is_contiguous() or scores.data_ptr() % 16:  # rows read as float4
         n4 = (N + 3) // 4 * 4
         padded = torch.empty(R, n4, dtype=torch.float32, device=scores.device)
         padded[:, :N] = scores
