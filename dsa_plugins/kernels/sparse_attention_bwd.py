@@ -1506,8 +1506,10 @@ def bwd_program_names(config: dict) -> tuple:
     """The programs of :data:`BWD_PROGRAMS` that ``config`` runs (the reduce only with the contribution
     modes, the preprocess with maxima only with "fixed")."""
     cfg = _normalise_config(config)
-    skip = {"reduce" if cfg["det_mode"] == "fixed" else "preprocess_det"}
-    if _fused_pre(cfg, False) and _fused_pre(cfg, True):  # no program of this config launches the preprocess
+    fixed = cfg["det_mode"] == "fixed"
+    skip = {"reduce" if fixed else "preprocess_det"}
+    # the preprocess only where a program of this config does not form lse' and Delta itself ("fixed" has its own)
+    if _fused_pre(cfg, False) and (_fused_pre(cfg, True) or fixed):
         skip.add("preprocess")
     return tuple(n for n in BWD_PROGRAMS if n not in skip)
 
