@@ -227,8 +227,8 @@ def test_public_wrapper_and_float16():
 
 
 def test_misaligned_q_and_out_views():
-    """q and out are TMA tensors (16-byte aligned bases): views at an odd element offset give the same
-    bits as aligned tensors (q copied, out written through an aligned buffer)."""
+    """q and out are TMA tensors, kv is gathered by cp.async (16-byte aligned bases): views at an odd element
+    offset give the same bits as aligned tensors (q and kv copied, out written through an aligned buffer)."""
     from dsa_plugins.kernels.sparse_attention_fwd import sparse_attention_fwd
 
     gen = torch.Generator(device="cuda")
@@ -245,6 +245,10 @@ def test_misaligned_q_and_out_views():
     _, lse = sparse_attention_fwd(q_odd, kv, idx, 0.05, dv=dv, out=out_odd)
     assert torch.equal(out_odd, out_ref) and torch.equal(lse, lse_ref)
     assert out_buf[0].isnan()  # nothing written before the view
+    kv_odd = torch.cat([kv.new_zeros(1), kv.flatten()])[1:].view(kv.shape)
+    assert kv_odd.data_ptr() % 16
+    out_kv, lse_kv = sparse_attention_fwd(q_odd, kv_odd, idx, 0.05, dv=dv)
+    assert torch.equal(out_kv, out_ref) and torch.equal(lse_kv, lse_ref)
 
 
 def test_new_lengths_do_not_recompile():
