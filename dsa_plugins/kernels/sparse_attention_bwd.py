@@ -98,7 +98,7 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
 
 _TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep",
                 "schedule", "ws_prefetch", "ws_dq_rs", "ws_pair", "ws_wg0_chunks", "ws_auto_sync", "det_mode",
-                "fast_exp2", "det_store_pred", "det_pair", "ws_tma_q", "ws_fused_pre")
+                "fast_exp2", "det_store_pred", "det_pair", "ws_tma_q", "ws_fused_pre", "ws_dkv_perm")
 _DET_MODES = ("contrib", "contrib_ws", "contrib_bf16", "contrib_i16", "fixed")
 # the modes whose contribution rows the ws program stores
 _CONTRIB_WS_MODES = ("contrib_ws", "contrib_bf16", "contrib_i16")
@@ -206,6 +206,10 @@ def _normalise_config(config: dict) -> dict:
     # waits for Delta, whose out rows share the CTA's start with q and dout)
     fused = cfg.get("ws_fused_pre")
     cfg["ws_fused_pre"] = bool(True if fused is None else fused) and cfg["schedule"] == "ws"
+    # ws_dkv_perm: the atomic ws program adds into dkv with its columns permuted within groups of 16 (one register
+    # exchange per reduction instead of two, as cuDNN's sm90 backward does), the wrapper restores their order
+    # after (a copy of dkv). Off until measured on a GPU
+    cfg["ws_dkv_perm"] = bool(cfg.get("ws_dkv_perm", False)) and cfg["schedule"] == "ws"
     # det_pair: the ws program's contribution modes with the two head blocks of a query row summed in a 2-CTA
     # cluster before storing (the exchange of ws_pair): one contribution row per slot of the pair, half the bytes
     # to store and to reduce. Where ws_pair can run (an even number of head blocks, dqk == dv); its deterministic
@@ -747,11 +751,16 @@ __device__ __forceinline__ float2 dsa_i16_scale(unsigned int m) {
 // col0: kGroups 4 is a whole 64-column chunk, 2 the half a CTA of a pair reduces (dsa_pair_finish).
 // kPredStores (the contribution modes): see dsa_store_row4. In kMode 5 a half tile's block is the 4 values a lane
 // holds of a row (columns x..x+3, x = col0 + 16 gb + 8 odd + 4 (q >> 1)): exps[row, x / 4], ld / 4 bytes a row.
-template <int kMode, int kGroups = 4, bool kPredStores = false>
+// kPermCols (kMode 0 / 1, whole tiles): dkv's columns are permuted within each group of 16 (real column
+// 8 h + 2 q + e at 4 q + 2 h + e, see _dkv_cols_permuted): the 4 values a lane holds of a row and group (real
+// columns 2 q, 2 q + 1, 2 q + 8, 2 q + 9) are then 4 consecutive floats, so the first register exchange (lanes q
+// and q ^ 1) is not needed; the second still makes 8 lanes cover a row's 128-byte line.
+template <int kMode, int kGroups = 4, bool kPredStores = false, bool kPermCols = false>
 __device__ __forceinline__ void dsa_red_tile(const float* acc, void* dkv_raw, const int* row_slots, int slot0, int ld,
                                              int col0, int64_t* sums, void* scales_raw, long long row0) {
   const int* rows = row_slots + slot0;  // the tile's first slot (an offset, not an indexed address: no bounds test)
   static_assert(kGroups == 4 || (kGroups == 2 && kMode != 2), "half tiles: not the fixed-point mode");
+  static_assert(!kPermCols || (kGroups == 4 && kMode <= 1), "permuted columns: whole tiles of the atomic modes");
   float* dkv = static_cast<float*>(dkv_raw);
   const float* scales = static_cast<const float*>(scales_raw);  // kMode 2: the power of two and the limit
   unsigned char* exps = static_cast<unsigned char*>(scales_raw);  // kMode 5: the blocks' exponent bytes
@@ -771,6 +780,10 @@ __device__ __forceinline__ void dsa_red_tile(const float* acc, void* dkv_raw, co
     for (int m = 0; m < kGroups; ++m) {
       const float a0 = acc[8 * m + 2 * half], a1 = acc[8 * m + 2 * half + 1];
       const float b0 = acc[8 * m + 4 + 2 * half], b1 = acc[8 * m + 4 + 2 * half + 1];
+      if (kPermCols) {
+        v[m] = make_float4(a0, a1, b0, b1);
+        continue;
+      }
       const float r0 = __shfl_xor_sync(0xffffffffu, odd ? a0 : b0, 1);
       const float r1 = __shfl_xor_sync(0xffffffffu, odd ? a1 : b1, 1);
       v[m] = odd ? make_float4(r0, r1, b0, b1) : make_float4(a0, a1, r0, r1);
@@ -807,7 +820,7 @@ __device__ __forceinline__ void dsa_red_tile(const float* acc, void* dkv_raw, co
     // every address from the row index made ptxas re-derive the lane's column from its bits, ~10 instructions per
     // reduction under the warpgroup's register pressure: warpgroup 1's loop went from 2024 to 1631 instructions
     // (MLA H64, sm_90a SASS) and the backward 1-3% faster (H100, with the predicated red.v4 below)
-    const int lane_col = col0 + 16 * gb + 8 * odd + 4 * (q >> 1);
+    const int lane_col = col0 + 16 * gb + (kPermCols ? 4 * q : 8 * odd + 4 * (q >> 1));
     float* red_a = dkv + ((long long)row_a * ld + lane_col);
     float* red_b = dkv + ((long long)row_b * ld + lane_col);
     char* st_a = contrib + ((row0 + slot) * ld + lane_col) * kBytes;
@@ -981,7 +994,7 @@ def ws_supported(dqk: int, dv: int) -> bool:
 
 def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, emit_probs=False, l2_keep=False,
              det_out=None, pair=False, skip_tail=False, wg0_chunks=0, fast_exp2=False,
-             det_store_pred=False, tma_q=False, fused_pre=False, has_sink=False, auto_sync=True):
+             det_store_pred=False, tma_q=False, fused_pre=False, has_sink=False, dkv_perm=False, auto_sync=True):
     """Main backward program, warp-specialised (256 threads, one CTA per query row and 64 heads).
 
     Warpgroup 0 gathers the selected kv rows (predicated cp.async, invalid slots zero-filled),
@@ -1030,6 +1043,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     first P and dS, loads the heads' rows of O into registers (half of them at the start, beside q and dout) and
     forms Delta = rowsum(out * dout) with dout in shared memory; warpgroup 0 waits for it before its first dS.
     Lse2 and Delta are then outputs (the sink's gradient reads them), written by the CTA of each head block.
+    ``dkv_perm`` (the atomic modes, not with ``pair``): dKV's columns permuted within each group of 16 (see
+    ``dsa_red_tile``'s kPermCols): half the register exchanges before the reductions; the wrapper permutes them back.
     ``auto_sync`` is not read here: the factory that compiles the program (``_jit_factories``: "ws" or
     "ws_nosync") sets whether TileLang adds its automatic syncs; as an argument it keeps the two apart in the
     caches."""
@@ -1065,7 +1080,9 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     contrib_dt = getattr(T, _CONTRIB_DTYPES.get(det_out, "float32"))
     red_mode = contrib_modes[det_out] if contrib else 2 if fixed_point else 1 if l2_keep else 0
     pred = contrib and det_store_pred
-    red_fn = f"dsa_red_tile<{red_mode}, 4, true>" if pred else f"dsa_red_tile<{red_mode}>"
+    assert not dkv_perm or (red_mode <= 1 and not pair), (red_mode, pair)
+    red_fn = (f"dsa_red_tile<{red_mode}, 4, true>" if pred else f"dsa_red_tile<{red_mode}, 4, false, true>" if dkv_perm
+              else f"dsa_red_tile<{red_mode}>")
     assert not pair or (det_out != "fixed" and NHB % 2 == 0 and DT == 0), (det_out, NHB, DT)
     pair_fn = f"dsa_pair_finish<{red_mode}, true>" if pred else f"dsa_pair_finish<{red_mode}>"
     assert 0 <= wg0_chunks < NCH and not (pair and wg0_chunks), (wg0_chunks, NCH, pair)
@@ -1390,6 +1407,7 @@ _PASS_CONFIGS_MAIN = {
 
 #: the ws program's arguments (:func:`_main_kernel` builds them; the last one selects the factory)
 _WS_ARGS = len(inspect.signature(_ws_body).parameters)
+_WS_PERM_AT = list(inspect.signature(_ws_body).parameters).index("dkv_perm")
 
 
 @functools.cache
@@ -1453,6 +1471,18 @@ def _fused_pre(cfg: dict, deterministic: bool) -> bool:
     return cfg["ws_fused_pre"] and _uses_ws(cfg, deterministic) and not (deterministic and cfg["det_mode"] == "fixed")
 
 
+def _dkv_perm(cfg: dict, deterministic: bool, pair: bool) -> bool:
+    """Whether the ws program adds into dkv with its columns permuted (``ws_dkv_perm``: the atomic modes, unpaired)."""
+    return cfg["ws_dkv_perm"] and _uses_ws(cfg, deterministic) and not deterministic and not pair
+
+
+def _dkv_cols_permuted(x: Tensor, inverse: bool = False) -> Tensor:
+    """``x`` [..., D] (D a multiple of 16) with its columns in the order ``ws_dkv_perm`` adds them: in each group of
+    16, real column 8 h + 2 q + e (h < 2, q < 4, e < 2) at 4 q + 2 h + e; ``inverse``: back to the real order."""
+    g = x.unflatten(-1, (-1, 4, 2, 2) if inverse else (-1, 2, 4, 2))
+    return g.transpose(-3, -2).flatten(-4)
+
+
 def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tuple:
     """(program kind, compile args) of the main kernel the wrapper launches."""
     if _uses_ws(cfg, deterministic):
@@ -1464,7 +1494,7 @@ def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tu
                       cfg["fast_exp2"],
                       cfg["det_store_pred"] and deterministic and cfg["det_mode"] in _CONTRIB_WS_MODES,
                       cfg["ws_tma_q"], _fused_pre(cfg, deterministic),
-                      cfg["has_sink"] and _fused_pre(cfg, deterministic),
+                      cfg["has_sink"] and _fused_pre(cfg, deterministic), _dkv_perm(cfg, deterministic, pair),
                       # the head-summed P's cross-warp sums and the pair's exchange need TileLang's syncs
                       cfg["ws_auto_sync"] or bool(emit_probs) or pair)
     return "main", _main_args(cfg, deterministic, emit_probs)
@@ -1627,6 +1657,7 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
         sink = sink.float().contiguous()
 
     dq = output_buffer("dq", dq, (B, S, H, Dqk), q.dtype, dev)
+    dkv_zero = dkv is None  # a buffer of ours: zeros in any column order
     dkv = output_buffer("dkv", dkv, (B, Skv, Dqk), torch.float32, dev, zeros=True)
 
     cfg = _normalise_config({"heads": H, "dqk": Dqk, "dv": dv, "has_sink": sink is not None,
@@ -1652,7 +1683,7 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
 
     with torch.cuda.device(dev):
         res = _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, deterministic, B, S, Skv,
-                      return_probs, dq.view(T_, H, Dqk), dkv.view(N, Dqk))
+                      return_probs, dq.view(T_, H, Dqk), dkv.view(N, Dqk), dkv_zero=dkv_zero)
     if return_probs:
         probs = res[3]
         probs = probs[0] if probs.shape[0] == 1 else probs.sum(0)  # head blocks, fixed order
@@ -1710,8 +1741,9 @@ def _fixed_point_scale(maxima, kv2, idx, n_rows, heads, dv, scale):
 
 
 def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, deterministic, B, S, Skv,
-            return_probs, dq, dkv):
-    """Run the programs; ``dq`` [T, H, Dqk] is written, ``dkv`` [N, Dqk] fp32 is added to."""
+            return_probs, dq, dkv, dkv_zero=False):
+    """Run the programs; ``dq`` [T, H, Dqk] is written, ``dkv`` [N, Dqk] fp32 is added to (``dkv_zero``: it holds
+    zeros)."""
     dev = q2.device
     T_, H, Dqk = q2.shape
     dv = cfg["dv"]
@@ -1747,8 +1779,13 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
         main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), sums, fix, *fused)
         dkv.add_((sums.to(torch.float64) * unfix).to(torch.float32))
     elif kind == "ws" and not deterministic:
+        perm = args[_WS_PERM_AT]  # ws_dkv_perm: the program adds into permuted columns
+        if perm and not dkv_zero:
+            dkv.copy_(_dkv_cols_permuted(dkv))
         main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), *_no_fixed_point(dev),
              *fused)
+        if perm:
+            dkv.copy_(_dkv_cols_permuted(dkv, inverse=True))
     elif not deterministic:
         main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), blocks)
     else:  # the contribution modes: "contrib" (the plain program) and "contrib_ws"

@@ -254,6 +254,21 @@ def test_schedule_defaults_to_ws_where_its_shapes_allow():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
+def test_ws_dkv_perm_variant_sends_one_exchange_reductions():
+    """ws_dkv_perm (opt-in): the atomic ws program's reductions with dkv's columns permuted (kPermCols); the
+    deterministic programs, the pair and the plain schedule never take it."""
+    cfg = {"heads": 64, "dqk": 576, "dv": 512, "has_sink": False, "dtype": "bfloat16", "ws_dkv_perm": True}
+    src = bwd.build_bwd_program(cfg, "main", target=SM90A).get_kernel_source()
+    assert "dsa_red_tile<0, 4, false, true>(" in src and "dsa_red_tile<0>(" not in src
+    norm = bwd._normalise_config(cfg)
+    assert not bwd._main_kernel(norm, True)[1][bwd._WS_PERM_AT]
+    pair = bwd._normalise_config({**cfg, "heads": 128, "dqk": 512, "ws_pair": True})
+    assert not bwd._main_kernel(pair, False)[1][bwd._WS_PERM_AT]
+    assert not bwd._normalise_config({**cfg, "schedule": "plain"})["ws_dkv_perm"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
 def test_fixed_point_deterministic_path_compiles():
     """det_mode "fixed" (the ws program sending fixed-point integer reductions; an option, slower than
     the contributions on an H100): its preprocess also writes the finite maxima of q, out and dout, and
@@ -266,11 +281,12 @@ def test_fixed_point_deterministic_path_compiles():
         assert "dsa_red_tile<2>(" in det and "dsa_red_tile<0>(" not in det and "FixedSums" in det
 
 
-def _red_tile_model(tile, groups=4, rank=0):
+def _red_tile_model(tile, groups=4, rank=0, perm=False):
     """What dsa_red_tile<kMode, groups> adds, modelled lane by lane: the m64n64 accumulator layout of one
     warpgroup, the two shuffles (each lane reads what its partner sends), then each lane's (row, column,
     float4) reductions. ``groups`` 2: the half tile rank ``rank`` of a pair sends (dsa_pair_red: the
-    accumulator from element 16 rank, columns from 32 rank). Returns (sum, hit count) per tile element."""
+    accumulator from element 16 rank, columns from 32 rank). ``perm`` (kPermCols): no first exchange, each lane's
+    float4 at column 4 q of its 16-column group (dkv's columns permuted). Returns (sum, hit count) per tile element."""
     import numpy as np
 
     full = np.zeros((128, 32))
@@ -287,6 +303,8 @@ def _red_tile_model(tile, groups=4, rank=0):
         send = {(t, m): a[t, m] if t & 1 else b[t, m] for t in range(128) for m in range(groups)}
         v = {(t, m): np.concatenate([send[t ^ 1, m], b[t, m]]) if t & 1 else np.concatenate([a[t, m], send[t ^ 1, m]])
              for t in range(128) for m in range(groups)}
+        if perm:
+            v = {(t, m): np.concatenate([a[t, m], b[t, m]]) for t in range(128) for m in range(groups)}
         gb = {t: ((t & 31) >> 2) & 1 for t in range(128)}
         send2 = {(t, mp): v[t, 2 * mp] if gb[t] else v[t, 2 * mp + 1] for t in range(128) for mp in range(groups // 2)}
         for t in range(128):
@@ -295,7 +313,7 @@ def _red_tile_model(tile, groups=4, rank=0):
             for mp in range(groups // 2):
                 r = send2[t ^ 4, mp]
                 va, vb = (r, v[t, 2 * mp + 1]) if gb[t] else (v[t, 2 * mp], r)
-                col = col0 + 16 * (2 * mp + gb[t]) + 8 * (q & 1) + 4 * (q >> 1)
+                col = col0 + 16 * (2 * mp + gb[t]) + (4 * q if perm else 8 * (q & 1) + 4 * (q >> 1))
                 for row, val in ((slot, va), (slot + 1, vb)):
                     out[row, col:col + 4] += val
                     hits[row, col:col + 4] += 1
@@ -309,6 +327,18 @@ def test_red_tile_lane_mapping_covers_the_tile_once():
     out, hits = _red_tile_model(tile)
     assert (hits == 1).all()
     assert np.array_equal(out, tile)
+
+
+def test_red_tile_with_permuted_columns_covers_the_tile_once():
+    """kPermCols (ws_dkv_perm): one register exchange; every element reaches its permuted column once, and the
+    wrapper's inverse permutation gives the tile back."""
+    import numpy as np
+
+    tile = np.random.default_rng(2).standard_normal((64, 64))
+    out, hits = _red_tile_model(tile, perm=True)
+    assert (hits == 1).all()
+    assert np.array_equal(out, bwd._dkv_cols_permuted(torch.from_numpy(tile)).numpy())
+    assert np.array_equal(bwd._dkv_cols_permuted(torch.from_numpy(out), inverse=True).numpy(), tile)
 
 
 def test_pair_halves_cover_the_tile_once():

@@ -538,6 +538,35 @@ def test_ws_fused_pre_matches_the_preprocess(cfg, case):
             assert all(torch.equal(a, b) for a, b in zip(again, fused[:3]) if a is not None)
 
 
+@pytest.mark.parametrize("cfg", [CONFIGS[2], CONFIGS[4], (100, 512, 512, True, torch.bfloat16), CONFIGS[0], CONFIGS[1],
+                                 (128, 576, 512, False, torch.float16)],
+                         ids=lambda c: f"H{c[0]}-D{c[1]}-{str(c[4])[6:]}")
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[4], BIG_CASES[0]], ids=lambda c: f"S{c[1]}K{c[3]}-{c[4]}")
+def test_ws_dkv_perm_adds_into_permuted_columns_and_restores_them(cfg, case):
+    """``ws_dkv_perm``: the atomic ws program adds into dkv with its columns permuted within groups of 16 (one register
+    exchange per reduction) and the wrapper restores their order: dq and the head-summed P bitwise the default's, dkv
+    to fp32 reduction order and against float64, also when dkv is given holding values (it is added to), and with
+    the deterministic mode (which does not take the permutation) unchanged."""
+    from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
+
+    H, Dqk, Dv, has_sink, dtype = cfg
+    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=97)
+    out64, lse64, dq_ref, dkv_ref, _ = _reference(q, kv, idx, dout, sink, scale, Dv)
+    out, lse = out64.to(dtype), lse64.float()
+    args = (q, kv, idx, out, lse, dout, scale)
+    perm = sparse_attention_bwd(*args, sink=sink, dv=Dv, return_probs=True, config={"ws_dkv_perm": True})
+    base = sparse_attention_bwd(*args, sink=sink, dv=Dv, return_probs=True, config={"ws_dkv_perm": False})
+    assert torch.equal(perm[0], base[0]) and torch.equal(perm[3], base[3])
+    assert _rel(perm[1], base[1]) < 1e-5
+    g_dq, g_dkv, _ = _given_inputs_grads(q, kv, idx, out, lse, dout, scale, sink, Dv)
+    assert _err(perm[1], dkv_ref, g_dkv) < TOL
+    start = 0.01 * torch.randn(kv.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(98))
+    acc = sparse_attention_bwd(*args, sink=sink, dv=Dv, config={"ws_dkv_perm": True}, dkv=start.clone())
+    assert _rel(acc[1] - start, base[1]) < 1e-5
+    det = [sparse_attention_bwd(*args, sink=sink, dv=Dv, deterministic=True, config={"ws_dkv_perm": p}) for p in (0, 1)]
+    assert torch.equal(det[0][1], det[1][1])
+
+
 @pytest.mark.parametrize("det_mode", ["contrib_i16", "contrib_bf16", "contrib_ws"])
 @pytest.mark.parametrize("cfg", [CONFIGS[1], (100, 512, 512, True, torch.bfloat16), (256, 512, 512, False, torch.bfloat16),
                                  (128, 512, 512, True, torch.float16)],
