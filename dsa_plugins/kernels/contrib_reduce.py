@@ -79,7 +79,7 @@ def slot_order_async(idx: Tensor, n_rows: int, kp: int, nhb: int):
     return ready
 
 
-def reduce_body(dqk, nhb, contrib_dtype="float32", block=8, warps=4):
+def reduce_body(dqk, nhb, contrib_dtype="float32", block=8, perm=False, warps=4):
     """dKV[n] += sum of the contribution rows of kv row n, in a fixed order: Rows[RowPtr[n]:RowPtr[n + 1]]
     are the rows (of group 0 of the ``nhb`` contribution groups of a query row, head blocks or their pairs; group g
     is g * kp rows further) of the slots naming n, sorted.
@@ -87,6 +87,10 @@ def reduce_body(dqk, nhb, contrib_dtype="float32", block=8, warps=4):
     "contrib_i16", each value times the power of two whose exponent field is its block's byte in Exps:
     exact); the sums are fp32. ``block``: values per exponent byte, 8 (columns x..x+3 and x+32..x+35 of each
     64-column chunk, x a multiple of 4 below 32) or 4 (columns x..x+3: the rows of the ws program's pairs).
+    ``perm`` (block 8): the rows' columns are permuted within each group of 16 (real column 8 h + 2 q + e stored at
+    4 q + 2 h + e: the ws program's ``dkv_perm`` rows, each lane's values as they come from its accumulator), a
+    block is columns x..x+3 and x+16..x+19 (x = 32 p + 4 q in each 64-column chunk), and each sum goes to its real
+    column.
 
     One CTA per kv row. Warp w sums the row's sorted slots w, w + warps, ... in turn (its lanes read
     each contribution row as coalesced runs of 8 bytes a lane: 64 fp32 or 128 bf16 columns, so
@@ -135,7 +139,8 @@ def reduce_body(dqk, nhb, contrib_dtype="float32", block=8, warps=4):
                         for r in T.unroll(runs):
                             if scaled:  # the lane's 4 columns lie in one block: 64-column chunk, 4-column group
                                 col = r * width + lane * vec
-                                blk = (T.min(col // 64 * 8 + col % 32 // 4, dqk // 8 - 1) if block == 8
+                                blk = (T.min(col // 64 * 8 + col % 16 // 4 * 2 + col % 64 // 32, dqk // 8 - 1) if perm
+                                       else T.min(col // 64 * 8 + col % 32 // 4, dqk // 8 - 1) if block == 8
                                        else T.min(col // 4, dqk // 4 - 1))
                                 # exponent byte 255 (a block that held a value that is not finite): NaN, so
                                 # that its sum is NaN whatever the block's stored values
@@ -163,7 +168,10 @@ def reduce_body(dqk, nhb, contrib_dtype="float32", block=8, warps=4):
                     total = T.alloc_var(f32, init=0.0)
                     for ww in T.unroll(warps):
                         total += part[ww, col]
-                    dKV[n, col] += total
+                    if perm:  # stored column 4 q + 2 h + e of a group of 16 is real column 8 h + 2 q + e
+                        dKV[n, col // 16 * 16 + col % 4 // 2 * 8 + col % 16 // 4 * 2 + col % 2] += total
+                    else:
+                        dKV[n, col] += total
 
     return dsa_bwd_reduce
 
@@ -172,15 +180,17 @@ _COMPILED: dict = {}
 _LOCK = threading.Lock()
 
 
-def build_reduce(dqk: int, nhb: int, contrib_dtype: str = "float32", block: int = 8, *, target="auto"):
+def build_reduce(dqk: int, nhb: int, contrib_dtype: str = "float32", block: int = 8, perm: bool = False, *,
+                 target="auto"):
     """The compiled reduce program (:func:`reduce_body`) for rows of ``dqk`` columns, ``nhb`` contribution
-    rows per slot, ``contrib_dtype`` ("float32", "bfloat16" or "int16") and ``block`` values per exponent byte
-    (int16); cached per process."""
+    rows per slot, ``contrib_dtype`` ("float32", "bfloat16" or "int16"), ``block`` values per exponent byte
+    (int16) and ``perm`` (rows with permuted columns); cached per process."""
     import tilelang
 
-    if block not in (4, 8):
-        raise ValueError(f"block must be 4 or 8 values per exponent byte, got {block}")
-    key = (target_key(target), int(dqk), int(nhb), str(contrib_dtype), int(block))
+    if block not in (4, 8) or (perm and (block != 8 or dqk % 16)):
+        raise ValueError(f"block must be 4 or 8 values per exponent byte (8 with permuted columns, dqk a multiple of "
+                         f"16), got block {block}, perm {perm}, dqk {dqk}")
+    key = (target_key(target), int(dqk), int(nhb), str(contrib_dtype), int(block), bool(perm))
 
     def build():
         prog = tilelang.jit(target=target)(reduce_body)(*key[1:])

@@ -206,9 +206,10 @@ def _normalise_config(config: dict) -> dict:
     # waits for Delta, whose out rows share the CTA's start with q and dout)
     fused = cfg.get("ws_fused_pre")
     cfg["ws_fused_pre"] = bool(True if fused is None else fused) and cfg["schedule"] == "ws"
-    # ws_dkv_perm: the atomic ws program adds into dkv with its columns permuted within groups of 16 (one register
-    # exchange per reduction instead of two, as cuDNN's sm90 backward does), the wrapper restores their order
-    # after (a copy of dkv). Off until measured on a GPU
+    # ws_dkv_perm: the ws program adds into dkv with its columns permuted within groups of 16 (one register exchange
+    # per reduction instead of two, as cuDNN's sm90 backward does; the wrapper restores their order after, a copy of
+    # dkv), and stores its contribution rows so (no exchange; the reduce restores the order). Off until measured
+    # on a GPU
     cfg["ws_dkv_perm"] = bool(cfg.get("ws_dkv_perm", False)) and cfg["schedule"] == "ws"
     # det_pair: the ws program's contribution modes with the two head blocks of a query row summed in a 2-CTA
     # cluster before storing (the exchange of ws_pair): one contribution row per slot of the pair, half the bytes
@@ -751,16 +752,19 @@ __device__ __forceinline__ float2 dsa_i16_scale(unsigned int m) {
 // col0: kGroups 4 is a whole 64-column chunk, 2 the half a CTA of a pair reduces (dsa_pair_finish).
 // kPredStores (the contribution modes): see dsa_store_row4. In kMode 5 a half tile's block is the 4 values a lane
 // holds of a row (columns x..x+3, x = col0 + 16 gb + 8 odd + 4 (q >> 1)): exps[row, x / 4], ld / 4 bytes a row.
-// kPermCols (kMode 0 / 1, whole tiles): dkv's columns are permuted within each group of 16 (real column
-// 8 h + 2 q + e at 4 q + 2 h + e, see _dkv_cols_permuted): the 4 values a lane holds of a row and group (real
-// columns 2 q, 2 q + 1, 2 q + 8, 2 q + 9) are then 4 consecutive floats, so the first register exchange (lanes q
-// and q ^ 1) is not needed; the second still makes 8 lanes cover a row's 128-byte line.
+// kPermCols (whole tiles, not the fixed-point mode): dkv's columns are permuted within each group of 16 (real
+// column 8 h + 2 q + e at 4 q + 2 h + e, see _dkv_cols_permuted): the 4 values a lane holds of a row and group
+// (real columns 2 q, 2 q + 1, 2 q + 8, 2 q + 9) are then 4 consecutive floats, so the first register exchange
+// (lanes q and q ^ 1) is not needed; the second still makes 8 lanes cover a row's 128-byte line. The contribution
+// modes need no exchange at all: each lane stores its own 4 values of each group (32 bytes of a row per quad and
+// store), and in kMode 5 a block is a lane's 8 values of groups 2 p and 2 p + 1 of a row, exps[row, col0 / 8 +
+// 2 q + p] (the reduce maps the columns back, reduce_body's ``perm``).
 template <int kMode, int kGroups = 4, bool kPredStores = false, bool kPermCols = false>
 __device__ __forceinline__ void dsa_red_tile(const float* acc, void* dkv_raw, const int* row_slots, int slot0, int ld,
                                              int col0, int64_t* sums, void* scales_raw, long long row0) {
   const int* rows = row_slots + slot0;  // the tile's first slot (an offset, not an indexed address: no bounds test)
   static_assert(kGroups == 4 || (kGroups == 2 && kMode != 2), "half tiles: not the fixed-point mode");
-  static_assert(!kPermCols || (kGroups == 4 && kMode <= 1), "permuted columns: whole tiles of the atomic modes");
+  static_assert(!kPermCols || (kGroups == 4 && kMode != 2), "permuted columns: whole tiles, not fixed point");
   float* dkv = static_cast<float*>(dkv_raw);
   const float* scales = static_cast<const float*>(scales_raw);  // kMode 2: the power of two and the limit
   unsigned char* exps = static_cast<unsigned char*>(scales_raw);  // kMode 5: the blocks' exponent bytes
@@ -773,6 +777,32 @@ __device__ __forceinline__ void dsa_red_tile(const float* acc, void* dkv_raw, co
   const int odd = q & 1, gb = g & 1;
   constexpr int kBytes = kMode == 3 ? 4 : 2;  // bytes per stored value of the contribution modes
   char* contrib = static_cast<char*>(dkv_raw);
+  if (kPermCols && kMode >= 3) {
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int slot = 16 * (tid >> 5) + 8 * half + g;
+      const int row = rows[slot];
+      float4 v[4];
+      #pragma unroll
+      for (int m = 0; m < 4; ++m)
+        v[m] = make_float4(acc[8 * m + 2 * half], acc[8 * m + 2 * half + 1], acc[8 * m + 4 + 2 * half],
+                           acc[8 * m + 4 + 2 * half + 1]);
+      float2 sc[2] = {make_float2(1.0f, 1.0f), make_float2(1.0f, 1.0f)};
+      if (kMode == 5) {
+        #pragma unroll
+        for (int p = 0; p < 2; ++p) {
+          sc[p] = dsa_i16_scale(max(dsa_absmax4_bits(v[2 * p]), dsa_absmax4_bits(v[2 * p + 1])));
+          const unsigned char byte = static_cast<unsigned char>(__float_as_uint(sc[p].y) >> 23);
+          if (row >= 0) exps[(row0 + slot) * (ld / 8) + col0 / 8 + 2 * q + p] = byte;
+        }
+      }
+      char* st = contrib + ((row0 + slot) * ld + col0 + 4 * q) * kBytes;
+      #pragma unroll
+      for (int m = 0; m < 4; ++m)
+        dsa_store_row4<kMode, kPredStores>(st + 16 * m * kBytes, v[m], sc[m >> 1].x, row >= 0);
+    }
+    return;
+  }
   #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float4 v[kGroups];
@@ -1043,8 +1073,9 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     first P and dS, loads the heads' rows of O into registers (half of them at the start, beside q and dout) and
     forms Delta = rowsum(out * dout) with dout in shared memory; warpgroup 0 waits for it before its first dS.
     Lse2 and Delta are then outputs (the sink's gradient reads them), written by the CTA of each head block.
-    ``dkv_perm`` (the atomic modes, not with ``pair``): dKV's columns permuted within each group of 16 (see
-    ``dsa_red_tile``'s kPermCols): half the register exchanges before the reductions; the wrapper permutes them back.
+    ``dkv_perm`` (not with ``pair`` or "fixed"): dKV's columns permuted within each group of 16 (see ``dsa_red_tile``'s
+    kPermCols): half the register exchanges before the reductions, none before the contribution stores; the wrapper
+    (atomic modes) or the reduce (contribution rows) puts them back in order.
     ``auto_sync`` is not read here: the factory that compiles the program (``_jit_factories``: "ws" or
     "ws_nosync") sets whether TileLang adds its automatic syncs; as an argument it keeps the two apart in the
     caches."""
@@ -1080,9 +1111,9 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     contrib_dt = getattr(T, _CONTRIB_DTYPES.get(det_out, "float32"))
     red_mode = contrib_modes[det_out] if contrib else 2 if fixed_point else 1 if l2_keep else 0
     pred = contrib and det_store_pred
-    assert not dkv_perm or (red_mode <= 1 and not pair), (red_mode, pair)
-    red_fn = (f"dsa_red_tile<{red_mode}, 4, true>" if pred else f"dsa_red_tile<{red_mode}, 4, false, true>" if dkv_perm
-              else f"dsa_red_tile<{red_mode}>")
+    assert not dkv_perm or (red_mode != 2 and not pair), (red_mode, pair)
+    red_fn = (f"dsa_red_tile<{red_mode}, 4, {str(pred).lower()}, true>" if dkv_perm
+              else f"dsa_red_tile<{red_mode}, 4, true>" if pred else f"dsa_red_tile<{red_mode}>")
     assert not pair or (det_out != "fixed" and NHB % 2 == 0 and DT == 0), (det_out, NHB, DT)
     pair_fn = f"dsa_pair_finish<{red_mode}, true>" if pred else f"dsa_pair_finish<{red_mode}>"
     assert 0 <= wg0_chunks < NCH and not (pair and wg0_chunks), (wg0_chunks, NCH, pair)
@@ -1472,8 +1503,10 @@ def _fused_pre(cfg: dict, deterministic: bool) -> bool:
 
 
 def _dkv_perm(cfg: dict, deterministic: bool, pair: bool) -> bool:
-    """Whether the ws program adds into dkv with its columns permuted (``ws_dkv_perm``: the atomic modes, unpaired)."""
-    return cfg["ws_dkv_perm"] and _uses_ws(cfg, deterministic) and not deterministic and not pair
+    """Whether the ws program adds into dkv, or stores its contribution rows, with the columns permuted
+    (``ws_dkv_perm``: unpaired, not "fixed")."""
+    return (cfg["ws_dkv_perm"] and _uses_ws(cfg, deterministic) and not pair
+            and not (deterministic and cfg["det_mode"] == "fixed"))
 
 
 def _dkv_cols_permuted(x: Tensor, inverse: bool = False) -> Tensor:
@@ -1520,7 +1553,8 @@ def _program_key(cfg: dict, name: str) -> tuple:
     if name == "reduce":  # with det_pair one contribution row per pair of head blocks, int16 blocks of 4 values
         nhb, pair = (cfg["heads"] + _BLOCK_H - 1) // _BLOCK_H, _det_pair(cfg, True)
         block = 4 if pair and _contrib_dtype(cfg) == "int16" else 8  # (no exponent bytes in the other dtypes)
-        return "reduce", (cfg["dqk"], nhb // 2 if pair else nhb, _contrib_dtype(cfg), block)
+        perm = (_dkv_perm(cfg, True, pair),) if _dkv_perm(cfg, True, pair) else ()  # rows with permuted columns
+        return "reduce", (cfg["dqk"], nhb // 2 if pair else nhb, _contrib_dtype(cfg), block) + perm
     if name not in BWD_PROGRAMS:
         raise ValueError(f"unknown backward program {name!r}; known: {BWD_PROGRAMS}")
     return _main_kernel(cfg, "_det" in name, name.endswith("_probs"))

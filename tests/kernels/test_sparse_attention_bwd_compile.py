@@ -255,15 +255,23 @@ def test_schedule_defaults_to_ws_where_its_shapes_allow():
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
 def test_ws_dkv_perm_variant_sends_one_exchange_reductions():
-    """ws_dkv_perm (opt-in): the atomic ws program's reductions with dkv's columns permuted (kPermCols); the
-    deterministic programs, the pair and the plain schedule never take it."""
+    """ws_dkv_perm (opt-in): the ws program's reductions, and its deterministic contribution rows, with dkv's
+    columns permuted (kPermCols), the reduce reading them so; the pairs, "fixed" and the plain schedule never take
+    it."""
     cfg = {"heads": 64, "dqk": 576, "dv": 512, "has_sink": False, "dtype": "bfloat16", "ws_dkv_perm": True}
     src = bwd.build_bwd_program(cfg, "main", target=SM90A).get_kernel_source()
     assert "dsa_red_tile<0, 4, false, true>(" in src and "dsa_red_tile<0>(" not in src
+    det = bwd.build_bwd_program(cfg, "main_det", target=SM90A).get_kernel_source()
+    assert "dsa_red_tile<5, 4, false, true>(" in det
     norm = bwd._normalise_config(cfg)
-    assert not bwd._main_kernel(norm, True)[1][bwd._WS_PERM_AT]
+    assert bwd._program_key(norm, "reduce") == ("reduce", (576, 1, "int16", 8, True))
+    bwd.build_bwd_program(cfg, "reduce", target=SM90A)  # compiles
     pair = bwd._normalise_config({**cfg, "heads": 128, "dqk": 512, "ws_pair": True})
     assert not bwd._main_kernel(pair, False)[1][bwd._WS_PERM_AT]
+    det_pair = bwd._normalise_config({**cfg, "heads": 128, "dqk": 512})  # det_pair: the reduce of pairs, unpermuted
+    assert not bwd._main_kernel(det_pair, True)[1][bwd._WS_PERM_AT]
+    assert len(bwd._program_key(det_pair, "reduce")[1]) == 4
+    assert not bwd._main_kernel({**norm, "det_mode": "fixed"}, True)[1][bwd._WS_PERM_AT]
     assert not bwd._normalise_config({**cfg, "schedule": "plain"})["ws_dkv_perm"]
 
 
@@ -535,6 +543,33 @@ def test_int16_blocks_written_by_the_ws_program_are_the_ones_the_reduce_reads(pa
         assert sorted(written) == list(range(dqk))
         read = (lambda col: col // 4) if pair else (lambda col: col // 64 * 8 + col % 32 // 4)
         assert all(written[col] == read(col) for col in range(dqk))
+
+
+def test_permuted_int16_blocks_written_are_the_ones_the_reduce_reads():
+    """With ws_dkv_perm the ws program's lane q stores its values of group m of a row at columns col0 + 16 m + 4 q
+    + 0..3 (real columns col0 + 16 m + 2 q + (0, 1, 8, 9)) and writes the byte col0 / 8 + 2 q + p for groups 2 p and
+    2 p + 1; the reduce reads col // 64 * 8 + col % 16 // 4 * 2 + col % 64 // 32 and sends the sum of stored column
+    col to real column col // 16 * 16 + col % 4 // 2 * 8 + col % 16 // 4 * 2 + col % 2: every column once."""
+    import inspect
+
+    assert "col0 / 8 + 2 * q + p] = byte" in bwd._WS_PRELUDE
+    reduce_src = inspect.getsource(contrib_reduce.reduce_body)
+    assert "col // 64 * 8 + col % 16 // 4 * 2 + col % 64 // 32" in reduce_src
+    assert "col // 16 * 16 + col % 4 // 2 * 8 + col % 16 // 4 * 2 + col % 2" in reduce_src
+    for dqk in (512, 576):
+        written, real = {}, {}
+        for col0 in range(0, dqk, 64):
+            for q in range(4):
+                for m in range(4):
+                    for c in range(4):
+                        col = col0 + 16 * m + 4 * q + c
+                        assert written.setdefault(col, col0 // 8 + 2 * q + m // 2) == col0 // 8 + 2 * q + m // 2
+                        real[col] = col0 + 16 * m + 2 * q + (0, 1, 8, 9)[c]  # the accumulator's column
+        assert sorted(written) == list(range(dqk)) and sorted(real.values()) == list(range(dqk))
+        assert all(written[col] == col // 64 * 8 + col % 16 // 4 * 2 + col % 64 // 32 for col in range(dqk))
+        assert all(real[col] == col // 16 * 16 + col % 4 // 2 * 8 + col % 16 // 4 * 2 + col % 2 for col in range(dqk))
+        perm = bwd._dkv_cols_permuted(torch.arange(dqk).float().view(1, dqk))[0].long().tolist()
+        assert all(perm[col] == real[col] for col in range(dqk))  # the wrapper's permutation: the same map
 
 
 @pytest.mark.parametrize("nhb", [1, 2])

@@ -545,8 +545,8 @@ def test_ws_fused_pre_matches_the_preprocess(cfg, case):
 def test_ws_dkv_perm_adds_into_permuted_columns_and_restores_them(cfg, case):
     """``ws_dkv_perm``: the atomic ws program adds into dkv with its columns permuted within groups of 16 (one register
     exchange per reduction) and the wrapper restores their order: dq and the head-summed P bitwise the default's, dkv
-    to fp32 reduction order and against float64, also when dkv is given holding values (it is added to), and with
-    the deterministic mode (which does not take the permutation) unchanged."""
+    to fp32 reduction order and against float64, also when dkv is given holding values (it is added to); the
+    deterministic programs store their rows so (no exchange) and the reduce restores the order."""
     from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
 
     H, Dqk, Dv, has_sink, dtype = cfg
@@ -563,8 +563,16 @@ def test_ws_dkv_perm_adds_into_permuted_columns_and_restores_them(cfg, case):
     start = 0.01 * torch.randn(kv.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(98))
     acc = sparse_attention_bwd(*args, sink=sink, dv=Dv, config={"ws_dkv_perm": True}, dkv=start.clone())
     assert _rel(acc[1] - start, base[1]) < 1e-5
-    det = [sparse_attention_bwd(*args, sink=sink, dv=Dv, deterministic=True, config={"ws_dkv_perm": p}) for p in (0, 1)]
-    assert torch.equal(det[0][1], det[1][1])
+    # the deterministic rows stored with permuted columns (no register exchange), put back in order by the reduce:
+    # fp32 and bf16 rows hold the same values summed in the same order (bitwise); int16 blocks group other values
+    for mode in ("contrib_ws", "contrib_bf16", "contrib_i16"):
+        det = [sparse_attention_bwd(*args, sink=sink, dv=Dv, deterministic=True,
+                                    config={"ws_dkv_perm": p, "det_mode": mode}) for p in (False, True, True)]
+        assert torch.equal(det[0][0], det[1][0]) and torch.equal(det[1][1], det[2][1]), mode
+        if mode == "contrib_i16":
+            assert _rel(det[1][1], det[0][1]) < 1e-4 and _err(det[1][1], dkv_ref, g_dkv) < TOL
+        else:
+            assert torch.equal(det[0][1], det[1][1]), mode
 
 
 @pytest.mark.parametrize("det_mode", ["contrib_i16", "contrib_bf16", "contrib_ws"])
