@@ -582,9 +582,7 @@ class _Plan:
                 if index_k_scale.shape[0] != Tk or index_k_scale.device != self.device:
                     raise ValueError(f"index_k_scale must be [{Tk}] on {self.device}, got {tuple(index_k_scale.shape)} "
                                      f"on {index_k_scale.device}")
-                self.k_scale = aligned_operand(index_k_scale)
-                if self.k_scale.data_ptr() % 16:  # the program loads it with TMA: 16-byte aligned
-                    self.k_scale = self.k_scale.clone()
+                self.k_scale = aligned_operand(index_k_scale)  # the program loads it with TMA
         elif index_k_scale is not None:
             raise ValueError("index_k_scale is for float8_e4m3fn index_q/index_k; bfloat16 keys take no scale")
         else:

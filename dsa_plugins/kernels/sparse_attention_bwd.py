@@ -1553,7 +1553,7 @@ def _program_key(cfg: dict, name: str) -> tuple:
     if name == "reduce":  # with det_pair one contribution row per pair of head blocks, int16 blocks of 4 values
         nhb, pair = (cfg["heads"] + _BLOCK_H - 1) // _BLOCK_H, _det_pair(cfg, True)
         block = 4 if pair and _contrib_dtype(cfg) == "int16" else 8  # (no exponent bytes in the other dtypes)
-        perm = (_dkv_perm(cfg, True, pair),) if _dkv_perm(cfg, True, pair) else ()  # rows with permuted columns
+        perm = (True,) if _dkv_perm(cfg, True, pair) else ()  # rows with permuted columns (the key grows only then)
         return "reduce", (cfg["dqk"], nhb // 2 if pair else nhb, _contrib_dtype(cfg), block) + perm
     if name not in BWD_PROGRAMS:
         raise ValueError(f"unknown backward program {name!r}; known: {BWD_PROGRAMS}")
