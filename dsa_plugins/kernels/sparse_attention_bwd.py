@@ -176,7 +176,10 @@ def _normalise_config(config: dict) -> dict:
     if cfg["ws_pair"] or cfg["schedule"] != "ws":
         n0 = 0
     elif n0 is None:
-        n0 = min(3 if cfg["dqk"] - cfg["dv"] == 64 else 2, n_chunks // 2)
+        # with ws_dkv_perm and ws_tma_q, 2 at 576/512 too (H100, one process, two rounds, against 3: MLA H64 7.32 /
+        # 8.31 ms against 7.55 / 7.62, H128 14.51 / 14.74 against 14.93 / 16.32, H64 causal 5.69 / 5.71 against 6.07 /
+        # 5.92; the 8.31 and 16.32 were outliers of that round)
+        n0 = min(2, n_chunks // 2)
     elif not 0 <= int(n0) <= min(3, n_chunks - 1):
         raise ValueError(f"ws_wg0_chunks must be 0..{min(3, n_chunks - 1)} (dkv chunks: {n_chunks}), got {n0}")
     cfg["ws_wg0_chunks"] = int(n0)
@@ -195,8 +198,10 @@ def _normalise_config(config: dict) -> dict:
     # two rounds against the threads' copies: V4 H64 k512 2.195 / 2.199 ms against 2.299 / 2.306 (1.05x), V4 H128
     # k1024 7.45 / 7.40 against 7.52 / 7.48 (1.01x); the 576-wide program spills more with it (120 against 100
     # bytes) and measured 0.99x (MLA H64 7.95 / 7.91 against 7.81 / 7.84; H128 and causal rows no better)
+    # With ws_dkv_perm (fewer registers in warpgroup 1's reductions) also on at 576/512: MLA H128 14.93 / 16.32 ms
+    # (an outlier) against 15.13 / 15.26, with ws_wg0_chunks 2 14.51 / 14.74 (1.04x)
     tma = cfg.get("ws_tma_q")
-    cfg["ws_tma_q"] = bool(cfg["dqk"] == cfg["dv"] if tma is None else tma) and cfg["schedule"] == "ws"
+    cfg["ws_tma_q"] = bool(True if tma is None else tma) and cfg["schedule"] == "ws"
     # ws_fused_pre: the ws program forms lse' and Delta = rowsum(out * dout) itself instead of a preprocess pass
     # over out and dout before it (see _ws_body; not with det_mode "fixed", whose preprocess also takes maxima).
     # H100, B1 S4096 Skv8192, one process, two rounds, against the preprocess (0.19 ms at H64, 0.37 at H128): MLA H64
@@ -208,9 +213,14 @@ def _normalise_config(config: dict) -> dict:
     cfg["ws_fused_pre"] = bool(True if fused is None else fused) and cfg["schedule"] == "ws"
     # ws_dkv_perm: the ws program adds into dkv with its columns permuted within groups of 16 (one register exchange
     # per reduction instead of two, as cuDNN's sm90 backward does; the wrapper restores their order after, a copy of
-    # dkv), and stores its contribution rows so (no exchange; the reduce restores the order). Off until measured
-    # on a GPU
-    cfg["ws_dkv_perm"] = bool(cfg.get("ws_dkv_perm", False)) and cfg["schedule"] == "ws"
+    # dkv), and stores its contribution rows so (no exchange; the reduce restores the order). On: H100, B1 S4096
+    # Skv8192, one process, two rounds, against the real order: MLA H64 7.69 / 7.69 ms against 7.74 / 7.84, MLA
+    # H128 15.16 / 15.22 against 15.47 / 15.37, V4 H128 7.21 / 7.24 against 7.41 / 7.40, V4 H64 2.165 / 2.171 against
+    # 2.150 / 2.165 (its program 2.05 against 2.08-2.12 ms; the order's restore costs 0.02 ms); deterministic
+    # ("contrib_i16") MLA H64 12.71 / 12.74 against 13.80 / 14.10, H128 25.57 / 25.53 against 27.42 / 27.56, V4 H64
+    # 3.33 / 3.36 against 3.39 / 3.43 (V4 H128's det_pair keeps the real order)
+    perm = cfg.get("ws_dkv_perm")
+    cfg["ws_dkv_perm"] = bool(True if perm is None else perm) and cfg["schedule"] == "ws"
     # det_pair: the ws program's contribution modes with the two head blocks of a query row summed in a 2-CTA
     # cluster before storing (the exchange of ws_pair): one contribution row per slot of the pair, half the bytes
     # to store and to reduce. Where ws_pair can run (an even number of head blocks, dqk == dv); its deterministic

@@ -71,33 +71,36 @@ def test_shipped_config_compiles_for_sm90a(config, caplog):
         fused = progs[name].get_kernel_source()
         # warpgroup 1 writes Delta and lse' and hands Delta to warpgroup 0 over its own barrier
         assert "Delta[" in fused and "Lse2[" in fused and "__named_barrier_arrive(11, 256)" in fused, name
+    # dkv's columns permuted within groups of 16 (ws_dkv_perm): one register exchange per reduction
+    red = "dsa_red_tile<0, 4, false, true>("
     probs_src = progs["main_probs"].get_kernel_source()
-    assert "dsa_red_tile<0>(" in probs_src and "Probs[" in probs_src  # the ws program with the head-summed P
+    assert red in probs_src and "Probs[" in probs_src  # the ws program with the head-summed P
     src = progs["main"].get_kernel_source()
     assert "wgmma" in src  # Hopper tensor-core path
     # the warp-specialised program: two warpgroups handing P / dS over named barriers, dkv sent as
     # full-line v4 reductions from the accumulators
-    assert "dsa_red_tile<0>(" in src and "__named_barrier_arrive" in src and "AtomicAdd" not in src
+    assert red in src and "__named_barrier_arrive" in src and "AtomicAdd" not in src
     # P = 2^x as one ex2.approx.ftz (fast_exp2); each reduction predicated inside its asm, no branch around it
     assert "dsa_ex2_ftz(" in src and "exp2f(" not in src and "@q red.global.add.v4.f32" in src
     d512 = config["dqk"] == config["dv"]
     pair = d512 and (config["heads"] + 63) // 64 % 2 == 0
-    # q and dout by TMA at D512 (ws_tma_q), the threads' copies at 576/512
+    # q and dout by TMA (ws_tma_q)
     for name in ("main", "main_det"):
-        assert ("tl::tma_load" in progs[name].get_kernel_source()) == d512, name
+        assert "tl::tma_load" in progs[name].get_kernel_source(), name
     for name in ("main_det", "main_det_probs"):
         # deterministic: each slot's contribution stored as int16 rows (mode 5), no reduction of any kind; at
         # D512 each store predicated inside its asm (det_store_pred), and with an even number of head blocks
-        # one row per slot of a pair, summed in a cluster (det_pair)
+        # one row per slot of a pair, summed in a cluster (det_pair, columns in their real order), else with the
+        # columns permuted (ws_dkv_perm)
         det = progs[name].get_kernel_source()
         body = det.split("dsa_bwd_ws_kernel(", 1)[1]
         assert "wgmma" in det and "AtomicAdd" not in det
-        assert "dsa_red_tile<0>(" not in body and "dsa_red_tile<2>(" not in body
+        assert "dsa_red_tile<0" not in body and "dsa_red_tile<2>(" not in body
         if pair:
             assert "dsa_pair_finish<5, true>(" in body and "dsa_pair_send(" in body
             assert "dsa_red_tile<5" not in body
         else:
-            assert ("dsa_red_tile<5, 4, true>(" if d512 else "dsa_red_tile<5>(") in body
+            assert f"dsa_red_tile<5, 4, {str(d512).lower()}, true>(" in body
             assert "dsa_pair_send(" not in body
     for name in ("main", "main_det", "main_probs", "main_det_probs"):
         # one grid dimension, head blocks fastest (a query row's CTAs reduce into the same dkv rows together):
@@ -158,7 +161,7 @@ def test_ws_pair_variant_exchanges_halves_in_a_cluster():
     src = bwd.build_bwd_program(cfg, "main", target=SM90A).get_kernel_source()
     body = src.split("dsa_bwd_ws_kernel(", 1)[1]
     assert body.count("dsa_pair_send(") == 8 and body.count("dsa_pair_finish<0>(") == 9
-    assert body.count("dsa_cluster_sync();") == 2 and "dsa_red_tile<0>(" not in body
+    assert body.count("dsa_cluster_sync();") == 2 and "dsa_red_tile<0" not in body
     for other in ({"heads": 64}, {"heads": 128, "dqk": 576}, {"heads": 192}):
         assert not bwd._normalise_config({**cfg, **other})["ws_pair"], other
     det = bwd.build_bwd_program({**cfg, "det_pair": False}, "main_det", target=SM90A).get_kernel_source()
@@ -177,10 +180,12 @@ def test_det_pair_defaults_and_its_reduce():
     assert key(bwd._normalise_config(v4), "reduce") == ("reduce", (512, 1, "int16", 4))
     assert key(bwd._normalise_config({**v4, "heads": 256}), "reduce") == ("reduce", (512, 2, "int16", 4))
     assert key(bwd._normalise_config({**v4, "det_mode": "contrib_bf16"}), "reduce") == ("reduce", (512, 1, "bfloat16", 8))
-    assert key(bwd._normalise_config({**v4, "det_pair": False}), "reduce") == ("reduce", (512, 2, "int16", 8))
-    assert key(bwd._normalise_config({**v4, "heads": 64}), "reduce") == ("reduce", (512, 1, "int16", 8))
+    # unpaired rows come with their columns permuted (ws_dkv_perm): the reduce's key says so
+    assert key(bwd._normalise_config({**v4, "det_pair": False}), "reduce") == ("reduce", (512, 2, "int16", 8, True))
+    assert key(bwd._normalise_config({**v4, "heads": 64}), "reduce") == ("reduce", (512, 1, "int16", 8, True))
     mla = bwd._normalise_config({**v4, "dqk": 576})
-    assert key(mla, "reduce") == ("reduce", (576, 2, "int16", 8)) and not mla["ws_tma_q"] and not mla["det_store_pred"]
+    assert key(mla, "reduce") == ("reduce", (576, 2, "int16", 8, True)) and mla["ws_tma_q"] and not mla["det_store_pred"]
+    assert key(bwd._normalise_config({**v4, "dqk": 576, "ws_dkv_perm": False}), "reduce") == ("reduce", (576, 2, "int16", 8))
     plain = bwd._normalise_config({**v4, "schedule": "plain"})
     assert not plain["ws_tma_q"] and not plain["det_store_pred"]
 
@@ -199,15 +204,16 @@ def test_pair_reduce_reads_one_exponent_byte_per_4_columns():
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
 def test_ws_wg0_chunks_move_the_last_dkv_chunks_to_warpgroup_0():
-    """``ws_wg0_chunks`` (default 3 for the 576-wide layout, 2 for D512): warpgroup 0 reduces the last chunks from
+    """``ws_wg0_chunks`` (default 2; 3 here): warpgroup 0 reduces the last chunks from
     its S and dP accumulators (the K-only tail among them), warpgroup 1 the others from its two chunk buffers."""
-    cfg = {"heads": 64, "dqk": 576, "dv": 512, "has_sink": False, "dtype": "bfloat16"}
-    assert bwd._normalise_config(cfg)["ws_wg0_chunks"] == 3
+    cfg = {"heads": 64, "dqk": 576, "dv": 512, "has_sink": False, "dtype": "bfloat16", "ws_dkv_perm": False}
+    assert bwd._normalise_config(cfg)["ws_wg0_chunks"] == 2
     assert bwd._normalise_config({**cfg, "dqk": 512, "heads": 128})["ws_wg0_chunks"] == 2
     assert bwd._normalise_config({**cfg, "dqk": 512, "heads": 128, "ws_pair": True})["ws_wg0_chunks"] == 0
     assert bwd._normalise_config({**cfg, "dqk": 128, "dv": 128})["ws_wg0_chunks"] == 1  # never all of them
     with pytest.raises(ValueError, match="ws_wg0_chunks must be 0..3"):
         bwd._normalise_config({**cfg, "ws_wg0_chunks": 4})
+    cfg["ws_wg0_chunks"] = 3
     body = bwd.build_bwd_program(cfg, "main", target=SM90A).get_kernel_source().split("dsa_bwd_ws_kernel(", 1)[1]
     assert body.count("dsa_red_tile<0>(acc_s,") == 2 and body.count("dsa_red_tile<0>(acc_dp,") == 1
     assert body.count("dsa_red_tile<0>(") == 9  # 9 chunks of 64 columns, each reduced once
@@ -255,10 +261,11 @@ def test_schedule_defaults_to_ws_where_its_shapes_allow():
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
 def test_ws_dkv_perm_variant_sends_one_exchange_reductions():
-    """ws_dkv_perm (opt-in): the ws program's reductions, and its deterministic contribution rows, with dkv's
+    """ws_dkv_perm (the default): the ws program's reductions, and its deterministic contribution rows, with dkv's
     columns permuted (kPermCols), the reduce reading them so; the pairs, "fixed" and the plain schedule never take
     it."""
-    cfg = {"heads": 64, "dqk": 576, "dv": 512, "has_sink": False, "dtype": "bfloat16", "ws_dkv_perm": True}
+    cfg = {"heads": 64, "dqk": 576, "dv": 512, "has_sink": False, "dtype": "bfloat16"}
+    assert bwd._normalise_config(cfg)["ws_dkv_perm"]
     src = bwd.build_bwd_program(cfg, "main", target=SM90A).get_kernel_source()
     assert "dsa_red_tile<0, 4, false, true>(" in src and "dsa_red_tile<0>(" not in src
     det = bwd.build_bwd_program(cfg, "main_det", target=SM90A).get_kernel_source()
@@ -286,7 +293,7 @@ def test_fixed_point_deterministic_path_compiles():
     assert "reduce" not in progs and "Maxima[" in progs["preprocess_det"].get_kernel_source()
     for name in ("main_det", "main_det_probs"):
         det = progs[name].get_kernel_source()
-        assert "dsa_red_tile<2>(" in det and "dsa_red_tile<0>(" not in det and "FixedSums" in det
+        assert "dsa_red_tile<2>(" in det and "dsa_red_tile<0" not in det and "FixedSums" in det
 
 
 def _red_tile_model(tile, groups=4, rank=0, perm=False):
@@ -453,7 +460,8 @@ def test_contribution_rows_from_the_ws_program_compile():
     assert bwd.bwd_program_names({**cfg, "det_mode": "contrib"})[0] == "preprocess"
     for name in ("main_det", "main_det_probs"):
         det = bwd.build_bwd_program(cfg, name, target=SM90A).get_kernel_source()
-        assert "dsa_red_tile<3>(" in det and "dsa_red_tile<0>(" not in det and "__named_barrier_arrive" in det
+        assert "dsa_red_tile<3, 4, false, true>(" in det and "dsa_red_tile<0" not in det  # columns permuted
+        assert "__named_barrier_arrive" in det
 
 
 @pytest.mark.slow
@@ -466,14 +474,16 @@ def test_rounded_contribution_rows_compile_with_their_reduce(mode, ctype, store)
     cfg = {"heads": 64, "dqk": 576, "dv": 512, "has_sink": False, "dtype": "bfloat16", "det_mode": mode}
     assert bwd.bwd_program_names(cfg)[-1] == "reduce"
     det = bwd.build_bwd_program(cfg, "main_det", target=SM90A).get_kernel_source()
-    assert f"dsa_red_tile<{store}>(" in det and f"{ctype}* __restrict__ dKV" in det
+    assert f"dsa_red_tile<{store}, 4, false, true>(" in det and f"{ctype}* __restrict__ dKV" in det
     assert ("Scales[" in det or "(&(Scales[0]))" in det)
     red = bwd.build_bwd_program(cfg, "reduce", target=SM90A).get_kernel_source()
     loop = red[red.index("for (int it = 0;"):red.index("__syncthreads()")]
     assert f"{ctype}* __restrict__ Contrib" in red and ("uint2" in loop or "short4" in loop)
     assert "< 9)" in loop  # 576 = 4.5 runs of 128 (9 halves): the last one half the lanes
     assert ("Exps[" in loop and "<< (uint)23" in loop) == (mode == "contrib_i16")
-    if mode == "contrib_i16":  # a lane's 4 columns: 64-column chunk 2 r + lane / 16, group lane % 8 of it
+    if mode == "contrib_i16":  # real column order: a lane's 4 columns: 64-column chunk 2 r + lane / 16, group lane % 8
+        red = bwd.build_bwd_program({**cfg, "ws_dkv_perm": False}, "reduce", target=SM90A).get_kernel_source()
+        loop = red[red.index("for (int it = 0;"):red.index("__syncthreads()")]
         assert "* (int64_t)16) + (((((int64_t)((int)threadIdx.x)) & (int64_t)31) >> (int64_t)4) * (int64_t)8))" \
                " + (((int64_t)((int)threadIdx.x)) & (int64_t)7)" in loop
 

@@ -459,7 +459,7 @@ def test_ws_pair_sums_head_blocks_in_a_cluster(cfg, case):
                          ids=lambda c: f"H{c[0]}-D{c[1]}-{str(c[4])[6:]}")
 @pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[5], BIG_CASES[0]], ids=lambda c: f"S{c[1]}K{c[3]}-{c[4]}")
 def test_ws_tma_q_matches_the_threads_copies(cfg, case):
-    """``ws_tma_q`` (the D512 default): q and dout by TMA (heads past H outside the tensor: zeros, as the threads'
+    """``ws_tma_q`` (the default): q and dout by TMA (heads past H outside the tensor: zeros, as the threads'
     copies write them). dq and the head-summed probabilities bitwise those of the threads' copies, dkv up to the
     reduction order, both modes; padded heads (H 16, 100), fp16, batches of two, empty rows, and q / dout views
     that start off a 16-byte boundary (the wrapper copies them: a TMA tensor's base must be aligned)."""
