@@ -24,6 +24,14 @@ def random_indices(b, s, k, skv, *, generator=None, invalid_frac=0.2, out_of_ran
     return idx.to(torch.int32)
 
 
+def misaligned_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a contiguous view one element past an aligned base (a slice of a larger buffer), for the
+    wrappers' 16-byte alignment copies."""
+    v = torch.cat([t.new_zeros(1), t.flatten()])[1:].view(t.shape)
+    assert v.data_ptr() % 16
+    return v
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in float64 (0 when both are 0); NaN/inf anywhere gives inf."""
     a64, b64 = a.double(), b.double()

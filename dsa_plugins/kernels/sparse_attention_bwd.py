@@ -1106,6 +1106,13 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     DCH = 128  # fused_pre: out's columns per fragment (32 registers a thread; the fp32 products 64)
     o_chunks = tuple(range(dv // DCH))  # a tuple: unrolled while the program is built
     O_EARLY = 2  # out's fragments loaded at the CTA's start (all four: 128 registers held there, 120-290 bytes spilled)
+
+    @T.macro
+    def load_out(O, t, h0, frag, c):
+        """fused_pre: out's columns c * DCH .. (c + 1) * DCH of the CTA's heads into the register fragment ``frag``."""
+        for i, d in T.Parallel(BH, DCH):
+            frag[i, d] = O[t, T.min(h0 + i, heads - 1), c * DCH + d]
+
     VEC = 8  # bf16 per 16-byte cp.async
     ROWS_PER_PASS = 16  # 8 threads per row, 128 threads
     passes = tuple(range(BK // ROWS_PER_PASS))
@@ -1238,8 +1245,7 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
             if fused_pre:
                 if tx >= 128:  # warpgroup 1 loads out's first columns now: in flight beside q and dout
                     for c in o_chunks[:O_EARLY]:
-                        for i, d in T.Parallel(BH, DCH):
-                            o_raw[c][i, d] = O[t, T.min(h0 + i, heads - 1), c * DCH + d]
+                        load_out(O, t, h0, o_raw[c], c)
                 stage_lse(Lse, Sink, t, h0, lse_s)
             else:
                 stage_lse_delta(Lse2, Delta, t, h0, lse_s, delta_s)
@@ -1365,8 +1371,7 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                     # other columns, then the products with dout's summed per thread and across the threads of each
                     # row; an empty row (lse' +inf) gets 0, whatever dout holds
                     for c in o_chunks[O_EARLY:]:
-                        for i, d in T.Parallel(BH, DCH):
-                            o_raw[c][i, d] = O[t, T.min(h0 + i, heads - 1), c * DCH + d]
+                        load_out(O, t, h0, o_raw[c], c)
                     if tma_q:
                         T.mbarrier_wait_parity(bar_q, 0)
                     T.clear(o_acc)

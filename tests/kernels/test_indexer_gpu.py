@@ -26,6 +26,7 @@ if torch.cuda.is_available() and not _hopper():
 
 from dsa_plugins.kernels import indexer as K  # noqa: E402
 from dsa_plugins.kernels import topk as TK  # noqa: E402
+from tests.helpers import misaligned_view  # noqa: E402
 
 
 # ---------------------------------------------------------------- references
@@ -252,13 +253,6 @@ def test_indexer_causal_single(hi, di):
     assert rate > 0.98
 
 
-def _off_by_one(t):
-    """``t``'s values in a contiguous view one element past an aligned base (a slice of a larger buffer)."""
-    v = torch.cat([t.new_zeros(1), t.flatten()])[1:].view(t.shape)
-    assert v.data_ptr() % 16
-    return v
-
-
 def test_misaligned_views_give_the_aligned_results():
     """Contiguous views whose base is off a 16-byte boundary: the wrappers copy them (the programs read by TMA and
     vector loads) rather than fault with a misaligned address; the same rows as the aligned inputs."""
@@ -266,10 +260,10 @@ def test_misaligned_views_give_the_aligned_results():
     q, kk, w = make_inputs(T, T, 32, 128, seed=5)
     ks, ke = causal_windows([T])
     ref = K.indexer_topk(q, kk, w, ks, ke, k)
-    got = K.indexer_topk(_off_by_one(q), _off_by_one(kk), _off_by_one(w), ks, ke, k)
+    got = K.indexer_topk(misaligned_view(q), misaligned_view(kk), misaligned_view(w), ks, ke, k)
     assert torch.equal(got.sort(1).values, ref.sort(1).values)
     x = torch.randn(7, 1000, device="cuda")
-    assert torch.equal(TK.topk_rows(_off_by_one(x), None, 100).sort(1).values,
+    assert torch.equal(TK.topk_rows(misaligned_view(x), None, 100).sort(1).values,
                        TK.topk_rows(x, None, 100).sort(1).values)
 
 

@@ -11,6 +11,8 @@ import zlib
 import pytest
 import torch
 
+from tests.helpers import misaligned_view
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -468,9 +470,7 @@ def test_ws_tma_q_matches_the_threads_copies(cfg, case):
     H, Dqk, Dv, has_sink, dtype = cfg
     q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=71)
     if case is CASES[1]:  # the same values in views one element past an aligned base
-        q = torch.cat([q.new_zeros(1), q.flatten()])[1:].view(q.shape)
-        dout = torch.cat([dout.new_zeros(1), dout.flatten()])[1:].view(dout.shape)
-        assert q.data_ptr() % 16 and dout.data_ptr() % 16
+        q, dout = misaligned_view(q), misaligned_view(dout)
     out64, lse64, dq_ref, dkv_ref, _ = _reference(q, kv, idx, dout, sink, scale, Dv)
     out, lse = out64.to(dtype), lse64.float()
     args = (q, kv, idx, out, lse, dout, scale)
@@ -508,9 +508,7 @@ def test_ws_fused_pre_matches_the_preprocess(cfg, case):
     out64, lse64, dq_ref, dkv_ref, dsink_ref = _reference(q, kv, idx, dout, sink, scale, Dv)
     out, lse = out64.to(dtype), lse64.float()
     if case is CASES[1]:  # out and kv as views one element past an aligned base (the wrapper copies them)
-        out = torch.cat([out.new_zeros(1), out.flatten()])[1:].view(out.shape)
-        kv = torch.cat([kv.new_zeros(1), kv.flatten()])[1:].view(kv.shape)
-        assert out.data_ptr() % 16 and kv.data_ptr() % 16
+        out, kv = misaligned_view(out), misaligned_view(kv)
     empty = ~((idx >= 0) & (idx < kv.shape[1])).any(-1)
     dout = dout.clone()
     dout[empty] = float("nan")  # an empty row's Delta is 0 whatever dout holds
