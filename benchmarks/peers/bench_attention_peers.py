@@ -119,11 +119,14 @@ def bench_backward(rows: Rows, shapes, cudnn_dsa) -> None:
         q, kv, idx, z = make_inputs(s, skv, h, dqk, dv, k, sink)
         out, lse = sparse_attention_fwd(q, kv, idx, scale, sink=z, dv=dv)
         dout = (0.1 * torch.randn_like(out))
-        ours = lambda: sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=z, dv=dv)  # noqa: E731
+        # dkv in kv's dtype, as the peer returns it and as the ops layer asks for it (the cast is timed)
+        ours = lambda: sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=z, dv=dv,  # noqa: E731
+                                            dkv_dtype=kv.dtype)
         dq, dkv, dz = ours()
         rows.time(op, "bwd", name, "tilelang", ours, flops)
         rows.time(op, "bwd", name, "tilelang", lambda: sparse_attention_bwd(
-            q, kv, idx, out, lse, dout, scale, sink=z, dv=dv, deterministic=True), flops, variant="deterministic")
+            q, kv, idx, out, lse, dout, scale, sink=z, dv=dv, deterministic=True, dkv_dtype=kv.dtype), flops,
+            variant="deterministic")
         rows.rows[-1]["provider"] = "tilelang_deterministic"
         if cudnn_dsa is None:
             continue
@@ -132,6 +135,7 @@ def bench_backward(rows: Rows, shapes, cudnn_dsa) -> None:
         try:
             res = peer()
             d = {"dq": rel_diff(res["dq"], dq[0]), "dkv": rel_diff(res["dkv"], dkv[0])}
+            print(f"  cudnn_fe dkv dtype {res['dkv'].dtype}, ours {dkv.dtype}", flush=True)
             if z is not None:
                 d["dsink"] = rel_diff(res["d_sink"], dz)
             print("  cudnn_fe vs ours: " + ", ".join(f"{n} {v:.2e}" for n, v in d.items()), flush=True)

@@ -1531,6 +1531,14 @@ def _dkv_cols_permuted(x: Tensor, inverse: bool = False) -> Tensor:
     return g.transpose(-3, -2).flatten(-4)
 
 
+def _dkv_cols_restored(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``_dkv_cols_permuted(x, inverse=True).to(dtype)`` in one pass over ``x``: a new contiguous tensor (the
+    strided read and the cast are one copy; the reshape of the other form copies, and a cast after it again)."""
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    out.unflatten(-1, (-1, 2, 4, 2)).copy_(x.unflatten(-1, (-1, 4, 2, 2)).transpose(-3, -2))
+    return out
+
+
 def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tuple:
     """(program kind, compile args) of the main kernel the wrapper launches."""
     if _uses_ws(cfg, deterministic):
@@ -1644,7 +1652,7 @@ def unsupported_reason(num_heads: int, dqk: int, dv: int, has_sink: bool, dtype:
 
 def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None, dv: int | None = None,
                          deterministic: bool = False, *, config: dict | None = None, return_probs: bool = False,
-                         dq=None, dkv=None):
+                         dq=None, dkv=None, dkv_dtype: torch.dtype | None = None):
     """Backward of sparse attention over a shared latent.
 
     q [B,S,H,Dqk] bf16/fp16; kv [B,Skv,Dqk] q.dtype; indices [B,S,K] int32 (any K >= 1; entries
@@ -1685,6 +1693,9 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
     ``dq`` [B,S,H,Dqk] q.dtype is written in place of a new tensor; ``dkv`` [B,Skv,Dqk] fp32 is
     added to (not zeroed), so query chunks of one cache accumulate into one buffer (both
     contiguous). The ops layer uses them to run long inputs in chunks without concatenating.
+    ``dkv_dtype`` (without ``dkv``): the dtype dkv comes back in, float32 by default; the ops layer asks for
+    kv's, and the fp32 sums are cast in the pass that puts ``ws_dkv_perm``'s columns back in order (the same
+    bits as casting the fp32 result, one read of the fp32 buffer instead of three).
 
     ``config`` overrides tuning keys (block_k, dkv_chunk, overlap, ...);
     the env variable DSA_PLUGINS_BWD_TUNING (JSON) does the same for experiments.
@@ -1707,6 +1718,11 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
         sink = sink.float().contiguous()
 
     dq = output_buffer("dq", dq, (B, S, H, Dqk), q.dtype, dev)
+    if dkv_dtype is not None and dkv is not None:
+        raise ValueError("dkv_dtype is for a dkv of ours: a given dkv is float32 and is added to")
+    if dkv_dtype is not None and dkv_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dkv_dtype must be float32, bfloat16 or float16, got {dkv_dtype}")
+    dkv_dtype = torch.float32 if dkv_dtype is None else dkv_dtype
     dkv_zero = dkv is None  # a buffer of ours: zeros in any column order
     dkv = output_buffer("dkv", dkv, (B, Skv, Dqk), torch.float32, dev, zeros=True)
 
@@ -1714,7 +1730,7 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
                              "dtype": str(q.dtype).replace("torch.", ""), **(config or {})})
     if B * S == 0 or Skv == 0:
         dsink = torch.zeros(H, device=dev, dtype=torch.float32) if sink is not None else None
-        res = (dq.zero_(), dkv, dsink)
+        res = (dq.zero_(), dkv.to(dkv_dtype), dsink)
         if return_probs:
             res += (torch.zeros(B, S, indices.shape[2], device=dev, dtype=torch.float32),)
         return res
@@ -1732,8 +1748,11 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
     idx = _prepare_indices(indices, Skv, BK)
 
     with torch.cuda.device(dev):
-        res = _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, deterministic, B, S, Skv,
-                      return_probs, dq.view(T_, H, Dqk), dkv.view(N, Dqk), dkv_zero=dkv_zero)
+        res, permuted = _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, deterministic, B, S, Skv,
+                                return_probs, dq.view(T_, H, Dqk), dkv.view(N, Dqk), dkv_zero=dkv_zero)
+    # a buffer of ours holds ws_dkv_perm's column order still: back in order and cast in one pass
+    dkv = _dkv_cols_restored(res[1], dkv_dtype) if permuted else res[1].to(dkv_dtype)
+    res = (res[0], dkv) + res[2:]
     if return_probs:
         probs = res[3]
         probs = probs[0] if probs.shape[0] == 1 else probs.sum(0)  # head blocks, fixed order
@@ -1792,7 +1811,8 @@ def _fixed_point_scale(maxima, kv2, idx, n_rows, heads, dv, scale):
 
 def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, deterministic, B, S, Skv,
             return_probs, dq, dkv, dkv_zero=False):
-    """Run the programs; ``dq`` [T, H, Dqk] is written, ``dkv`` [N, Dqk] fp32 is added to (``dkv_zero``: it holds
+    """Run the programs: (results, whether dkv's columns are left permuted). ``dq`` [T, H, Dqk] is written, ``dkv``
+    [N, Dqk] fp32 is added to (``dkv_zero``: it holds
     zeros)."""
     dev = q2.device
     T_, H, Dqk = q2.shape
@@ -1801,6 +1821,7 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
     Kp = idx.shape[1]
     kind, args = _main_kernel(cfg, deterministic, return_probs)
     fixed = deterministic and cfg["det_mode"] == "fixed"
+    left_permuted = False
     delta = torch.empty(T_, H, device=dev, dtype=torch.float32)
     lse2 = torch.empty(T_, H, device=dev, dtype=torch.float32)
     sink_arg = sink if sink is not None else torch.zeros(H, device=dev, dtype=torch.float32)
@@ -1834,8 +1855,9 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
             dkv.copy_(_dkv_cols_permuted(dkv))
         main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), *_no_fixed_point(dev),
              *fused)
-        if perm:
+        if perm and not dkv_zero:
             dkv.copy_(_dkv_cols_permuted(dkv, inverse=True))
+        left_permuted = perm and dkv_zero  # the caller restores its own buffer (and casts it) in one pass
     elif not deterministic:
         main(q2, kv2, do2, idx, lse2, delta, dq, dkv, s, s * _LOG2E, _probs_arg(probs, dev), blocks)
     else:  # the contribution modes: "contrib" (the plain program) and "contrib_ws"
@@ -1881,6 +1903,5 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
         # d_sink_h = -sum_t Delta[t,h] * exp(z_h - lse'[t,h]); lse' = +inf rows give 0
         p_sink = torch.exp2(sink.view(1, H) * _LOG2E - lse2)
         dsink = -(delta * p_sink).sum(0)
-    if return_probs:
-        return dq.view(B, S, H, Dqk), dkv.view(B, Skv, Dqk), dsink, probs
-    return dq.view(B, S, H, Dqk), dkv.view(B, Skv, Dqk), dsink
+    res = (dq.view(B, S, H, Dqk), dkv.view(B, Skv, Dqk), dsink) + ((probs,) if return_probs else ())
+    return res, left_permuted

@@ -93,32 +93,40 @@ def attention_forward(q, kv, indices, sink, scale: float, dv: int, backend: str)
 
 
 def attention_backward(q, kv, indices, sink, out, lse, dout, scale: float, dv: int, backend: str, deterministic: bool,
-                   return_probs: bool = False):
-    """(dq in q.dtype, dkv in float32 (float64 for float64 inputs), dsink or None), plus with
-    return_probs the head sum of P per slot, probs [B, S, K] in the accumulation dtype."""
+                   return_probs: bool = False, dkv_dtype: Optional[torch.dtype] = None):
+    """(dq in q.dtype, dkv in ``dkv_dtype`` (default: float32, float64 for float64 inputs: the sums; kv.dtype
+    for a gradient to hand back, cast by the kernel in the pass it makes over dkv anyway), dsink or None), plus
+    with return_probs the head sum of P per slot, probs [B, S, K] in the accumulation dtype."""
+    acc = lse_dtype(q.dtype)  # float32 for the kernels' dtypes
+    dkv_dtype = acc if dkv_dtype is None else dkv_dtype
     if _trivial(q, kv):
-        return sparse_attention_backward(q, kv, indices, out, lse, dout, scale, sink, dv, return_probs)
+        res = sparse_attention_backward(q, kv, indices, out, lse, dout, scale, sink, dv, return_probs)
+        return (res[0], res[1].to(dkv_dtype)) + res[2:]
     if choose_kernel(backend, "sparse_attention_bwd", (q, kv), _shape_reason("sparse_attention_bwd", q, dv, sink)):
         kernel = load_kernel("sparse_attention_bwd")
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        # one fp32 buffer: each block adds its part (query blocks of one cache accumulate into
-        # it in a fixed order, so the deterministic mode stays bitwise reproducible)
-        acc = lse_dtype(q.dtype)  # float32 for the kernels' dtypes
-        dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+        blocks = _kernel_chunks(q, kv, indices, dv)
+        # one block (every realistic shape): the kernel's own dkv, returned in dkv_dtype. Several: one fp32
+        # buffer, each block adds its part (query blocks of one cache accumulate into it in a fixed order,
+        # so the deterministic mode stays bitwise reproducible), cast at the end
+        dkv = None if len(blocks) == 1 else torch.zeros(kv.shape, dtype=acc, device=kv.device)
         probs = q.new_empty(*indices.shape, dtype=acc) if return_probs else None
         dsink = None
-        for b0, b1, s0, s1 in _kernel_chunks(q, kv, indices, dv):
+        for b0, b1, s0, s1 in blocks:
             blk = (slice(b0, b1), slice(s0, s1))
             res = kernel(
                 q[blk], kv[b0:b1], indices[blk], out[blk], lse[blk], dout[blk], scale, sink, dv,
-                deterministic=deterministic, dq=dq[blk], dkv=dkv[b0:b1],
+                deterministic=deterministic, dq=dq[blk],
+                **({"dkv": dkv[b0:b1]} if dkv is not None else {"dkv_dtype": dkv_dtype}),
                 **({"return_probs": True} if return_probs else {}),
             )
             dsink = res[2] if dsink is None or res[2] is None else dsink.add_(res[2])
             if return_probs:
                 probs[blk].copy_(res[3])
+        dkv = res[1].to(dkv_dtype) if dkv is None else dkv.to(dkv_dtype)
         return (dq, dkv, dsink) + ((probs,) if return_probs else ())
-    return sparse_attention_backward(q, kv, indices, out, lse, dout.contiguous(), scale, sink, dv, return_probs)
+    res = sparse_attention_backward(q, kv, indices, out, lse, dout.contiguous(), scale, sink, dv, return_probs)
+    return (res[0], res[1].to(dkv_dtype)) + res[2:]
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -147,7 +155,8 @@ def _sparse_attention_bwd_op(
     q: Tensor, kv: Tensor, indices: Tensor, sink: Optional[Tensor], out: Tensor, lse: Tensor, dout: Tensor,
     scale: float, dv: int, backend: str, deterministic: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    dq, dkv, dsink = attention_backward(q, kv, indices, sink, out, lse, dout, scale, dv, backend, deterministic)
+    dq, dkv, dsink = attention_backward(q, kv, indices, sink, out, lse, dout, scale, dv, backend, deterministic,
+                                        dkv_dtype=kv.dtype)
     if dsink is None:  # custom ops return tensors only
         dsink = q.new_zeros(0, dtype=lse_dtype(q.dtype))
     return dq, dkv, dsink
@@ -157,7 +166,7 @@ def _sparse_attention_bwd_op(
 def _(q, kv, indices, sink, out, lse, dout, scale, dv, backend, deterministic):
     dsink_shape = (0,) if sink is None else tuple(sink.shape)
     acc = lse_dtype(q.dtype)
-    return torch.empty_like(q), kv.new_empty(kv.shape, dtype=acc), q.new_empty(dsink_shape, dtype=acc)
+    return torch.empty_like(q), kv.new_empty(kv.shape), q.new_empty(dsink_shape, dtype=acc)
 
 
 def _setup_context(ctx, inputs, output):
@@ -174,7 +183,7 @@ def _backward(ctx, dout, _dlse):
     dq, dkv, dsink = torch.ops.dsa_plugins.sparse_attention_bwd(
         q, kv, indices, sink, out, lse, dout.contiguous(), ctx.scale, ctx.dv, ctx.backend, ctx.deterministic
     )
-    return dq, dkv.to(kv.dtype), None, (None if sink is None else dsink.to(sink.dtype)), None, None, None
+    return dq, dkv, None, (None if sink is None else dsink.to(sink.dtype)), None, None, None
 
 
 _sparse_attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)

@@ -148,7 +148,7 @@ class SparseAttentionIndexerLoss(torch.autograd.Function):
         loss: FusedIndexerLoss = ctx.loss
         dq, dkv, dsink, probs = attention_backward(
             q, kv, indices, sink, out, lse, dout.contiguous(), ctx.scale, ctx.dv, ctx.backend, ctx.deterministic,
-            return_probs=True,
+            return_probs=True, dkv_dtype=kv.dtype,
         )
         rows = global_rows(indices, kv.shape[1])
         probs = probs.reshape(rows.shape)
@@ -157,7 +157,7 @@ class SparseAttentionIndexerLoss(torch.autograd.Function):
             torch.distributed.all_reduce(probs, group=loss.target_group)
         value, d_iq, d_ik, d_w = _loss_and_grads(loss, probs, rows, ctx.backend, ctx.deterministic)
         loss._publish(value)
-        return (dq, dkv.to(kv.dtype), None, None if sink is None else dsink.to(sink.dtype),
+        return (dq, dkv, None, None if sink is None else dsink.to(sink.dtype),
                 d_iq.to(loss.index_q.dtype), d_ik.to(loss.index_k.dtype), d_w.to(loss.weights.dtype),
                 None, None, None, None)
 

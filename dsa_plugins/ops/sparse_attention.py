@@ -120,12 +120,14 @@ def _chunked_backward(ctx, dout):
     dq = torch.empty_like(q)
     dkv = None
     dsink = None if sink is None else torch.empty_like(sink)
+    # one chunk: dkv comes back in kv's dtype; several add their fp32 sums, cast at the end
+    one = ctx.step >= h
     for h0 in range(0, h, ctx.step):
         hs = slice(h0, min(h0 + ctx.step, h))
         dq_c, dkv_c, dsink_c = attention_backward(
             q[:, :, hs].contiguous(), kv, indices, None if sink is None else sink[hs].contiguous(),
             out[:, :, hs].contiguous(), lse[:, :, hs].contiguous(), dout[:, :, hs].contiguous(),
-            ctx.scale, ctx.dv, ctx.backend, ctx.deterministic,
+            ctx.scale, ctx.dv, ctx.backend, ctx.deterministic, dkv_dtype=kv.dtype if one else None,
         )
         dq[:, :, hs] = dq_c
         dkv = dkv_c if dkv is None else dkv.add_(dkv_c)  # fp32 accumulation across head chunks

@@ -356,6 +356,32 @@ def test_red_tile_with_permuted_columns_covers_the_tile_once():
     assert np.array_equal(bwd._dkv_cols_permuted(torch.from_numpy(out), inverse=True).numpy(), tile)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dkv_cols_restored_is_the_inverse_permutation_and_the_cast_in_one(dtype):
+    """The wrapper's one-pass restore of a dkv of its own: the same bits as the inverse permutation then the cast,
+    contiguous, for batched [B, Skv, D] rows of both widths."""
+    for shape in ((2, 5, 576), (1, 3, 512)):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(shape[-1]))
+        got = bwd._dkv_cols_restored(x, dtype)
+        assert got.dtype == dtype and got.is_contiguous() and got.shape == x.shape
+        assert torch.equal(got, bwd._dkv_cols_permuted(x, inverse=True).to(dtype))
+        assert torch.equal(bwd._dkv_cols_permuted(got.float()), x.to(dtype).float())
+
+
+def test_dkv_dtype_is_checked_before_any_launch():
+    """dkv_dtype: only for a dkv of ours (a given one is fp32 and added to), and a floating dtype the kernels cast to."""
+    q = torch.zeros(1, 2, 16, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 4, 576, dtype=torch.bfloat16)
+    idx = torch.zeros(1, 2, 8, dtype=torch.int32)
+    out = torch.zeros(1, 2, 16, 512, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 16)
+    args = (q, kv, idx, out, lse, out.clone(), 0.1)
+    with pytest.raises(ValueError, match="dkv_dtype is for a dkv of ours"):
+        bwd.sparse_attention_bwd(*args, dv=512, dkv=torch.zeros(1, 4, 576), dkv_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dkv_dtype must be float32, bfloat16 or float16, got torch.int32"):
+        bwd.sparse_attention_bwd(*args, dv=512, dkv_dtype=torch.int32)
+
+
 def test_pair_halves_cover_the_tile_once():
     """dsa_pair_red: rank 0 reduces accumulator elements 0..15 at columns 0..31, rank 1 elements 16..31 at
     columns 32..63 (each summed with the peer's same elements); together every element once."""

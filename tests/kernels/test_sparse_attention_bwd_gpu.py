@@ -561,6 +561,13 @@ def test_ws_dkv_perm_adds_into_permuted_columns_and_restores_them(cfg, case):
     start = 0.01 * torch.randn(kv.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(98))
     acc = sparse_attention_bwd(*args, sink=sink, dv=Dv, config={"ws_dkv_perm": True}, dkv=start.clone())
     assert _rel(acc[1] - start, base[1]) < 1e-5
+    # a dkv of ours in the inputs' dtype (the ops layer's call): restored and cast in one pass, or cast alone; fp32
+    # atomics' order moves a rounding boundary for a rare element only
+    for p in (True, False):
+        cast = sparse_attention_bwd(*args, sink=sink, dv=Dv, config={"ws_dkv_perm": p}, dkv_dtype=dtype)
+        assert cast[1].dtype == dtype and cast[1].is_contiguous() and torch.equal(cast[0], base[0])
+        assert (cast[1] != base[1].to(dtype)).float().mean() < 1e-3, p
+        assert _err(cast[1].float(), dkv_ref, g_dkv) < TOL
     # the deterministic rows stored with permuted columns (no register exchange), put back in order by the reduce:
     # fp32 and bf16 rows hold the same values summed in the same order (bitwise); int16 blocks group other values
     for mode in ("contrib_ws", "contrib_bf16", "contrib_i16"):
