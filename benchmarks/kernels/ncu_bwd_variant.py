@@ -14,14 +14,14 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_sparse_attention_bwd import SHAPES, make_inputs  # noqa: E402
+from bench_sparse_attention_bwd import LONG_SHAPES, SHAPES, make_inputs  # noqa: E402
 
 
 def main() -> None:
     from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
 
     name, variant = sys.argv[1], json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}")
-    _, B, S, Skv, H, Dqk, Dv, K, sink = next(s for s in SHAPES if s[0] == name)
+    _, B, S, Skv, H, Dqk, Dv, K, sink = next(s for s in SHAPES + LONG_SHAPES if s[0] == name)
     q, kv, idx, out, lse, dout, z, scale = make_inputs(B, S, Skv, H, Dqk, Dv, K, sink, causal=name.endswith("_causal"))
     for _ in range(2):
         sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=z, dv=Dv, config=variant)
