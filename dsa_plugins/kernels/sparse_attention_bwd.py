@@ -98,8 +98,7 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
 
 _TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep",
                 "schedule", "ws_prefetch", "ws_dq_rs", "ws_pair", "ws_wg0_chunks", "ws_auto_sync", "det_mode",
-                "fast_exp2", "det_store_pred", "det_pair", "ws_tma_q", "ws_fused_pre", "ws_dkv_perm",
-                "ws_l2_prefetch")
+                "fast_exp2", "det_store_pred", "det_pair", "ws_tma_q", "ws_fused_pre", "ws_dkv_perm")
 _DET_MODES = ("contrib", "contrib_ws", "contrib_bf16", "contrib_i16", "fixed")
 # the modes whose contribution rows the ws program stores
 _CONTRIB_WS_MODES = ("contrib_ws", "contrib_bf16", "contrib_i16")
@@ -154,6 +153,10 @@ def _normalise_config(config: dict) -> dict:
     # measured on an H100 (B1 S4096 Skv8192): prefetch 1.01x (MLA H64) and 1.03x (V4 H128), dq from
     # registers 1.00-1.02x (off: within noise)
     cfg["ws_prefetch"] = bool(cfg.get("ws_prefetch", True))
+    # Tried and dropped (fa5e348): with the next block's indices, its kv rows (and their dkv rows) brought into L2 by
+    # cp.async.bulk.prefetch.L2. H100, S4096 k2048, ms without / kv rows / kv and dkv rows: MLA H128 Skv 8K 14.45 /
+    # 18.6 / 25.2 (L2 is the busy unit there, 80% of its peak, and a prefetch of a line it holds is one more access),
+    # Skv 32K 24.0 / 23.3 / 25.8, Skv 128K 29.5 / 29.4 / 31.9; V4 H64 2.16 / 2.64 / 3.34
     # skip_tail: each query row walks its slot blocks only up to its last valid slot (causal rows, the first
     # tokens of packed sequences). On for the ws program, whose CTAs find their row's last valid slot themselves
     # (H100, causal S 4096 k 2048: MLA H64 7.97 -> 6.44 ms, H128 15.32 -> 12.90; full rows within 0.4%), off for
@@ -222,11 +225,6 @@ def _normalise_config(config: dict) -> dict:
     # 3.33 / 3.36 against 3.39 / 3.43 (V4 H128's det_pair keeps the real order)
     perm = cfg.get("ws_dkv_perm")
     cfg["ws_dkv_perm"] = bool(True if perm is None else perm) and cfg["schedule"] == "ws"
-    # ws_l2_prefetch: the next block's kv rows (1), and their dkv rows (2), brought into L2 a block ahead (see _ws_body)
-    l2p = int(cfg.get("ws_l2_prefetch") or 0)
-    if l2p not in (0, 1, 2):
-        raise ValueError(f"ws_l2_prefetch must be 0, 1 or 2, got {l2p}")
-    cfg["ws_l2_prefetch"] = l2p if cfg["schedule"] == "ws" else 0
     # det_pair: the ws program's contribution modes with the two head blocks of a query row summed in a 2-CTA
     # cluster before storing (the exchange of ws_pair): one contribution row per slot of the pair, half the bytes
     # to store and to reduce. Where ws_pair can run (an even number of head blocks, dqk == dv); its deterministic
@@ -639,12 +637,6 @@ def _main_body(heads, dqk, dv, dtype, block_k, num_stages, threads, dkv_chunk, d
 # r + 1) trade float4s so that 8 lanes cover one row's 128-byte line: a warp's reduction touches
 # 4 whole lines (the v2 reductions straight from the layout touch 8 rows x 32 bytes).
 _WS_PRELUDE = CLUSTER_PRELUDE + ROW_SCAN_PRELUDE + _ex2.PRELUDE + r"""
-// ws_l2_prefetch: `bytes` (a multiple of 16) at the 16-byte aligned `src` brought into L2 by the TMA unit: no
-// registers, nothing to wait for, so a row that will be gathered (or reduced into) later is read from HBM now.
-__device__ __forceinline__ void dsa_prefetch_l2(const void* src, int bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(src), "r"(bytes) : "memory");
-}
-
 // kMode 0: red.v4.f32; 1: the same with an L2 evict_last policy; 2: fixed point (deterministic mode):
 // each value times the power of two `fix` is rounded to a 64-bit integer and added to `sums` with
 // red.add.u64 (integer addition is associative: the sums do not depend on the order the CTAs reach
@@ -1046,8 +1038,7 @@ def ws_supported(dqk: int, dv: int) -> bool:
 
 def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, emit_probs=False, l2_keep=False,
              det_out=None, pair=False, skip_tail=False, wg0_chunks=0, fast_exp2=False,
-             det_store_pred=False, tma_q=False, fused_pre=False, has_sink=False, dkv_perm=False, l2_prefetch=0,
-             auto_sync=True):
+             det_store_pred=False, tma_q=False, fused_pre=False, has_sink=False, dkv_perm=False, auto_sync=True):
     """Main backward program, warp-specialised (256 threads, one CTA per query row and 64 heads).
 
     Warpgroup 0 gathers the selected kv rows (predicated cp.async, invalid slots zero-filled),
@@ -1099,10 +1090,6 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     ``dkv_perm`` (not with ``pair`` or "fixed"): dKV's columns permuted within each group of 16 (see ``dsa_red_tile``'s
     kPermCols): half the register exchanges before the reductions, none before the contribution stores; the wrapper
     (atomic modes) or the reduce (contribution rows) puts them back in order.
-    ``l2_prefetch`` (with ``prefetch``): when warpgroup 0 loads the next block's indices it also has the TMA unit
-    bring that block's kv rows (1) and, in the atomic modes, their fp32 dKV rows (2) into L2: a block later the
-    gather (and the reductions) find them there instead of waiting on HBM, where long caches (whose kv and dkv
-    outgrow L2) keep them.
     ``auto_sync`` is not read here: the factory that compiles the program (``_jit_factories``: "ws" or
     "ws_nosync") sets whether TileLang adds its automatic syncs; as an argument it keeps the two apart in the
     caches."""
@@ -1319,16 +1306,6 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                         if kb + 1 < n_blocks:
                             for r in passes:
                                 idx_reg[r] = Idx[t, (kb + 1) * BK + r * ROWS_PER_PASS + tx // 8]
-                            if l2_prefetch:
-                                # each of a row's 8 threads: an eighth of its kv row (and of its dkv row)
-                                for r in passes:
-                                    if idx_reg[r] >= 0 and idx_reg[r] < N:
-                                        T.call_extern("handle", "dsa_prefetch_l2",
-                                                      T.address_of(KV[idx_reg[r], lane8 * (dqk // 8)]), dqk // 8 * 2)
-                                        if l2_prefetch == 2 and det_out is None:
-                                            T.call_extern("handle", "dsa_prefetch_l2",
-                                                          T.address_of(dKV[idx_reg[r], lane8 * (dqk // 8)]),
-                                                          dqk // 8 * 4)
                     T.ptx_wait_group(0)
                     T.fence_proxy_async()
                     if tma_q and kb == 0:
@@ -1578,7 +1555,6 @@ def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tu
                       cfg["det_store_pred"] and deterministic and cfg["det_mode"] in _CONTRIB_WS_MODES,
                       cfg["ws_tma_q"], _fused_pre(cfg, deterministic),
                       cfg["has_sink"] and _fused_pre(cfg, deterministic), _dkv_perm(cfg, deterministic, pair),
-                      cfg["ws_l2_prefetch"] if cfg["ws_prefetch"] else 0,
                       # the head-summed P's cross-warp sums and the pair's exchange need TileLang's syncs
                       cfg["ws_auto_sync"] or bool(emit_probs) or pair)
     return "main", _main_args(cfg, deterministic, emit_probs)
