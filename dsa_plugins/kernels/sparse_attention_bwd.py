@@ -98,7 +98,8 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
 
 _TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep",
                 "schedule", "ws_prefetch", "ws_dq_rs", "ws_pair", "ws_wg0_chunks", "ws_auto_sync", "det_mode",
-                "fast_exp2", "det_store_pred", "det_pair", "ws_tma_q", "ws_fused_pre", "ws_dkv_perm")
+                "fast_exp2", "det_store_pred", "det_pair", "ws_tma_q", "ws_fused_pre", "ws_dkv_perm",
+                "ws_stage_dq")
 _DET_MODES = ("contrib", "contrib_ws", "contrib_bf16", "contrib_i16", "fixed")
 # the modes whose contribution rows the ws program stores
 _CONTRIB_WS_MODES = ("contrib_ws", "contrib_bf16", "contrib_i16")
@@ -225,6 +226,8 @@ def _normalise_config(config: dict) -> dict:
     # 3.33 / 3.36 against 3.39 / 3.43 (V4 H128's det_pair keeps the real order)
     perm = cfg.get("ws_dkv_perm")
     cfg["ws_dkv_perm"] = bool(True if perm is None else perm) and cfg["schedule"] == "ws"
+    # ws_stage_dq: dq stored through shared memory in 16-byte pieces (see _ws_body)
+    cfg["ws_stage_dq"] = bool(cfg.get("ws_stage_dq", False)) and cfg["schedule"] == "ws"
     # det_pair: the ws program's contribution modes with the two head blocks of a query row summed in a 2-CTA
     # cluster before storing (the exchange of ws_pair): one contribution row per slot of the pair, half the bytes
     # to store and to reduce. Where ws_pair can run (an even number of head blocks, dqk == dv); its deterministic
@@ -985,7 +988,7 @@ __device__ __forceinline__ void dsa_pair_finish(float* keep, void* dkv, const in
 """
 
 # named barriers of the ws program (bar ids; TileLang numbers its own from 1 upwards per thread range)
-_BAR_PDS_READY, _BAR_PDS_FREE, _BAR_KV_FREE, _BAR_WG0, _BAR_DELTA = 15, 14, 13, 12, 11
+_BAR_PDS_READY, _BAR_PDS_FREE, _BAR_KV_FREE, _BAR_WG0, _BAR_DELTA, _BAR_DQ, _BAR_WG1 = 15, 14, 13, 12, 11, 10, 9
 
 
 def _head_rows_macros(T, heads: int, dv: int, DT: int, BH: int):
@@ -1038,7 +1041,8 @@ def ws_supported(dqk: int, dv: int) -> bool:
 
 def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, emit_probs=False, l2_keep=False,
              det_out=None, pair=False, skip_tail=False, wg0_chunks=0, fast_exp2=False,
-             det_store_pred=False, tma_q=False, fused_pre=False, has_sink=False, dkv_perm=False, auto_sync=True):
+             det_store_pred=False, tma_q=False, fused_pre=False, has_sink=False, dkv_perm=False, stage_dq=False,
+             auto_sync=True):
     """Main backward program, warp-specialised (256 threads, one CTA per query row and 64 heads).
 
     Warpgroup 0 gathers the selected kv rows (predicated cp.async, invalid slots zero-filled),
@@ -1090,6 +1094,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     ``dkv_perm`` (not with ``pair`` or "fixed"): dKV's columns permuted within each group of 16 (see ``dsa_red_tile``'s
     kPermCols): half the register exchanges before the reductions, none before the contribution stores; the wrapper
     (atomic modes) or the reduce (contribution rows) puts them back in order.
+    ``stage_dq``: dq leaves through shared memory (q's tiles, free once both warpgroups are past their last MMA) in
+    16-byte stores, instead of the MMA fragments' 4-byte pieces (two to each 32-byte sector: twice the L2 writes).
     ``auto_sync`` is not read here: the factory that compiles the program (``_jit_factories``: "ws" or
     "ws_nosync") sets whether TileLang adds its automatic syncs; as an argument it keeps the two apart in the
     caches."""
@@ -1366,9 +1372,17 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                             if j + 2 < wg0_chunks:
                                 issue_chunk(NCH1 + j + 2, q_s, qt_s, do_s, p_s, ds_s, own[j % 2])
                     T.wait_wgmma(0)
-                for i, d in T.Parallel(BH, DQ0):
-                    if h0 + i < heads:
-                        dQ[t, h0 + i, d] = acc_dq0[i, d]
+                if stage_dq:
+                    T.sync_threads(_BAR_DQ, 256)  # both warpgroups are past the last MMA that reads q_s
+                    T.copy(acc_dq0, q_s[:, 0:DQ0])
+                    T.sync_threads(_BAR_WG0, 128)
+                    for i, d in T.Parallel(BH, DQ0):
+                        if h0 + i < heads:
+                            dQ[t, h0 + i, d] = q_s[i, d]
+                else:
+                    for i, d in T.Parallel(BH, DQ0):
+                        if h0 + i < heads:
+                            dQ[t, h0 + i, d] = acc_dq0[i, d]
             else:
                 if fused_pre:
                     # Delta = rowsum(out * dout) in fp32 while warpgroup 0 gathers and scores the first block: out's
@@ -1426,13 +1440,27 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                                           T.address_of(recv_s[0]), T.address_of(bars_s[0]), kb * NCH + ci, hb % 2)
                         elif store_dkv:
                             reduce_chunk(ci, acc_kv[ci % 2], kb, t, hb, dKV, Idx, FixedSums, Scales)
-                for i, d in T.Parallel(BH, dv - DQ0):
-                    if h0 + i < heads:
-                        dQ[t, h0 + i, DQ0 + d] = acc_dq1[i, d]
-                if DT > 0:
-                    for i, d in T.Parallel(BH, DT):
+                if stage_dq:
+                    T.sync_threads(_BAR_DQ, 256)
+                    T.copy(acc_dq1, q_s[:, DQ0:dv])
+                    if DT > 0:
+                        T.copy(acc_dqt, qt_s)
+                    T.sync_threads(_BAR_WG1, 128)
+                    for i, d in T.Parallel(BH, dv - DQ0):
                         if h0 + i < heads:
-                            dQ[t, h0 + i, dv + d] = acc_dqt[i, d]
+                            dQ[t, h0 + i, DQ0 + d] = q_s[i, DQ0 + d]
+                    if DT > 0:
+                        for i, d in T.Parallel(BH, DT):
+                            if h0 + i < heads:
+                                dQ[t, h0 + i, dv + d] = qt_s[i, d]
+                else:
+                    for i, d in T.Parallel(BH, dv - DQ0):
+                        if h0 + i < heads:
+                            dQ[t, h0 + i, DQ0 + d] = acc_dq1[i, d]
+                    if DT > 0:
+                        for i, d in T.Parallel(BH, DT):
+                            if h0 + i < heads:
+                                dQ[t, h0 + i, dv + d] = acc_dqt[i, d]
             if pair:
                 if tx >= 128 and store_dkv and n_blocks > 0:  # the last chunk's half
                     T.call_extern("handle", pair_fn, keep.data, T.address_of(dKV[0, 0]),
@@ -1555,6 +1583,7 @@ def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tu
                       cfg["det_store_pred"] and deterministic and cfg["det_mode"] in _CONTRIB_WS_MODES,
                       cfg["ws_tma_q"], _fused_pre(cfg, deterministic),
                       cfg["has_sink"] and _fused_pre(cfg, deterministic), _dkv_perm(cfg, deterministic, pair),
+                      cfg["ws_stage_dq"],
                       # the head-summed P's cross-warp sums and the pair's exchange need TileLang's syncs
                       cfg["ws_auto_sync"] or bool(emit_probs) or pair)
     return "main", _main_args(cfg, deterministic, emit_probs)

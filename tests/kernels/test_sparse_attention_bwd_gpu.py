@@ -456,6 +456,34 @@ def test_ws_pair_sums_head_blocks_in_a_cluster(cfg, case):
     assert (pair[0][empty] == 0).all()
 
 
+@pytest.mark.parametrize("cfg", [CONFIGS[3], (100, 576, 512, False, torch.bfloat16), CONFIGS[0],
+                                 (128, 512, 512, True, torch.float16)],
+                         ids=lambda c: f"H{c[0]}-D{c[1]}-{str(c[4])[6:]}")
+@pytest.mark.parametrize("case", [CASES[2], CASES[5], BIG_CASES[0]], ids=lambda c: f"S{c[1]}K{c[3]}-{c[4]}")
+def test_ws_stage_dq_stores_the_fragments_bits(cfg, case):
+    """``ws_stage_dq``: dq through shared memory in 16-byte stores holds the bits the fragments' own stores write
+    (the same roundings, other addresses): padded heads (H 100: rows past H never written), fp16, batches of two,
+    empty rows; both modes, the head-summed probabilities unchanged."""
+    from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
+
+    H, Dqk, Dv, has_sink, dtype = cfg
+    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=73)
+    out64, lse64, dq_ref, dkv_ref, _ = _reference(q, kv, idx, dout, sink, scale, Dv)
+    out, lse = out64.to(dtype), lse64.float()
+    args = (q, kv, idx, out, lse, dout, scale)
+    for det in (False, True):
+        # a given dq full of NaN: every element must be written
+        dq_given = torch.full_like(q, float("nan"))
+        staged = sparse_attention_bwd(*args, sink=sink, dv=Dv, deterministic=det, return_probs=True,
+                                      config={"ws_stage_dq": True}, dq=dq_given)
+        frags = sparse_attention_bwd(*args, sink=sink, dv=Dv, deterministic=det, return_probs=True,
+                                     config={"ws_stage_dq": False})
+        assert torch.equal(staged[0], frags[0]) and torch.equal(staged[3], frags[3]), det
+        assert torch.equal(staged[1], frags[1]) if det else _rel(staged[1], frags[1]) < 1e-5
+        g_dq, _, _ = _given_inputs_grads(q, kv, idx, out, lse, dout, scale, sink, Dv)
+        assert _err(staged[0], dq_ref, g_dq) < TOL
+
+
 @pytest.mark.parametrize("cfg", [CONFIGS[2], CONFIGS[4], (100, 512, 512, True, torch.bfloat16), CONFIGS[0], CONFIGS[1],
                                  (128, 576, 512, False, torch.float16)],
                          ids=lambda c: f"H{c[0]}-D{c[1]}-{str(c[4])[6:]}")
