@@ -226,8 +226,12 @@ def _normalise_config(config: dict) -> dict:
     # 3.33 / 3.36 against 3.39 / 3.43 (V4 H128's det_pair keeps the real order)
     perm = cfg.get("ws_dkv_perm")
     cfg["ws_dkv_perm"] = bool(True if perm is None else perm) and cfg["schedule"] == "ws"
-    # ws_stage_dq: dq stored through shared memory in 16-byte pieces (see _ws_body)
-    cfg["ws_stage_dq"] = bool(cfg.get("ws_stage_dq", False)) and cfg["schedule"] == "ws"
+    # ws_stage_dq: dq stored through shared memory in 16-byte pieces (see _ws_body; Nsight Compute had ours writing
+    # twice cuDNN's L2 sectors). On: H100, B1 S4096 Skv8192, one process, two rounds against the fragments' stores:
+    # MLA H64 7.07 / 7.07 ms against 7.29 / 7.26, MLA H128 13.98 (a second round's 16.26 an outlier) against 14.48 /
+    # 14.42, V4 H128 6.93 / 6.97 against 7.19 / 7.21, V4 H64 2.044 / 2.049 against 2.154 / 2.163 (1.03-1.055x)
+    stage = cfg.get("ws_stage_dq")
+    cfg["ws_stage_dq"] = bool(True if stage is None else stage) and cfg["schedule"] == "ws"
     # det_pair: the ws program's contribution modes with the two head blocks of a query row summed in a 2-CTA
     # cluster before storing (the exchange of ws_pair): one contribution row per slot of the pair, half the bytes
     # to store and to reduce. Where ws_pair can run (an even number of head blocks, dqk == dv); its deterministic
@@ -1094,7 +1098,7 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     ``dkv_perm`` (not with ``pair`` or "fixed"): dKV's columns permuted within each group of 16 (see ``dsa_red_tile``'s
     kPermCols): half the register exchanges before the reductions, none before the contribution stores; the wrapper
     (atomic modes) or the reduce (contribution rows) puts them back in order.
-    ``stage_dq``: dq leaves through shared memory (q's tiles, free once both warpgroups are past their last MMA) in
+    ``stage_dq`` (the default): dq leaves through shared memory (q's tiles, free once both warpgroups are past their last MMA) in
     16-byte stores, instead of the MMA fragments' 4-byte pieces (two to each 32-byte sector: twice the L2 writes).
     ``auto_sync`` is not read here: the factory that compiles the program (``_jit_factories``: "ws" or
     "ws_nosync") sets whether TileLang adds its automatic syncs; as an argument it keeps the two apart in the
