@@ -1695,7 +1695,7 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
     q [B,S,H,Dqk] bf16/fp16; kv [B,Skv,Dqk] q.dtype; indices [B,S,K] int32 (any K >= 1; entries
     < 0 or >= Skv are invalid, never read); out [B,S,H,dv] q.dtype; lse [B,S,H] fp32 natural log,
     sink excluded, +inf for rows with no valid index; dout like out; sink [H] fp32 or None; dv
-    defaults to Dqk. Returns dq [B,S,H,Dqk] q.dtype, dkv [B,Skv,Dqk] float32 (zero-initialised
+    defaults to Dqk. Returns dq [B,S,H,Dqk] q.dtype, dkv [B,Skv,Dqk] float32 or ``dkv_dtype`` (zero-initialised
     here unless given, accumulated with fp32 atomics), dsink [H] fp32 or None.
 
     deterministic=True gives bitwise-reproducible results. With ``det_mode`` "contrib" (the default for
