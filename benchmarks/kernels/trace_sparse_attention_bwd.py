@@ -98,7 +98,8 @@ def traced_source(fine: bool = False) -> str:
     pds = ("                    if kb > 0:\n"
            "                        T.sync_threads(_BAR_PDS_FREE, 256)  # warpgroup 1 is done with the previous P, dS\n")
     s = _replace(s, pds, "                    " + _lap(2) + "\n" + pds + "                    " + _lap(3) + "\n")
-    dq0 = "                for i, d in T.Parallel(BH, DQ0):\n"
+    # dq's stores: staged through q_s (ws_stage_dq, the default) or from the fragments; the laps come before either
+    dq0 = "                if stage_dq:\n                    T.sync_threads(_BAR_DQ, 256)  # both warpgroups"
     s = _replace(s, dq0, "                " + _lap(4) + "\n" + dq0)
     # warpgroup 1
     ready = "                for kb in T.serial(n_blocks):\n                    T.sync_threads(_BAR_PDS_READY, 256)\n"
@@ -113,12 +114,12 @@ def traced_source(fine: bool = False) -> str:
         s = _replace(s, mma, "                        " + _lap(10) + "\n" + mma)
         red = "                            reduce_chunk(ci, acc_kv[ci % 2], kb, t, hb, dKV, Idx, FixedSums, Scales)\n"
         s = _replace(s, red, red + "                        " + _lap(11) + "\n")
-    dq1 = "                for i, d in T.Parallel(BH, dv - DQ0):\n"
+    dq1 = "                if stage_dq:\n                    T.sync_threads(_BAR_DQ, 256)\n"
     s = _replace(s, dq1, "                " + _lap(7) + "\n" + dq1)
-    wg0 = "                        dQ[t, h0 + i, d] = acc_dq0[i, d]\n"
+    wg0 = "                            dQ[t, h0 + i, d] = acc_dq0[i, d]\n"  # the last line of both branches
     s = _replace(s, wg0, wg0 + "                if tx == 0:\n                    for i in T.serial(5):\n"
                  "                        Trace[bx, i] = tr[i]\n")
-    wg1 = "                        dQ[t, h0 + i, DQ0 + d] = acc_dq1[i, d]\n"
+    wg1 = "                                dQ[t, h0 + i, dv + d] = acc_dqt[i, d]\n"
     s = _replace(s, wg1, wg1 + "                if tx == 128:\n                    for i in T.serial(3):\n"
                  "                        Trace[bx, 5 + i] = tr[5 + i]\n"
                  "                    Trace[bx, 8] = tr[8]\n"
