@@ -116,10 +116,10 @@ def traced_source(fine: bool = False) -> str:
         s = _replace(s, red, red + "                        " + _lap(11) + "\n")
     dq1 = "                if stage_dq:\n                    T.sync_threads(_BAR_DQ, 256)\n"
     s = _replace(s, dq1, "                " + _lap(7) + "\n" + dq1)
-    wg0 = "                            dQ[t, h0 + i, d] = acc_dq0[i, d]\n"  # the last line of both branches
+    wg0 = "                store_dq(dQ, t, h0, q_s if stage_dq else acc_dq0, 0, 0, DQ0)\n"
     s = _replace(s, wg0, wg0 + "                if tx == 0:\n                    for i in T.serial(5):\n"
                  "                        Trace[bx, i] = tr[i]\n")
-    wg1 = "                                dQ[t, h0 + i, dv + d] = acc_dqt[i, d]\n"
+    wg1 = "                    store_dq(dQ, t, h0, qt_s if stage_dq else acc_dqt, 0, dv, DT)\n"
     s = _replace(s, wg1, wg1 + "                if tx == 128:\n                    for i in T.serial(3):\n"
                  "                        Trace[bx, 5 + i] = tr[5 + i]\n"
                  "                    Trace[bx, 8] = tr[8]\n"

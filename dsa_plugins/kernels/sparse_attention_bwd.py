@@ -1127,6 +1127,14 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
         for i, d in T.Parallel(BH, DCH):
             frag[i, d] = O[t, T.min(h0 + i, heads - 1), c * DCH + d]
 
+    @T.macro
+    def store_dq(dQ, t, h0, src, src_c0, c0, width):
+        """dq's columns c0 .. c0 + width of the CTA's heads (rows past ``heads`` not written) from ``src``'s columns
+        src_c0 ..: an accumulator fragment, or q's shared tiles holding it (``stage_dq``)."""
+        for i, d in T.Parallel(BH, width):
+            if h0 + i < heads:
+                dQ[t, h0 + i, c0 + d] = src[i, src_c0 + d]
+
     VEC = 8  # bf16 per 16-byte cp.async
     ROWS_PER_PASS = 16  # 8 threads per row, 128 threads
     passes = tuple(range(BK // ROWS_PER_PASS))
@@ -1380,13 +1388,7 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                     T.sync_threads(_BAR_DQ, 256)  # both warpgroups are past the last MMA that reads q_s
                     T.copy(acc_dq0, q_s[:, 0:DQ0])
                     T.sync_threads(_BAR_WG0, 128)
-                    for i, d in T.Parallel(BH, DQ0):
-                        if h0 + i < heads:
-                            dQ[t, h0 + i, d] = q_s[i, d]
-                else:
-                    for i, d in T.Parallel(BH, DQ0):
-                        if h0 + i < heads:
-                            dQ[t, h0 + i, d] = acc_dq0[i, d]
+                store_dq(dQ, t, h0, q_s if stage_dq else acc_dq0, 0, 0, DQ0)
             else:
                 if fused_pre:
                     # Delta = rowsum(out * dout) in fp32 while warpgroup 0 gathers and scores the first block: out's
@@ -1450,21 +1452,9 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                     if DT > 0:
                         T.copy(acc_dqt, qt_s)
                     T.sync_threads(_BAR_WG1, 128)
-                    for i, d in T.Parallel(BH, dv - DQ0):
-                        if h0 + i < heads:
-                            dQ[t, h0 + i, DQ0 + d] = q_s[i, DQ0 + d]
-                    if DT > 0:
-                        for i, d in T.Parallel(BH, DT):
-                            if h0 + i < heads:
-                                dQ[t, h0 + i, dv + d] = qt_s[i, d]
-                else:
-                    for i, d in T.Parallel(BH, dv - DQ0):
-                        if h0 + i < heads:
-                            dQ[t, h0 + i, DQ0 + d] = acc_dq1[i, d]
-                    if DT > 0:
-                        for i, d in T.Parallel(BH, DT):
-                            if h0 + i < heads:
-                                dQ[t, h0 + i, dv + d] = acc_dqt[i, d]
+                store_dq(dQ, t, h0, q_s if stage_dq else acc_dq1, DQ0 if stage_dq else 0, DQ0, dv - DQ0)
+                if DT > 0:
+                    store_dq(dQ, t, h0, qt_s if stage_dq else acc_dqt, 0, dv, DT)
             if pair:
                 if tx >= 128 and store_dkv and n_blocks > 0:  # the last chunk's half
                     T.call_extern("handle", pair_fn, keep.data, T.address_of(dKV[0, 0]),

@@ -99,10 +99,8 @@ def attention_backward(q, kv, indices, sink, out, lse, dout, scale: float, dv: i
     with return_probs the head sum of P per slot, probs [B, S, K] in the accumulation dtype."""
     acc = lse_dtype(q.dtype)  # float32 for the kernels' dtypes
     dkv_dtype = acc if dkv_dtype is None else dkv_dtype
-    if _trivial(q, kv):
-        res = sparse_attention_backward(q, kv, indices, out, lse, dout, scale, sink, dv, return_probs)
-        return (res[0], res[1].to(dkv_dtype)) + res[2:]
-    if choose_kernel(backend, "sparse_attention_bwd", (q, kv), _shape_reason("sparse_attention_bwd", q, dv, sink)):
+    if not _trivial(q, kv) and choose_kernel(backend, "sparse_attention_bwd", (q, kv),
+                                             _shape_reason("sparse_attention_bwd", q, dv, sink)):
         kernel = load_kernel("sparse_attention_bwd")
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         blocks = _kernel_chunks(q, kv, indices, dv)
@@ -123,7 +121,7 @@ def attention_backward(q, kv, indices, sink, out, lse, dout, scale: float, dv: i
             dsink = res[2] if dsink is None or res[2] is None else dsink.add_(res[2])
             if return_probs:
                 probs[blk].copy_(res[3])
-        dkv = res[1].to(dkv_dtype) if dkv is None else dkv.to(dkv_dtype)
+        dkv = res[1] if dkv is None else dkv.to(dkv_dtype)
         return (dq, dkv, dsink) + ((probs,) if return_probs else ())
     res = sparse_attention_backward(q, kv, indices, out, lse, dout.contiguous(), scale, sink, dv, return_probs)
     return (res[0], res[1].to(dkv_dtype)) + res[2:]
