@@ -99,7 +99,7 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
 _TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep",
                 "schedule", "ws_prefetch", "ws_dq_rs", "ws_pair", "ws_wg0_chunks", "ws_auto_sync", "det_mode",
                 "fast_exp2", "det_store_pred", "det_pair", "ws_tma_q", "ws_fused_pre", "ws_dkv_perm",
-                "ws_stage_dq")
+                "ws_stage_dq", "ws_row_regs")
 _DET_MODES = ("contrib", "contrib_ws", "contrib_bf16", "contrib_i16", "fixed")
 # the modes whose contribution rows the ws program stores
 _CONTRIB_WS_MODES = ("contrib_ws", "contrib_bf16", "contrib_i16")
@@ -232,6 +232,18 @@ def _normalise_config(config: dict) -> dict:
     # 14.42, V4 H128 6.93 / 6.97 against 7.19 / 7.21, V4 H64 2.044 / 2.049 against 2.154 / 2.163 (1.03-1.055x)
     stage = cfg.get("ws_stage_dq")
     cfg["ws_stage_dq"] = bool(True if stage is None else stage) and cfg["schedule"] == "ws"
+    # ws_row_regs: how warpgroup 0 forms P and dS at invalid slots (see _ws_body; Nsight Compute had its softmax
+    # waiting on shared and constant loads that ptxas re-issued for every score under the slot test). 2 at D512,
+    # 1 at 576/512 (where 2 spills in warpgroup 1's reductions). H100, B1 S4096 Skv8192, one process, three
+    # rounds (ms; 0 / 1 / 2): V4 H128 6.94, 7.58, 6.94 / 6.83, 7.40, 6.83 / 6.68, 6.69, 6.70; V4 H64 2.040, 2.056,
+    # 2.078 / 2.018, 2.036, 2.038 / 2.015, 2.013, 2.023; MLA H128 13.90, 13.98, 14.55 / 13.64, 13.92, 13.80 /
+    # 14.35, 16.31, 15.13; MLA H64 6.97, 7.34, 7.08 / 6.97, 7.82, 7.25 / 7.42, 7.44, 7.42
+    row_regs = cfg.get("ws_row_regs")
+    if row_regs is None:
+        row_regs = 2 if cfg["dqk"] == cfg["dv"] else 1
+    if int(row_regs) not in (0, 1, 2):
+        raise ValueError(f"ws_row_regs must be 0, 1 or 2, got {row_regs!r}")
+    cfg["ws_row_regs"] = int(row_regs) if cfg["schedule"] == "ws" else 0
     # det_pair: the ws program's contribution modes with the two head blocks of a query row summed in a 2-CTA
     # cluster before storing (the exchange of ws_pair): one contribution row per slot of the pair, half the bytes
     # to store and to reduce. Where ws_pair can run (an even number of head blocks, dqk == dv); its deterministic
@@ -1046,7 +1058,7 @@ def ws_supported(dqk: int, dv: int) -> bool:
 def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, emit_probs=False, l2_keep=False,
              det_out=None, pair=False, skip_tail=False, wg0_chunks=0, fast_exp2=False,
              det_store_pred=False, tma_q=False, fused_pre=False, has_sink=False, dkv_perm=False, stage_dq=False,
-             auto_sync=True):
+             row_regs=0, auto_sync=True):
     """Main backward program, warp-specialised (256 threads, one CTA per query row and 64 heads).
 
     Warpgroup 0 gathers the selected kv rows (predicated cp.async, invalid slots zero-filled),
@@ -1100,6 +1112,12 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     (atomic modes) or the reduce (contribution rows) puts them back in order.
     ``stage_dq`` (the default): dq leaves through shared memory (q's tiles, free once both warpgroups are past their last MMA) in
     16-byte stores, instead of the MMA fragments' 4-byte pieces (two to each 32-byte sector: twice the L2 writes).
+    ``row_regs``: how warpgroup 0 keeps invalid slots at exactly 0 in P and dS (the same bits each way). 0: a
+    slot test around each score's whole formula, under which ptxas re-issues the shared loads of lse' and Delta
+    and the constant loads of the scales for every score; 1: P = 2^x with x = -inf at invalid slots (the test
+    moves into the exponent's argument) and dS formed for every slot, then zeroed; 2: as 1, with x formed for
+    every slot first (no load under a predicate: lse', Delta and the scales are read once per row; more
+    registers, which spill in warpgroup 1 at 576/512).
     ``auto_sync`` is not read here: the factory that compiles the program (``_jit_factories``: "ws" or
     "ws_nosync") sets whether TileLang adds its automatic syncs; as an argument it keeps the two apart in the
     caches."""
@@ -1336,10 +1354,23 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                     T.wait_wgmma(1)
                     # P = exp(s * scale - lse'): invalid slots and padded heads give exactly 0 (the
                     # slot test is explicit: -inf + a NaN or inf score would not stay -inf)
-                    for i, r in T.Parallel(BH, BK):
-                        acc_s[i, r] = T.if_then_else(
-                            (valid_s[r] != 0) if prefetch else (Idx[t, kb * BK + r] >= 0),
-                            _ex2.exp2(T, acc_s[i, r] * scale_log2 - lse_s[i], fast_exp2), 0.0)
+                    if row_regs == 2:
+                        for i, r in T.Parallel(BH, BK):
+                            acc_s[i, r] = acc_s[i, r] * scale_log2 - lse_s[i]
+                        for i, r in T.Parallel(BH, BK):
+                            acc_s[i, r] = _ex2.exp2(T, T.if_then_else(
+                                (valid_s[r] != 0) if prefetch else (Idx[t, kb * BK + r] >= 0),
+                                acc_s[i, r], -T.infinity(f32)), fast_exp2)
+                    elif row_regs == 1:
+                        for i, r in T.Parallel(BH, BK):
+                            acc_s[i, r] = _ex2.exp2(T, T.if_then_else(
+                                (valid_s[r] != 0) if prefetch else (Idx[t, kb * BK + r] >= 0),
+                                acc_s[i, r] * scale_log2 - lse_s[i], -T.infinity(f32)), fast_exp2)
+                    else:
+                        for i, r in T.Parallel(BH, BK):
+                            acc_s[i, r] = T.if_then_else(
+                                (valid_s[r] != 0) if prefetch else (Idx[t, kb * BK + r] >= 0),
+                                _ex2.exp2(T, acc_s[i, r] * scale_log2 - lse_s[i], fast_exp2), 0.0)
                     if emit_probs:
                         # sum of P over this CTA's heads, per slot (fp32, before P is rounded)
                         T.reduce_sum(acc_s, psum_f, dim=0, clear=True)
@@ -1348,10 +1379,17 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                     T.wait_wgmma(0)
                     if fused_pre and kb == 0:
                         T.sync_threads(_BAR_DELTA, 256)  # warpgroup 1 has formed Delta
-                    for i, r in T.Parallel(BH, BK):
-                        acc_dp[i, r] = T.if_then_else(
-                            (valid_s[r] != 0) if prefetch else (Idx[t, kb * BK + r] >= 0),
-                            acc_s[i, r] * (acc_dp[i, r] - delta_s[i]) * scale, 0.0)
+                    if row_regs:
+                        for i, r in T.Parallel(BH, BK):
+                            acc_dp[i, r] = acc_s[i, r] * (acc_dp[i, r] - delta_s[i]) * scale
+                        for i, r in T.Parallel(BH, BK):
+                            acc_dp[i, r] = T.if_then_else(
+                                (valid_s[r] != 0) if prefetch else (Idx[t, kb * BK + r] >= 0), acc_dp[i, r], 0.0)
+                    else:
+                        for i, r in T.Parallel(BH, BK):
+                            acc_dp[i, r] = T.if_then_else(
+                                (valid_s[r] != 0) if prefetch else (Idx[t, kb * BK + r] >= 0),
+                                acc_s[i, r] * (acc_dp[i, r] - delta_s[i]) * scale, 0.0)
                     if dq_rs:
                         # dq[:, :DQ0] += dS k from registers, in flight while P and dS are stored
                         T.copy(acc_dp, ds_cast)
@@ -1577,7 +1615,7 @@ def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tu
                       cfg["det_store_pred"] and deterministic and cfg["det_mode"] in _CONTRIB_WS_MODES,
                       cfg["ws_tma_q"], _fused_pre(cfg, deterministic),
                       cfg["has_sink"] and _fused_pre(cfg, deterministic), _dkv_perm(cfg, deterministic, pair),
-                      cfg["ws_stage_dq"],
+                      cfg["ws_stage_dq"], cfg["ws_row_regs"],
                       # the head-summed P's cross-warp sums and the pair's exchange need TileLang's syncs
                       cfg["ws_auto_sync"] or bool(emit_probs) or pair)
     return "main", _main_args(cfg, deterministic, emit_probs)

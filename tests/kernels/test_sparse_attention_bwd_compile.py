@@ -282,6 +282,32 @@ def test_ws_dkv_perm_variant_sends_one_exchange_reductions():
     assert not bwd._normalise_config({**cfg, "schedule": "plain"})["ws_dkv_perm"]
 
 
+def test_ws_row_regs_defaults_by_shape():
+    """ws_row_regs: 2 at D512, 1 at 576/512 (2 spills there), 0 off the ws schedule; other values refused."""
+    base = {"heads": 64, "dv": 512, "dtype": "bfloat16"}
+    assert bwd._normalise_config({**base, "dqk": 512})["ws_row_regs"] == 2
+    assert bwd._normalise_config({**base, "dqk": 576})["ws_row_regs"] == 1
+    assert bwd._normalise_config({**base, "dqk": 576, "schedule": "plain"})["ws_row_regs"] == 0
+    assert bwd._normalise_config({**base, "dqk": 512, "ws_row_regs": 0})["ws_row_regs"] == 0
+    with pytest.raises(ValueError, match="ws_row_regs"):
+        bwd._normalise_config({**base, "dqk": 512, "ws_row_regs": 3})
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_ws_row_regs_moves_the_slot_test_into_the_exponent(mode):
+    """ws_row_regs 1 and 2: P is 2^x of a selected argument (-inf at invalid slots), not a selected 2^x; 2 also
+    forms every slot's argument before the selection (no load under the slot test)."""
+    cfg = {"heads": 64, "dqk": 512, "dv": 512, "has_sink": True, "dtype": "bfloat16", "ws_row_regs": mode}
+    src = bwd.build_bwd_program(cfg, "main", target=SM90A).get_kernel_source()
+    of_selected = re.search(r"acc_s\[i_\d+\] = dsa_ex2_ftz\(condval_\d+\);", src)
+    assert bool(of_selected) == (mode > 0)
+    # the softmax's read of lse' sits in the selected value (condval) unless every argument is formed first
+    lse_reads = [line for line in src.split("\n") if "lse_s)[" in line and "dsa_ex2_ftz" not in line]
+    assert any("condval_" in line for line in lse_reads) == (mode == 1)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
 def test_fixed_point_deterministic_path_compiles():

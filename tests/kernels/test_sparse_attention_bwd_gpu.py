@@ -484,6 +484,47 @@ def test_ws_stage_dq_stores_the_fragments_bits(cfg, case):
         assert _err(staged[0], dq_ref, g_dq) < TOL
 
 
+@pytest.mark.parametrize("mode", [1, 2])
+@pytest.mark.parametrize("cfg", [CONFIGS[3], (100, 576, 512, False, torch.bfloat16), CONFIGS[0],
+                                 (128, 512, 512, True, torch.float16)],
+                         ids=lambda c: f"H{c[0]}-D{c[1]}-{str(c[4])[6:]}")
+@pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[5], BIG_CASES[0]], ids=lambda c: f"S{c[1]}K{c[3]}-{c[4]}")
+def test_ws_row_regs_gives_the_per_score_tests_bits(mode, cfg, case):
+    """``ws_row_regs`` 1 and 2 (P from an exponent whose argument is -inf at invalid slots, dS formed for every
+    slot and then zeroed there) hold the bits of the per-score slot test (0): padded heads (H 100), fp16, batches
+    of two, duplicate slots, empty rows, both modes, the head-summed probabilities; and a query head whose
+    scores are NaN leaves the same NaN and finite values in both (invalid slots stay exactly 0)."""
+    from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
+
+    H, Dqk, Dv, has_sink, dtype = cfg
+    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=79)
+    out64, lse64, dq_ref, dkv_ref, _ = _reference(q, kv, idx, dout, sink, scale, Dv)
+    out, lse = out64.to(dtype), lse64.float()
+    g_dq, _, _ = _given_inputs_grads(q, kv, idx, out, lse, dout, scale, sink, Dv)
+    q_nan = q.clone()
+    q_nan[0, 0, H // 2, 3] = float("nan")
+    same = dict(rtol=0, atol=0, equal_nan=True)
+    for qq in (q, q_nan):
+        args = (qq, kv, idx, out, lse, dout, scale)
+        for det in (False, True):
+            new = sparse_attention_bwd(*args, sink=sink, dv=Dv, deterministic=det, return_probs=True,
+                                       config={"ws_row_regs": mode})
+            old = sparse_attention_bwd(*args, sink=sink, dv=Dv, deterministic=det, return_probs=True,
+                                       config={"ws_row_regs": 0})
+            torch.testing.assert_close(new[0], old[0], **same)
+            torch.testing.assert_close(new[3], old[3], **same)
+            if det:
+                torch.testing.assert_close(new[1], old[1], **same)
+            else:
+                assert torch.equal(new[1].isnan(), old[1].isnan())
+                fin = new[1].isfinite()
+                assert _rel(new[1][fin], old[1][fin]) < 1e-5
+            if qq is q:
+                assert _err(new[0], dq_ref, g_dq) < TOL and not new[1].isnan().any()
+            elif ((idx[0, 0] >= 0) & (idx[0, 0] < kv.shape[1])).any():
+                assert new[0][0, 0].isnan().any()  # the NaN reached the row's gradients
+
+
 @pytest.mark.parametrize("cfg", [CONFIGS[2], CONFIGS[4], (100, 512, 512, True, torch.bfloat16), CONFIGS[0], CONFIGS[1],
                                  (128, 576, 512, False, torch.float16)],
                          ids=lambda c: f"H{c[0]}-D{c[1]}-{str(c[4])[6:]}")
