@@ -251,12 +251,14 @@ def _normalise_config(config: dict) -> dict:
     dp = cfg.get("det_pair")
     cfg["det_pair"] = (bool(True if dp is None else dp) and cfg["schedule"] == "ws"
                        and ws_pair_supported(cfg["heads"], cfg["dqk"], cfg["dv"]))
-    # ws_auto_sync: TileLang's automatic thread-storage syncs in the ws program. False drops warpgroup 0's ten
-    # barriers per block (its own named barriers already order them; the head-summed P and the pair keep them):
-    # the same bits (GPU test), but only 0.3-2.5% faster in an interleaved A/B on an H100 (B1 S4096 Skv8192, two
-    # rounds; single rounds moved by up to 15% either way): on, until a steadier measurement says otherwise
+    # ws_auto_sync: TileLang's automatic thread-storage syncs in the ws program. False (the default) drops warpgroup
+    # 0's ten barriers per block (its own named barriers already order them; the head-summed P and the pair keep
+    # them): the same bits (GPU test). Measured 0.3-2.5% faster when first built, inside that day's noise; with
+    # ws_row_regs (a shorter warpgroup 0) every paired round favoured it: H100, B1 S4096 Skv8192, three rounds (ms,
+    # on / off): MLA H64 7.00, 7.00, 7.55 / 6.96, 6.97, 7.35; MLA H128 13.76, 15.69, 14.00 / 13.73, 13.79, 13.76;
+    # V4 H128 6.71, 6.67, 7.41 / 6.56, 6.60, 7.00; V4 H64 1.996, 2.015, 2.014 / 1.938, 1.970, 1.951
     auto_sync = cfg.get("ws_auto_sync")
-    cfg["ws_auto_sync"] = True if auto_sync is None else bool(auto_sync)
+    cfg["ws_auto_sync"] = False if auto_sync is None else bool(auto_sync)
     if cfg["schedule"] == "ws" and not ws_ok:
         raise ValueError(f"schedule 'ws' needs dv a multiple of 128, dqk - dv in (0, 64) and block_k 64, got "
                          f"dqk={cfg['dqk']} dv={cfg['dv']} block_k={cfg['block_k']}")
