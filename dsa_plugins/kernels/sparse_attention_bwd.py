@@ -1141,6 +1141,10 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     o_chunks = tuple(range(dv // DCH))  # a tuple: unrolled while the program is built
     O_EARLY = 2  # out's fragments loaded at the CTA's start (all four: 128 registers held there, 120-290 bytes spilled)
 
+    def slot_ok(valid_s, Idx, t, kb, r):
+        """Warpgroup 0's test of slot r of block kb: its flag (``prefetch``) or its index."""
+        return (valid_s[r] != 0) if prefetch else (Idx[t, kb * BK + r] >= 0)
+
     @T.macro
     def load_out(O, t, h0, frag, c):
         """fused_pre: out's columns c * DCH .. (c + 1) * DCH of the CTA's heads into the register fragment ``frag``."""
@@ -1359,20 +1363,15 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                     if row_regs == 2:
                         for i, r in T.Parallel(BH, BK):
                             acc_s[i, r] = acc_s[i, r] * scale_log2 - lse_s[i]
-                        for i, r in T.Parallel(BH, BK):
+                    for i, r in T.Parallel(BH, BK):
+                        if row_regs:
                             acc_s[i, r] = _ex2.exp2(T, T.if_then_else(
-                                (valid_s[r] != 0) if prefetch else (Idx[t, kb * BK + r] >= 0),
-                                acc_s[i, r], -T.infinity(f32)), fast_exp2)
-                    elif row_regs == 1:
-                        for i, r in T.Parallel(BH, BK):
-                            acc_s[i, r] = _ex2.exp2(T, T.if_then_else(
-                                (valid_s[r] != 0) if prefetch else (Idx[t, kb * BK + r] >= 0),
-                                acc_s[i, r] * scale_log2 - lse_s[i], -T.infinity(f32)), fast_exp2)
-                    else:
-                        for i, r in T.Parallel(BH, BK):
-                            acc_s[i, r] = T.if_then_else(
-                                (valid_s[r] != 0) if prefetch else (Idx[t, kb * BK + r] >= 0),
-                                _ex2.exp2(T, acc_s[i, r] * scale_log2 - lse_s[i], fast_exp2), 0.0)
+                                slot_ok(valid_s, Idx, t, kb, r),
+                                acc_s[i, r] if row_regs == 2 else acc_s[i, r] * scale_log2 - lse_s[i],
+                                -T.infinity(f32)), fast_exp2)
+                        else:
+                            acc_s[i, r] = T.if_then_else(slot_ok(valid_s, Idx, t, kb, r),
+                                                         _ex2.exp2(T, acc_s[i, r] * scale_log2 - lse_s[i], fast_exp2), 0.0)
                     if emit_probs:
                         # sum of P over this CTA's heads, per slot (fp32, before P is rounded)
                         T.reduce_sum(acc_s, psum_f, dim=0, clear=True)
@@ -1381,17 +1380,13 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                     T.wait_wgmma(0)
                     if fused_pre and kb == 0:
                         T.sync_threads(_BAR_DELTA, 256)  # warpgroup 1 has formed Delta
-                    if row_regs:
+                    if row_regs:  # dS for every slot, then zeroed at the invalid ones
                         for i, r in T.Parallel(BH, BK):
                             acc_dp[i, r] = acc_s[i, r] * (acc_dp[i, r] - delta_s[i]) * scale
-                        for i, r in T.Parallel(BH, BK):
-                            acc_dp[i, r] = T.if_then_else(
-                                (valid_s[r] != 0) if prefetch else (Idx[t, kb * BK + r] >= 0), acc_dp[i, r], 0.0)
-                    else:
-                        for i, r in T.Parallel(BH, BK):
-                            acc_dp[i, r] = T.if_then_else(
-                                (valid_s[r] != 0) if prefetch else (Idx[t, kb * BK + r] >= 0),
-                                acc_s[i, r] * (acc_dp[i, r] - delta_s[i]) * scale, 0.0)
+                    for i, r in T.Parallel(BH, BK):
+                        acc_dp[i, r] = T.if_then_else(
+                            slot_ok(valid_s, Idx, t, kb, r),
+                            acc_dp[i, r] if row_regs else acc_s[i, r] * (acc_dp[i, r] - delta_s[i]) * scale, 0.0)
                     if dq_rs:
                         # dq[:, :DQ0] += dS k from registers, in flight while P and dS are stored
                         T.copy(acc_dp, ds_cast)
