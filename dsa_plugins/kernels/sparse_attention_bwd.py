@@ -241,8 +241,8 @@ def _normalise_config(config: dict) -> dict:
     row_regs = cfg.get("ws_row_regs")
     if row_regs is None:
         row_regs = 2 if cfg["dqk"] == cfg["dv"] else 1
-    if int(row_regs) not in (0, 1, 2):
-        raise ValueError(f"ws_row_regs must be 0, 1 or 2, got {row_regs!r}")
+    if int(row_regs) not in (0, 1, 2, 3):
+        raise ValueError(f"ws_row_regs must be 0, 1, 2 or 3, got {row_regs!r}")
     cfg["ws_row_regs"] = int(row_regs) if cfg["schedule"] == "ws" else 0
     # det_pair: the ws program's contribution modes with the two head blocks of a query row summed in a 2-CTA
     # cluster before storing (the exchange of ws_pair): one contribution row per slot of the pair, half the bytes
@@ -1119,7 +1119,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     and the constant loads of the scales for every score; 1: P = 2^x with x = -inf at invalid slots (the test
     moves into the exponent's argument) and dS formed for every slot, then zeroed; 2: as 1, with x formed for
     every slot first (no load under a predicate: lse', Delta and the scales are read once per row; more
-    registers, which spill in warpgroup 1 at 576/512).
+    registers, which spill in warpgroup 1 at 576/512); 3: the softmax as 2 and dS under the slot test as 0 (the
+    other half of 1's choice, which does not spill at 576/512 either; not yet measured).
     ``auto_sync`` is not read here: the factory that compiles the program (``_jit_factories``: "ws" or
     "ws_nosync") sets whether TileLang adds its automatic syncs; as an argument it keeps the two apart in the
     caches."""
@@ -1360,18 +1361,19 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                     T.wait_wgmma(1)
                     # P = exp(s * scale - lse'): invalid slots and padded heads give exactly 0 (the
                     # slot test is explicit: -inf + a NaN or inf score would not stay -inf)
-                    if row_regs == 2:
+                    if row_regs >= 2:
                         for i, r in T.Parallel(BH, BK):
                             acc_s[i, r] = acc_s[i, r] * scale_log2 - lse_s[i]
                     for i, r in T.Parallel(BH, BK):
                         if row_regs:
                             acc_s[i, r] = _ex2.exp2(T, T.if_then_else(
                                 slot_ok(valid_s, Idx, t, kb, r),
-                                acc_s[i, r] if row_regs == 2 else acc_s[i, r] * scale_log2 - lse_s[i],
+                                acc_s[i, r] if row_regs >= 2 else acc_s[i, r] * scale_log2 - lse_s[i],
                                 -T.infinity(f32)), fast_exp2)
                         else:
-                            acc_s[i, r] = T.if_then_else(slot_ok(valid_s, Idx, t, kb, r),
-                                                         _ex2.exp2(T, acc_s[i, r] * scale_log2 - lse_s[i], fast_exp2), 0.0)
+                            acc_s[i, r] = T.if_then_else(
+                                slot_ok(valid_s, Idx, t, kb, r),
+                                _ex2.exp2(T, acc_s[i, r] * scale_log2 - lse_s[i], fast_exp2), 0.0)
                     if emit_probs:
                         # sum of P over this CTA's heads, per slot (fp32, before P is rounded)
                         T.reduce_sum(acc_s, psum_f, dim=0, clear=True)
@@ -1380,13 +1382,14 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                     T.wait_wgmma(0)
                     if fused_pre and kb == 0:
                         T.sync_threads(_BAR_DELTA, 256)  # warpgroup 1 has formed Delta
-                    if row_regs:  # dS for every slot, then zeroed at the invalid ones
+                    ds_all = row_regs in (1, 2)
+                    if ds_all:  # dS for every slot, then zeroed at the invalid ones
                         for i, r in T.Parallel(BH, BK):
                             acc_dp[i, r] = acc_s[i, r] * (acc_dp[i, r] - delta_s[i]) * scale
                     for i, r in T.Parallel(BH, BK):
                         acc_dp[i, r] = T.if_then_else(
                             slot_ok(valid_s, Idx, t, kb, r),
-                            acc_dp[i, r] if row_regs else acc_s[i, r] * (acc_dp[i, r] - delta_s[i]) * scale, 0.0)
+                            acc_dp[i, r] if ds_all else acc_s[i, r] * (acc_dp[i, r] - delta_s[i]) * scale, 0.0)
                     if dq_rs:
                         # dq[:, :DQ0] += dS k from registers, in flight while P and dS are stored
                         T.copy(acc_dp, ds_cast)
