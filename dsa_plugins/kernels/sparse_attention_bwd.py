@@ -99,7 +99,7 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
 _TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep",
                 "schedule", "ws_prefetch", "ws_dq_rs", "ws_pair", "ws_wg0_chunks", "ws_auto_sync", "det_mode",
                 "fast_exp2", "det_store_pred", "det_pair", "ws_tma_q", "ws_fused_pre", "ws_dkv_perm",
-                "ws_stage_dq", "ws_row_regs")
+                "ws_stage_dq", "ws_row_regs", "ws_tma_dq")
 _DET_MODES = ("contrib", "contrib_ws", "contrib_bf16", "contrib_i16", "fixed")
 # the modes whose contribution rows the ws program stores
 _CONTRIB_WS_MODES = ("contrib_ws", "contrib_bf16", "contrib_i16")
@@ -238,6 +238,8 @@ def _normalise_config(config: dict) -> dict:
     # rounds (ms; 0 / 1 / 2): V4 H128 6.94, 7.58, 6.94 / 6.83, 7.40, 6.83 / 6.68, 6.69, 6.70; V4 H64 2.040, 2.056,
     # 2.078 / 2.018, 2.036, 2.038 / 2.015, 2.013, 2.023; MLA H128 13.90, 13.98, 14.55 / 13.64, 13.92, 13.80 /
     # 14.35, 16.31, 15.13; MLA H64 6.97, 7.34, 7.08 / 6.97, 7.82, 7.25 / 7.42, 7.44, 7.42
+    # ws_tma_dq (opt-in, with ws_stage_dq; not yet measured): the staged dq tiles leave by TMA stores
+    cfg["ws_tma_dq"] = bool(cfg.get("ws_tma_dq") or False) and cfg["ws_stage_dq"]
     row_regs = cfg.get("ws_row_regs")
     if row_regs is None:
         row_regs = 2 if cfg["dqk"] == cfg["dv"] else 1
@@ -1060,7 +1062,7 @@ def ws_supported(dqk: int, dv: int) -> bool:
 def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, emit_probs=False, l2_keep=False,
              det_out=None, pair=False, skip_tail=False, wg0_chunks=0, fast_exp2=False,
              det_store_pred=False, tma_q=False, fused_pre=False, has_sink=False, dkv_perm=False, stage_dq=False,
-             row_regs=0, auto_sync=True):
+             row_regs=0, tma_dq=False, auto_sync=True):
     """Main backward program, warp-specialised (256 threads, one CTA per query row and 64 heads).
 
     Warpgroup 0 gathers the selected kv rows (predicated cp.async, invalid slots zero-filled),
@@ -1121,6 +1123,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     every slot first (no load under a predicate: lse', Delta and the scales are read once per row; more
     registers, which spill in warpgroup 1 at 576/512); 3: the softmax as 2 and dS under the slot test as 0 (the
     other half of 1's choice, which does not spill at 576/512 either; not yet measured).
+    ``tma_dq`` (with ``stage_dq``): the staged dq tiles leave by TMA stores, 64 columns each, issued by one thread
+    of each warpgroup, instead of every thread's 16-byte stores (dQ's base must be 16-byte aligned).
     ``auto_sync`` is not read here: the factory that compiles the program (``_jit_factories``: "ws" or
     "ws_nosync") sets whether TileLang adds its automatic syncs; as an argument it keeps the two apart in the
     caches."""
@@ -1159,6 +1163,15 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
         for i, d in T.Parallel(BH, width):
             if h0 + i < heads:
                 dQ[t, h0 + i, c0 + d] = src[i, src_c0 + d]
+
+    @T.macro
+    def tma_store_dq(dQ, t, h0, src, src_c0, c0, width):
+        """``tma_dq``: dq's columns c0 .. c0 + width from the staged tiles ``src`` (columns src_c0 ..) by TMA, one
+        64-column tile per store, issued by one thread of the calling warpgroup once its writes are fenced and
+        synced; rows past ``heads`` fall outside the tensor and are not written."""
+        for u in range(width // 64):
+            T.tma_copy(src[0:BH, src_c0 + u * 64 : src_c0 + (u + 1) * 64],
+                       dQ[t, h0 : h0 + BH, c0 + u * 64 : c0 + (u + 1) * 64], leader_scope_threads=128)
 
     VEC = 8  # bf16 per 16-byte cp.async
     ROWS_PER_PASS = 16  # 8 threads per row, 128 threads
@@ -1425,8 +1438,15 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                 if stage_dq:
                     T.sync_threads(_BAR_DQ, 256)  # both warpgroups are past the last MMA that reads q_s
                     T.copy(acc_dq0, q_s[:, 0:DQ0])
+                    if not tma_dq:
+                        T.sync_threads(_BAR_WG0, 128)
+                if tma_dq:
+                    T.fence_proxy_async()
                     T.sync_threads(_BAR_WG0, 128)
-                store_dq(dQ, t, h0, q_s if stage_dq else acc_dq0, 0, 0, DQ0)
+                    tma_store_dq(dQ, t, h0, q_s, 0, 0, DQ0)
+                    T.tma_store_wait()  # the tiles are read before the CTA may exit
+                else:
+                    store_dq(dQ, t, h0, q_s if stage_dq else acc_dq0, 0, 0, DQ0)
             else:
                 if fused_pre:
                     # Delta = rowsum(out * dout) in fp32 while warpgroup 0 gathers and scores the first block: out's
@@ -1489,10 +1509,19 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                     T.copy(acc_dq1, q_s[:, DQ0:dv])
                     if DT > 0:
                         T.copy(acc_dqt, qt_s)
+                    if not tma_dq:
+                        T.sync_threads(_BAR_WG1, 128)
+                if tma_dq:
+                    T.fence_proxy_async()
                     T.sync_threads(_BAR_WG1, 128)
-                store_dq(dQ, t, h0, q_s if stage_dq else acc_dq1, DQ0 if stage_dq else 0, DQ0, dv - DQ0)
-                if DT > 0:
-                    store_dq(dQ, t, h0, qt_s if stage_dq else acc_dqt, 0, dv, DT)
+                    tma_store_dq(dQ, t, h0, q_s, DQ0, DQ0, dv - DQ0)
+                    if DT > 0:
+                        tma_store_dq(dQ, t, h0, qt_s, 0, dv, DT)
+                    T.tma_store_wait()
+                else:
+                    store_dq(dQ, t, h0, q_s if stage_dq else acc_dq1, DQ0 if stage_dq else 0, DQ0, dv - DQ0)
+                    if DT > 0:
+                        store_dq(dQ, t, h0, qt_s if stage_dq else acc_dqt, 0, dv, DT)
             if pair:
                 if tx >= 128 and store_dkv and n_blocks > 0:  # the last chunk's half
                     T.call_extern("handle", pair_fn, keep.data, T.address_of(dKV[0, 0]),
@@ -1615,7 +1644,7 @@ def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tu
                       cfg["det_store_pred"] and deterministic and cfg["det_mode"] in _CONTRIB_WS_MODES,
                       cfg["ws_tma_q"], _fused_pre(cfg, deterministic),
                       cfg["has_sink"] and _fused_pre(cfg, deterministic), _dkv_perm(cfg, deterministic, pair),
-                      cfg["ws_stage_dq"], cfg["ws_row_regs"],
+                      cfg["ws_stage_dq"], cfg["ws_row_regs"], cfg["ws_tma_dq"],
                       # the head-summed P's cross-warp sums and the pair's exchange need TileLang's syncs
                       cfg["ws_auto_sync"] or bool(emit_probs) or pair)
     return "main", _main_args(cfg, deterministic, emit_probs)
@@ -1811,13 +1840,18 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
     do2 = aligned_operand(dout.reshape(T_, H, dv))
     lse2_in = lse.reshape(T_, H).contiguous()
     idx = _prepare_indices(indices, Skv, BK)
+    # dq leaves in 16-byte stores (or by TMA) and dkv takes 16-byte reductions: a given buffer whose base is off 16
+    # bytes is written through an aligned copy (a contiguous view may start at any element of its storage)
+    dq_given, dq = (dq, torch.empty_like(dq)) if dq.data_ptr() % 16 else (None, dq)
+    dkv_given, dkv = (dkv, dkv.clone()) if dkv.data_ptr() % 16 else (None, dkv)
 
     with torch.cuda.device(dev):
         res, permuted = _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, deterministic, B, S, Skv,
                                 return_probs, dq.view(T_, H, Dqk), dkv.view(N, Dqk), dkv_zero=dkv_zero)
     # a buffer of ours holds ws_dkv_perm's column order still: back in order and cast in one pass
     dkv = _dkv_cols_restored(res[1], dkv_dtype) if permuted else res[1].to(dkv_dtype)
-    res = (res[0], dkv) + res[2:]
+    res = (res[0] if dq_given is None else dq_given.copy_(res[0]),
+           dkv if dkv_given is None else dkv_given.copy_(dkv)) + res[2:]
     if return_probs:
         probs = res[3]
         probs = probs[0] if probs.shape[0] == 1 else probs.sum(0)  # head blocks, fixed order

@@ -282,6 +282,19 @@ def test_ws_dkv_perm_variant_sends_one_exchange_reductions():
     assert not bwd._normalise_config({**cfg, "schedule": "plain"})["ws_dkv_perm"]
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
+def test_ws_tma_dq_variant_stores_dq_by_tma():
+    """ws_tma_dq (opt-in, with ws_stage_dq): each warpgroup's staged dq tiles leave by TMA stores (576/512: the
+    K-only tail too); off by default, and off without the staging."""
+    cfg = {"heads": 64, "dqk": 576, "dv": 512, "has_sink": False, "dtype": "bfloat16"}
+    assert not bwd._normalise_config(cfg)["ws_tma_dq"]
+    assert not bwd._normalise_config({**cfg, "ws_tma_dq": True, "ws_stage_dq": False})["ws_tma_dq"]
+    src = bwd.build_bwd_program({**cfg, "ws_tma_dq": True}, "main", target=SM90A).get_kernel_source()
+    assert src.count("tl::tma_store(dQ_desc") == 3 and "tl::tma_store_wait" in src
+    assert "tma_store(dQ_desc" not in bwd.build_bwd_program(cfg, "main", target=SM90A).get_kernel_source()
+
+
 def test_ws_row_regs_defaults_by_shape():
     """ws_row_regs: 2 at D512, 1 at 576/512 (2 spills there), 0 off the ws schedule; other values refused."""
     base = {"heads": 64, "dv": 512, "dtype": "bfloat16"}

@@ -484,6 +484,40 @@ def test_ws_stage_dq_stores_the_fragments_bits(cfg, case):
         assert _err(staged[0], dq_ref, g_dq) < TOL
 
 
+@pytest.mark.parametrize("cfg", [CONFIGS[3], (100, 576, 512, False, torch.bfloat16), CONFIGS[0],
+                                 (128, 512, 512, True, torch.float16)],
+                         ids=lambda c: f"H{c[0]}-D{c[1]}-{str(c[4])[6:]}")
+@pytest.mark.parametrize("case", [CASES[2], CASES[5], BIG_CASES[0]], ids=lambda c: f"S{c[1]}K{c[3]}-{c[4]}")
+def test_ws_tma_dq_stores_the_staged_bits(cfg, case):
+    """``ws_tma_dq``: the staged dq tiles stored by TMA hold the bits of the threads' 16-byte stores, both modes:
+    padded heads (H 100: the rows past H fall outside the tensor), fp16, batches of two, empty rows, a given dq
+    full of NaN (every element written), and given dq and dkv whose bases are off 16 bytes (written through
+    aligned copies: TMA, the 16-byte stores and the v4 reductions need an aligned base)."""
+    from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
+
+    H, Dqk, Dv, has_sink, dtype = cfg
+    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=83)
+    out64, lse64, dq_ref, _, _ = _reference(q, kv, idx, dout, sink, scale, Dv)
+    out, lse = out64.to(dtype), lse64.float()
+    args = (q, kv, idx, out, lse, dout, scale)
+    g_dq, _, _ = _given_inputs_grads(q, kv, idx, out, lse, dout, scale, sink, Dv)
+    for det in (False, True):
+        threads = sparse_attention_bwd(*args, sink=sink, dv=Dv, deterministic=det, config={"ws_tma_dq": False})
+        given = torch.full_like(q, float("nan"))
+        tma = sparse_attention_bwd(*args, sink=sink, dv=Dv, deterministic=det, config={"ws_tma_dq": True},
+                                   dq=given)
+        assert torch.equal(given, threads[0].reshape(given.shape)), det  # written in place, every element
+        assert torch.equal(tma[1], threads[1]) if det else _rel(tma[1], threads[1]) < 1e-5
+        assert _err(tma[0], dq_ref, g_dq) < TOL
+        off = torch.full((q.numel() + 1,), float("nan"), dtype=dtype, device=q.device)[1:].view(q.shape)
+        dkv_off = torch.zeros(kv.numel() + 1, dtype=torch.float32, device=q.device)[1:].view(kv.shape)
+        assert off.data_ptr() % 16 != 0 and dkv_off.data_ptr() % 16 != 0
+        sparse_attention_bwd(*args, sink=sink, dv=Dv, deterministic=det, config={"ws_tma_dq": True}, dq=off,
+                             dkv=dkv_off)
+        assert torch.equal(off, threads[0].reshape(off.shape)), det
+        assert torch.equal(dkv_off, threads[1]) if det else _rel(dkv_off, threads[1]) < 1e-5, det
+
+
 @pytest.mark.parametrize("mode", [1, 2, 3])
 @pytest.mark.parametrize("cfg", [CONFIGS[3], (100, 576, 512, False, torch.bfloat16), CONFIGS[0],
                                  (128, 512, 512, True, torch.float16)],
