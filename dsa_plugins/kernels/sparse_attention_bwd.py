@@ -238,14 +238,14 @@ def _normalise_config(config: dict) -> dict:
     # rounds (ms; 0 / 1 / 2): V4 H128 6.94, 7.58, 6.94 / 6.83, 7.40, 6.83 / 6.68, 6.69, 6.70; V4 H64 2.040, 2.056,
     # 2.078 / 2.018, 2.036, 2.038 / 2.015, 2.013, 2.023; MLA H128 13.90, 13.98, 14.55 / 13.64, 13.92, 13.80 /
     # 14.35, 16.31, 15.13; MLA H64 6.97, 7.34, 7.08 / 6.97, 7.82, 7.25 / 7.42, 7.44, 7.42
-    # ws_tma_dq (opt-in, with ws_stage_dq; not yet measured): the staged dq tiles leave by TMA stores
-    cfg["ws_tma_dq"] = bool(cfg.get("ws_tma_dq") or False) and cfg["ws_stage_dq"]
     row_regs = cfg.get("ws_row_regs")
     if row_regs is None:
         row_regs = 2 if cfg["dqk"] == cfg["dv"] else 1
     if int(row_regs) not in (0, 1, 2, 3):
         raise ValueError(f"ws_row_regs must be 0, 1, 2 or 3, got {row_regs!r}")
     cfg["ws_row_regs"] = int(row_regs) if cfg["schedule"] == "ws" else 0
+    # ws_tma_dq (opt-in, with ws_stage_dq; not yet measured): the staged dq tiles leave by TMA stores
+    cfg["ws_tma_dq"] = bool(cfg.get("ws_tma_dq") or False) and cfg["ws_stage_dq"]
     # det_pair: the ws program's contribution modes with the two head blocks of a query row summed in a 2-CTA
     # cluster before storing (the exchange of ws_pair): one contribution row per slot of the pair, half the bytes
     # to store and to reduce. Where ws_pair can run (an even number of head blocks, dqk == dv); its deterministic
@@ -1124,7 +1124,7 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     registers, which spill in warpgroup 1 at 576/512); 3: the softmax as 2 and dS under the slot test as 0 (the
     other half of 1's choice, which does not spill at 576/512 either; not yet measured).
     ``tma_dq`` (with ``stage_dq``): the staged dq tiles leave by TMA stores, 64 columns each, issued by one thread
-    of each warpgroup, instead of every thread's 16-byte stores (dQ's base must be 16-byte aligned).
+    of each warpgroup, instead of every thread's 16-byte stores (the wrapper hands it an aligned dQ).
     ``auto_sync`` is not read here: the factory that compiles the program (``_jit_factories``: "ws" or
     "ws_nosync") sets whether TileLang adds its automatic syncs; as an argument it keeps the two apart in the
     caches."""
