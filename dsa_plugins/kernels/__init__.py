@@ -63,6 +63,15 @@ def aligned_operand(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
+def aligned_output(t: torch.Tensor, *, keep: bool = False) -> torch.Tensor:
+    """The buffer a program writes for the caller's contiguous ``t``: ``t`` itself when its base is 16-byte aligned,
+    else a new aligned one (holding ``t``'s values with ``keep``: the program adds to them) that the caller copies
+    back into ``t`` (TMA stores, 16-byte stores and v4 reductions fault on a misaligned base)."""
+    if t.data_ptr() % 16 == 0:
+        return t
+    return t.clone() if keep else torch.empty_like(t)
+
+
 def zeros_arg(n: int, dtype: torch.dtype, device) -> torch.Tensor:
     """A [n] zero tensor for a program argument the compiled variant does not read (or reads as
     zeros). Made per call, never cached: a tensor kept from a first call made inside

@@ -62,7 +62,7 @@ from torch import Tensor
 from ..common.indices import global_rows, row_blocks
 from ..common.settings import deterministic_mode, warn_once
 from ..common.validation import output_buffer
-from . import aligned_operand, compiled_once, target_key, zeros_arg
+from . import aligned_operand, aligned_output, compiled_once, target_key, zeros_arg
 from .cluster import CLUSTER_PRELUDE
 from . import fast_exp2 as _ex2
 from .row_scan import ROW_SCAN_PRELUDE
@@ -1840,18 +1840,15 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
     do2 = aligned_operand(dout.reshape(T_, H, dv))
     lse2_in = lse.reshape(T_, H).contiguous()
     idx = _prepare_indices(indices, Skv, BK)
-    # dq leaves in 16-byte stores (or by TMA) and dkv takes 16-byte reductions: a given buffer whose base is off 16
-    # bytes is written through an aligned copy (a contiguous view may start at any element of its storage)
-    dq_given, dq = (dq, torch.empty_like(dq)) if dq.data_ptr() % 16 else (None, dq)
-    dkv_given, dkv = (dkv, dkv.clone()) if dkv.data_ptr() % 16 else (None, dkv)
+    # dq leaves in 16-byte stores (or by TMA) and dkv takes v4 reductions: given buffers off 16 bytes go through copies
+    dq_w, dkv_w = aligned_output(dq), aligned_output(dkv, keep=True)
 
     with torch.cuda.device(dev):
         res, permuted = _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, deterministic, B, S, Skv,
-                                return_probs, dq.view(T_, H, Dqk), dkv.view(N, Dqk), dkv_zero=dkv_zero)
+                                return_probs, dq_w.view(T_, H, Dqk), dkv_w.view(N, Dqk), dkv_zero=dkv_zero)
     # a buffer of ours holds ws_dkv_perm's column order still: back in order and cast in one pass
-    dkv = _dkv_cols_restored(res[1], dkv_dtype) if permuted else res[1].to(dkv_dtype)
-    res = (res[0] if dq_given is None else dq_given.copy_(res[0]),
-           dkv if dkv_given is None else dkv_given.copy_(dkv)) + res[2:]
+    dkv_out = _dkv_cols_restored(res[1], dkv_dtype) if permuted else res[1].to(dkv_dtype)
+    res = (res[0] if dq_w is dq else dq.copy_(res[0]), dkv_out if dkv_w is dkv else dkv.copy_(dkv_out)) + res[2:]
     if return_probs:
         probs = res[3]
         probs = probs[0] if probs.shape[0] == 1 else probs.sum(0)  # head blocks, fixed order

@@ -54,7 +54,7 @@ import torch
 from ..common.settings import decode_cluster_parts, decode_part_slots, logger
 from ..common.indices import as_int32
 from ..common.validation import check_scale, check_tensor, output_buffer
-from . import aligned_operand, compiled_once, zeros_arg
+from . import aligned_operand, aligned_output, compiled_once, zeros_arg
 from .cluster import CLUSTER_PRELUDE
 from . import fast_exp2 as _ex2
 from .row_scan import row_blocks_cuda
@@ -1351,7 +1351,7 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
         if parts == 1:
             # the output leaves by TMA: write a misaligned ``out`` (a view at an odd element offset) through
             # an aligned buffer
-            dst = torch.empty_like(out) if cfg["tma_io"] and out.data_ptr() % 16 else out
+            dst = aligned_output(out) if cfg["tma_io"] else out
             build_fwd_kernel(cfg, target=target)(q, kv, idx, sinks, scale, dst, lse, trips)
             if dst is not out:
                 out.copy_(dst)

@@ -509,9 +509,8 @@ def test_ws_tma_dq_stores_the_staged_bits(cfg, case):
         assert torch.equal(given, threads[0].reshape(given.shape)), det  # written in place, every element
         assert torch.equal(tma[1], threads[1]) if det else _rel(tma[1], threads[1]) < 1e-5
         assert _err(tma[0], dq_ref, g_dq) < TOL
-        off = torch.full((q.numel() + 1,), float("nan"), dtype=dtype, device=q.device)[1:].view(q.shape)
-        dkv_off = torch.zeros(kv.numel() + 1, dtype=torch.float32, device=q.device)[1:].view(kv.shape)
-        assert off.data_ptr() % 16 != 0 and dkv_off.data_ptr() % 16 != 0
+        off = misaligned_view(torch.full_like(q, float("nan")))
+        dkv_off = misaligned_view(torch.zeros(kv.shape, dtype=torch.float32, device=q.device))
         sparse_attention_bwd(*args, sink=sink, dv=Dv, deterministic=det, config={"ws_tma_dq": True}, dq=off,
                              dkv=dkv_off)
         assert torch.equal(off, threads[0].reshape(off.shape)), det
