@@ -99,7 +99,7 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
 _TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep",
                 "schedule", "ws_prefetch", "ws_dq_rs", "ws_pair", "ws_wg0_chunks", "ws_auto_sync", "det_mode",
                 "fast_exp2", "det_store_pred", "det_pair", "ws_tma_q", "ws_fused_pre", "ws_dkv_perm",
-                "ws_stage_dq", "ws_row_regs", "ws_tma_dq", "ws_ds_by_p")
+                "ws_stage_dq", "ws_row_regs", "ws_tma_dq")
 _DET_MODES = ("contrib", "contrib_ws", "contrib_bf16", "contrib_i16", "fixed")
 # the modes whose contribution rows the ws program stores
 _CONTRIB_WS_MODES = ("contrib_ws", "contrib_bf16", "contrib_i16")
@@ -244,11 +244,6 @@ def _normalise_config(config: dict) -> dict:
     if int(row_regs) not in (0, 1, 2, 3):
         raise ValueError(f"ws_row_regs must be 0, 1, 2 or 3, got {row_regs!r}")
     cfg["ws_row_regs"] = int(row_regs) if cfg["schedule"] == "ws" else 0
-    # ws_ds_by_p (opt-in, with ws_row_regs >= 1; not yet measured): dS zeroed where P is 0 instead of under the
-    # slot flags, which leaves no shared load in dS (P is exactly 0 at every invalid slot once the test is in the
-    # exponent); a valid slot whose P underflowed to 0 gets dS 0 instead of 0 * (dP - Delta), which differs only
-    # where dout or out hold inf / NaN
-    cfg["ws_ds_by_p"] = bool(cfg.get("ws_ds_by_p") or False) and cfg["ws_row_regs"] >= 1
     # ws_tma_dq (opt-in, with ws_stage_dq; not yet measured): the staged dq tiles leave by TMA stores
     cfg["ws_tma_dq"] = bool(cfg.get("ws_tma_dq") or False) and cfg["ws_stage_dq"]
     # det_pair: the ws program's contribution modes with the two head blocks of a query row summed in a 2-CTA
@@ -1067,7 +1062,7 @@ def ws_supported(dqk: int, dv: int) -> bool:
 def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, emit_probs=False, l2_keep=False,
              det_out=None, pair=False, skip_tail=False, wg0_chunks=0, fast_exp2=False,
              det_store_pred=False, tma_q=False, fused_pre=False, has_sink=False, dkv_perm=False, stage_dq=False,
-             row_regs=0, tma_dq=False, ds_by_p=False, auto_sync=True):
+             row_regs=0, tma_dq=False, auto_sync=True):
     """Main backward program, warp-specialised (256 threads, one CTA per query row and 64 heads).
 
     Warpgroup 0 gathers the selected kv rows (predicated cp.async, invalid slots zero-filled),
@@ -1128,8 +1123,6 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     every slot first (no load under a predicate: lse', Delta and the scales are read once per row; more
     registers, which spill in warpgroup 1 at 576/512); 3: the softmax as 2 and dS under the slot test as 0 (the
     other half of 1's choice, which does not spill at 576/512 either; not yet measured).
-    ``ds_by_p`` (with ``row_regs`` >= 1): dS zeroed where P is 0 (exactly so at every invalid slot), not under the
-    slot flags: no shared load left in dS.
     ``tma_dq`` (with ``stage_dq``): the staged dq tiles leave by TMA stores, 64 columns each, issued by one thread
     of each warpgroup, instead of every thread's 16-byte stores (the wrapper hands it an aligned dQ).
     ``auto_sync`` is not read here: the factory that compiles the program (``_jit_factories``: "ws" or
@@ -1402,13 +1395,13 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                     T.wait_wgmma(0)
                     if fused_pre and kb == 0:
                         T.sync_threads(_BAR_DELTA, 256)  # warpgroup 1 has formed Delta
-                    ds_all = row_regs in (1, 2) or ds_by_p
+                    ds_all = row_regs in (1, 2)
                     if ds_all:  # dS for every slot, then zeroed at the invalid ones
                         for i, r in T.Parallel(BH, BK):
                             acc_dp[i, r] = acc_s[i, r] * (acc_dp[i, r] - delta_s[i]) * scale
                     for i, r in T.Parallel(BH, BK):
                         acc_dp[i, r] = T.if_then_else(
-                            acc_s[i, r] != 0.0 if ds_by_p else slot_ok(valid_s, Idx, t, kb, r),
+                            slot_ok(valid_s, Idx, t, kb, r),
                             acc_dp[i, r] if ds_all else acc_s[i, r] * (acc_dp[i, r] - delta_s[i]) * scale, 0.0)
                     if dq_rs:
                         # dq[:, :DQ0] += dS k from registers, in flight while P and dS are stored
@@ -1651,7 +1644,7 @@ def _main_kernel(cfg: dict, deterministic: bool, emit_probs: bool = False) -> tu
                       cfg["det_store_pred"] and deterministic and cfg["det_mode"] in _CONTRIB_WS_MODES,
                       cfg["ws_tma_q"], _fused_pre(cfg, deterministic),
                       cfg["has_sink"] and _fused_pre(cfg, deterministic), _dkv_perm(cfg, deterministic, pair),
-                      cfg["ws_stage_dq"], cfg["ws_row_regs"], cfg["ws_tma_dq"], cfg["ws_ds_by_p"],
+                      cfg["ws_stage_dq"], cfg["ws_row_regs"], cfg["ws_tma_dq"],
                       # the head-summed P's cross-warp sums and the pair's exchange need TileLang's syncs
                       cfg["ws_auto_sync"] or bool(emit_probs) or pair)
     return "main", _main_args(cfg, deterministic, emit_probs)

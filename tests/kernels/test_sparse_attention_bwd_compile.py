@@ -323,19 +323,6 @@ def test_ws_row_regs_moves_the_slot_test_into_the_exponent(mode):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
-@pytest.mark.parametrize("ds_by_p", [False, True])
-def test_ws_ds_by_p_reads_no_slot_flag_in_ds(ds_by_p):
-    """ws_ds_by_p: dS's zero test reads P, so the slot flags are read in the softmax only (one test per block, not
-    two); it needs the test in the exponent (ws_row_regs >= 1), off without it."""
-    cfg = {"heads": 64, "dqk": 512, "dv": 512, "has_sink": True, "dtype": "bfloat16", "ws_ds_by_p": ds_by_p}
-    assert not bwd._normalise_config({**cfg, "ws_row_regs": 0})["ws_ds_by_p"]
-    src = bwd.build_bwd_program(cfg, "main", target=SM90A).get_kernel_source()
-    flag_tests = re.findall(r"if \(\(\(\(int\*\)valid_s\)\[", src)
-    assert len(flag_tests) == (1 if ds_by_p else 2)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
 def test_fixed_point_deterministic_path_compiles():
     """det_mode "fixed" (the ws program sending fixed-point integer reductions; an option, slower than
     the contributions on an H100): its preprocess also writes the finite maxima of q, out and dout, and
