@@ -169,7 +169,8 @@ def _normalise_config(config: dict) -> dict:
     # (half the reductions; see _ws_body): the atomic mode, an even number of head blocks, dqk == dv. Off:
     # measured slower on an H100 (V4 H128 k1024: 8.42 vs 8.03 ms; Nsight Compute: L2 busy 42% vs 78%, warp
     # cycles per issued instruction 8.3 vs 6.8): with half the reductions the time does not fall, so at this
-    # shape the L2 reductions are not what bounds the program; the per-block chain of its two warpgroups is
+    # shape the L2 reductions are not what bounds the program; the per-block chain of its two warpgroups is.
+    # Again with every later change (adbefb9, one process, two rounds): 7.82 / 7.79 ms against 6.71 / 6.66
     cfg["ws_pair"] = (bool(cfg.get("ws_pair", False)) and cfg["schedule"] == "ws"
                       and ws_pair_supported(cfg["heads"], cfg["dqk"], cfg["dv"]))
     # ws_wg0_chunks: warpgroup 0 forms and reduces the last n dkv chunks itself (see _ws_body); not with ws_pair,
@@ -183,7 +184,10 @@ def _normalise_config(config: dict) -> dict:
     elif n0 is None:
         # with ws_dkv_perm and ws_tma_q, 2 at 576/512 too (H100, one process, two rounds, against 3: MLA H64 7.32 /
         # 8.31 ms against 7.55 / 7.62, H128 14.51 / 14.74 against 14.93 / 16.32, H64 causal 5.69 / 5.71 against 6.07 /
-        # 5.92; the 8.31 and 16.32 were outliers of that round)
+        # 5.92; the 8.31 and 16.32 were outliers of that round). Again with ws_row_regs (adbefb9, two rounds; ms, 3 / 1
+        # against 2): MLA H64 7.43, 7.48 / 7.00, 7.88 against 6.97, 6.97; H128 14.50, 16.83 / 13.85, 13.98 against
+        # 13.73, 13.75; V4 H128 7.09, 7.01 / 6.75, 7.62 against 6.64, 6.60; V4 H64 1.989, 2.026 / 2.010, 2.015 against
+        # 1.925, 1.958
         n0 = min(2, n_chunks // 2)
     elif not 0 <= int(n0) <= min(3, n_chunks - 1):
         raise ValueError(f"ws_wg0_chunks must be 0..{min(3, n_chunks - 1)} (dkv chunks: {n_chunks}), got {n0}")
@@ -237,14 +241,22 @@ def _normalise_config(config: dict) -> dict:
     # 1 at 576/512 (where 2 spills in warpgroup 1's reductions). H100, B1 S4096 Skv8192, one process, three
     # rounds (ms; 0 / 1 / 2): V4 H128 6.94, 7.58, 6.94 / 6.83, 7.40, 6.83 / 6.68, 6.69, 6.70; V4 H64 2.040, 2.056,
     # 2.078 / 2.018, 2.036, 2.038 / 2.015, 2.013, 2.023; MLA H128 13.90, 13.98, 14.55 / 13.64, 13.92, 13.80 /
-    # 14.35, 16.31, 15.13; MLA H64 6.97, 7.34, 7.08 / 6.97, 7.82, 7.25 / 7.42, 7.44, 7.42
+    # 14.35, 16.31, 15.13; MLA H64 6.97, 7.34, 7.08 / 6.97, 7.82, 7.25 / 7.42, 7.44, 7.42. Tried and dropped: the
+    # softmax as 2 with dS under the slot test (the other half of 1's choice; 0389325, two rounds against the
+    # defaults: MLA H64 7.07 / 7.87 against 6.92 / 6.94, H128 13.81 / 14.00 against 13.71 / 13.70, V4 H128 6.68 /
+    # 7.21 against 6.59 / 6.57, V4 H64 1.950 / 1.963 against 1.917 / 1.962); dS zeroed where P is 0, no flag load
+    # in dS (adbefb9: 1-2% slower at all four shapes)
     row_regs = cfg.get("ws_row_regs")
     if row_regs is None:
         row_regs = 2 if cfg["dqk"] == cfg["dv"] else 1
-    if int(row_regs) not in (0, 1, 2, 3):
-        raise ValueError(f"ws_row_regs must be 0, 1, 2 or 3, got {row_regs!r}")
+    if int(row_regs) not in (0, 1, 2):
+        raise ValueError(f"ws_row_regs must be 0, 1 or 2, got {row_regs!r}")
     cfg["ws_row_regs"] = int(row_regs) if cfg["schedule"] == "ws" else 0
-    # ws_tma_dq (opt-in, with ws_stage_dq; not yet measured): the staged dq tiles leave by TMA stores
+    # ws_tma_dq (opt-in, with ws_stage_dq): the staged dq tiles leave by TMA stores. Off: even, within noise, over
+    # four rounds in two processes (0389325 / adbefb9; ms, on against off): MLA H64 6.94, 6.95, 7.00, 7.00 against
+    # 6.92, 6.94, 6.97, 6.97; MLA H128 13.82, 15.33, 13.81, 14.69 against 13.71, 13.70, 13.73, 13.75; V4 H128 6.53,
+    # 6.46, 6.62, 6.79 against 6.59, 6.57, 6.64, 6.60; V4 H64 1.918, 1.928, 1.931, 2.201 against 1.917, 1.962,
+    # 1.925, 1.958
     cfg["ws_tma_dq"] = bool(cfg.get("ws_tma_dq") or False) and cfg["ws_stage_dq"]
     # det_pair: the ws program's contribution modes with the two head blocks of a query row summed in a 2-CTA
     # cluster before storing (the exchange of ws_pair): one contribution row per slot of the pair, half the bytes
@@ -1121,8 +1133,7 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     and the constant loads of the scales for every score; 1: P = 2^x with x = -inf at invalid slots (the test
     moves into the exponent's argument) and dS formed for every slot, then zeroed; 2: as 1, with x formed for
     every slot first (no load under a predicate: lse', Delta and the scales are read once per row; more
-    registers, which spill in warpgroup 1 at 576/512); 3: the softmax as 2 and dS under the slot test as 0 (the
-    other half of 1's choice, which does not spill at 576/512 either; not yet measured).
+    registers, which spill in warpgroup 1 at 576/512).
     ``tma_dq`` (with ``stage_dq``): the staged dq tiles leave by TMA stores, 64 columns each, issued by one thread
     of each warpgroup, instead of every thread's 16-byte stores (the wrapper hands it an aligned dQ).
     ``auto_sync`` is not read here: the factory that compiles the program (``_jit_factories``: "ws" or
@@ -1374,14 +1385,14 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                     T.wait_wgmma(1)
                     # P = exp(s * scale - lse'): invalid slots and padded heads give exactly 0 (the
                     # slot test is explicit: -inf + a NaN or inf score would not stay -inf)
-                    if row_regs >= 2:
+                    if row_regs == 2:
                         for i, r in T.Parallel(BH, BK):
                             acc_s[i, r] = acc_s[i, r] * scale_log2 - lse_s[i]
                     for i, r in T.Parallel(BH, BK):
                         if row_regs:
                             acc_s[i, r] = _ex2.exp2(T, T.if_then_else(
                                 slot_ok(valid_s, Idx, t, kb, r),
-                                acc_s[i, r] if row_regs >= 2 else acc_s[i, r] * scale_log2 - lse_s[i],
+                                acc_s[i, r] if row_regs == 2 else acc_s[i, r] * scale_log2 - lse_s[i],
                                 -T.infinity(f32)), fast_exp2)
                         else:
                             acc_s[i, r] = T.if_then_else(
@@ -1395,7 +1406,7 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                     T.wait_wgmma(0)
                     if fused_pre and kb == 0:
                         T.sync_threads(_BAR_DELTA, 256)  # warpgroup 1 has formed Delta
-                    ds_all = row_regs in (1, 2)
+                    ds_all = row_regs > 0
                     if ds_all:  # dS for every slot, then zeroed at the invalid ones
                         for i, r in T.Parallel(BH, BK):
                             acc_dp[i, r] = acc_s[i, r] * (acc_dp[i, r] - delta_s[i]) * scale

@@ -303,15 +303,15 @@ def test_ws_row_regs_defaults_by_shape():
     assert bwd._normalise_config({**base, "dqk": 576, "schedule": "plain"})["ws_row_regs"] == 0
     assert bwd._normalise_config({**base, "dqk": 512, "ws_row_regs": 0})["ws_row_regs"] == 0
     with pytest.raises(ValueError, match="ws_row_regs"):
-        bwd._normalise_config({**base, "dqk": 512, "ws_row_regs": 4})
+        bwd._normalise_config({**base, "dqk": 512, "ws_row_regs": 3})
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
-@pytest.mark.parametrize("mode", [0, 1, 2, 3])
+@pytest.mark.parametrize("mode", [0, 1, 2])
 def test_ws_row_regs_moves_the_slot_test_into_the_exponent(mode):
-    """ws_row_regs 1-3: P is 2^x of a selected argument (-inf at invalid slots), not a selected 2^x; 2 and 3 also
-    form every slot's argument before the selection (no load of the softmax under the slot test)."""
+    """ws_row_regs 1 and 2: P is 2^x of a selected argument (-inf at invalid slots), not a selected 2^x; 2 also
+    forms every slot's argument before the selection (no load of the softmax under the slot test)."""
     cfg = {"heads": 64, "dqk": 512, "dv": 512, "has_sink": True, "dtype": "bfloat16", "ws_row_regs": mode}
     src = bwd.build_bwd_program(cfg, "main", target=SM90A).get_kernel_source()
     of_selected = re.search(r"acc_s\[i_\d+\] = dsa_ex2_ftz\(condval_\d+\);", src)
