@@ -838,19 +838,12 @@ __device__ __forceinline__ void dsa_red_tile(const float* acc, void* dkv_raw, co
                            acc[8 * m + 4 + 2 * half + 1]);
       float2 sc[2] = {make_float2(1.0f, 1.0f), make_float2(1.0f, 1.0f)};
       if (kMode == 5) {
-        unsigned int pair_bytes = 0;  // this lane's two exponent bytes (blocks 2 q and 2 q + 1 of the row's chunk)
         #pragma unroll
         for (int p = 0; p < 2; ++p) {
           sc[p] = dsa_i16_scale(max(dsa_absmax4_bits(v[2 * p]), dsa_absmax4_bits(v[2 * p + 1])));
-          pair_bytes |= (__float_as_uint(sc[p].y) >> 23) << (8 * p);
+          const unsigned char byte = static_cast<unsigned char>(__float_as_uint(sc[p].y) >> 23);
+          if (row >= 0) exps[(row0 + slot) * (ld / 8) + col0 / 8 + 2 * q + p] = byte;
         }
-        // the quad's 8 bytes of the row's chunk gathered in lane q == 0 and stored as one 8-byte word (the row's
-        // bytes start at a multiple of 8: ld / 8 and col0 / 8 are), not as eight single bytes from four lanes
-        const unsigned int four = pair_bytes | (__shfl_down_sync(0xffffffffu, pair_bytes, 1) << 16);
-        const unsigned int upper = __shfl_down_sync(0xffffffffu, four, 2);
-        if (q == 0 && row >= 0)
-          __stcs(reinterpret_cast<unsigned long long*>(exps + (row0 + slot) * (ld / 8) + col0 / 8),
-                 static_cast<unsigned long long>(four) | (static_cast<unsigned long long>(upper) << 32));
       }
       char* st = contrib + ((row0 + slot) * ld + col0 + 4 * q) * kBytes;
       #pragma unroll
@@ -898,24 +891,9 @@ __device__ __forceinline__ void dsa_red_tile(const float* acc, void* dkv_raw, co
       sa = dsa_i16_scale(ma);
       sb = dsa_i16_scale(mb);
       constexpr int kBlock = kGroups == 4 ? 8 : 4;  // values per block
-      // the 8 lanes of a row pair (g and g ^ 1) hold one byte each of either row's 8 at blk0 (lane byte o): gathered
-      // by shuffles, each row's 8 bytes leave as one 8-byte word (blk0 and ld / kBlock are multiples of 8), row a's
-      // from lane q == 0 and row b's from lane q == 1 of the even g, instead of 16 single bytes from 8 lanes
-      const int blk0 = kGroups == 4 ? col0 / 8 : col0 / 4;
-      const int o = 4 * gb + 2 * odd + (q >> 1);
-      unsigned int wa = (__float_as_uint(sa.y) >> 23) << (8 * (o & 3));
-      unsigned int wb = (__float_as_uint(sb.y) >> 23) << (8 * (o & 3));
-      wa |= __shfl_xor_sync(0xffffffffu, wa, 1);  // lanes q ^ 1, then q ^ 2: the 4 bytes of this lane's half (gb)
-      wb |= __shfl_xor_sync(0xffffffffu, wb, 1);
-      wa |= __shfl_xor_sync(0xffffffffu, wa, 2);
-      wb |= __shfl_xor_sync(0xffffffffu, wb, 2);
-      const unsigned int ha = __shfl_xor_sync(0xffffffffu, wa, 4), hb = __shfl_xor_sync(0xffffffffu, wb, 4);
-      if (gb == 0 && q == 0 && row_a >= 0)
-        __stcs(reinterpret_cast<unsigned long long*>(exps + (row0 + slot) * (ld / kBlock) + blk0),
-               static_cast<unsigned long long>(wa) | (static_cast<unsigned long long>(ha) << 32));
-      if (gb == 0 && q == 1 && row_b >= 0)
-        __stcs(reinterpret_cast<unsigned long long*>(exps + (row0 + slot + 1) * (ld / kBlock) + blk0),
-               static_cast<unsigned long long>(wb) | (static_cast<unsigned long long>(hb) << 32));
+      const int blk = (kGroups == 4 ? col0 / 8 : col0 / 4) + 4 * gb + 2 * odd + (q >> 1);
+      if (row_a >= 0) exps[(row0 + slot) * (ld / kBlock) + blk] = static_cast<unsigned char>(__float_as_uint(sa.y) >> 23);
+      if (row_b >= 0) exps[(row0 + slot + 1) * (ld / kBlock) + blk] = static_cast<unsigned char>(__float_as_uint(sb.y) >> 23);
     }
     // each row's address once per half: the columns of pair mp are 32 mp further (an immediate offset). Computing
     // every address from the row index made ptxas re-derive the lane's column from its bits, ~10 instructions per
