@@ -1449,11 +1449,10 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                 if stage_dq:
                     T.sync_threads(_BAR_DQ, 256)  # both warpgroups are past the last MMA that reads q_s
                     T.copy(acc_dq0, q_s[:, 0:DQ0])
-                    if not tma_dq:
-                        T.sync_threads(_BAR_WG0, 128)
-                if tma_dq:
-                    T.fence_proxy_async()
+                    if tma_dq:
+                        T.fence_proxy_async()  # the tiles' writes visible to the TMA unit
                     T.sync_threads(_BAR_WG0, 128)
+                if tma_dq:
                     tma_store_dq(dQ, t, h0, q_s, 0, 0, DQ0)
                     T.tma_store_wait()  # the tiles are read before the CTA may exit
                 else:
@@ -1520,11 +1519,10 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
                     T.copy(acc_dq1, q_s[:, DQ0:dv])
                     if DT > 0:
                         T.copy(acc_dqt, qt_s)
-                    if not tma_dq:
-                        T.sync_threads(_BAR_WG1, 128)
-                if tma_dq:
-                    T.fence_proxy_async()
+                    if tma_dq:
+                        T.fence_proxy_async()
                     T.sync_threads(_BAR_WG1, 128)
+                if tma_dq:
                     tma_store_dq(dQ, t, h0, q_s, DQ0, DQ0, dv - DQ0)
                     if DT > 0:
                         tma_store_dq(dQ, t, h0, qt_s, 0, dv, DT)
