@@ -7,9 +7,12 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
+
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _current_dispatch_mode
 
 from ..common.settings import resolve_backend, warn_once
 from ..kernels import KERNEL_GROUPS, KERNELS, kernel_unavailable_reason, load_kernel
@@ -31,6 +34,22 @@ def autocast_floats(*tensors):
         return tensors
     dtype = torch.get_autocast_dtype(first.device.type)
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t for t in tensors)
+
+
+def direct_call_ok(*tensors) -> bool:
+    """True when an op may call its custom op's body directly instead of going through the dispatcher:
+    plain tensors or parameters (None allowed), no torch.compile / jit tracing, no dispatch or function mode in effect
+    (FakeTensor, make_fx, export and FlopCounterMode all see the custom op). The body is what the custom
+    op runs, so the results are the same; the dispatcher's own work costs about 40 us a call on the host,
+    which an eager generation step pays per layer for the indexer and the attention."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._is_torch_function_mode_enabled():
+        return False
+    if _current_dispatch_mode() is not None:
+        return False
+    return all(t is None or type(t) in _PLAIN_TENSORS for t in tensors)
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def is_dsa_kernel_available(name: str) -> bool:
@@ -93,13 +112,19 @@ def _decide(backend: str, kernel_name: str, reason: str | None) -> bool:
 
 def kernel_shape_reason(kernel_name: str, **config) -> str | None:
     """The kernel module's own ``unsupported_reason(**config)`` (heads, dims, dtype...), or None
-    when the kernel code is missing (reported elsewhere) or has no such check."""
+    when the kernel code is missing (reported elsewhere) or has no such check. Asked on every op call
+    with a handful of sizes and a dtype: answered once per distinct question."""
+    return _shape_reason(kernel_name, tuple(sorted(config.items())))
+
+
+@functools.lru_cache(maxsize=1024)
+def _shape_reason(kernel_name: str, config: tuple) -> str | None:
     try:
         fn = load_kernel(kernel_name)
     except Exception:
         return None
     check = getattr(sys.modules[fn.__module__], "unsupported_reason", None)
-    return None if check is None else check(**config)
+    return None if check is None else check(**dict(config))
 
 
 def choose_kernel(backend: str | None, kernel_name: str, tensors: tuple[torch.Tensor, ...], extra_reason: str | None = None) -> bool:

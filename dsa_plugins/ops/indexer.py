@@ -17,7 +17,7 @@ from ..common.validation import FLOAT_DTYPES, FP8_DTYPES, INDEX_DTYPES, check_in
 from ..kernels import load_kernel
 from ..reference.indexer import causal_key_windows, indexer_topk_reference, quantize_fp8_rows, topk_rows_reference
 from ..reference.indexer_loss import indexer_kl_loss_reference
-from .backend import autocast_floats, choose_kernel, kernel_shape_reason
+from .backend import autocast_floats, choose_kernel, direct_call_ok, kernel_shape_reason
 
 __all__ = [
     "causal_key_windows",
@@ -39,8 +39,10 @@ def _run_indexer_topk(index_q, index_k, weights, key_start, key_end, topk, backe
         entries = (rows_per_entry, keys_per_entry) if rows_per_entry > 0 else None
         return load_kernel("indexer_topk")(index_q, index_k, weights, key_start, key_end, topk,
                                            index_k_scale=index_k_scale, entries=entries, return_lse=return_lse)
-    return indexer_topk_reference(index_q, index_k, weights, topk, key_start, key_end, index_k_scale,
-                                  return_lse=return_lse)
+    # the kernels clamp each window to the keys themselves; the reference is handed clamped ones
+    end = key_end.clamp(0, index_k.shape[0])
+    start = torch.minimum(key_start.clamp(0, index_k.shape[0]), end)
+    return indexer_topk_reference(index_q, index_k, weights, topk, start, end, index_k_scale, return_lse=return_lse)
 
 
 @torch.library.custom_op("dsa_plugins::indexer_topk", mutates_args=())
@@ -160,11 +162,12 @@ def _packed_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, ba
         raise ValueError(f"topk must be >= 1, got {topk}")
     key_start, key_end = _check_windows(key_start, key_end, tq, index_k.shape[0], device)
     weights = weights.float() if weights.dtype != torch.float64 else weights
+    args = (index_q.contiguous(), index_k.contiguous(), weights.contiguous(), key_start, key_end, topk,
+            resolve_backend(backend), index_k_scale, *entries)
+    if direct_call_ok(*args[:5], index_k_scale):  # eager: the custom op's body without the dispatcher
+        return _run_indexer_topk(*args, return_lse)
     op = torch.ops.dsa_plugins.indexer_topk_lse if return_lse else torch.ops.dsa_plugins.indexer_topk
-    return op(
-        index_q.contiguous(), index_k.contiguous(), weights.contiguous(), key_start, key_end, topk,
-        resolve_backend(backend), index_k_scale, *entries,
-    )
+    return op(*args)
 
 
 def _batched_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, backend, index_k_scale,
@@ -179,16 +182,21 @@ def _batched_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, b
         check_tensor(name, t, ndim=(1, 2), dtypes=INDEX_DTYPES, device=device, shape={-1: s}, unit_stride=False)
         if t.dim() == 2:
             check_tensor(name, t, shape={0: b})
-    base = (torch.arange(b, device=device, dtype=torch.int32) * tk)[:, None]  # [B, 1]
-    end = key_end.to(torch.int32).clamp(0, tk).expand(b, s)
-    start = torch.minimum(key_start.to(torch.int32).clamp(0, tk).expand(b, s), end)
+    if b == 1:  # one entry: its windows are already rows of the packed keys (clamped by the callee)
+        base = None
+        start, end = key_start.reshape(s), key_end.reshape(s)
+    else:
+        base = torch.arange(0, b * tk, tk, device=device, dtype=torch.int32)[:, None]  # [B, 1]
+        end = key_end.to(torch.int32).clamp(0, tk).expand(b, s)
+        start = torch.minimum(key_start.to(torch.int32).clamp(0, tk).expand(b, s), end)
+        start, end = (start + base).reshape(-1), (end + base).reshape(-1)
     result = _packed_indexer_topk(
         index_q.reshape(b * s, hi, di), index_k.reshape(b * tk, di), weights.reshape(b * s, hi), topk,
-        (start + base).reshape(-1), (end + base).reshape(-1), backend,
+        start, end, backend,
         None if index_k_scale is None else index_k_scale.reshape(b * tk), entries=(s, tk), return_lse=return_lse,
     )
     rows = (result[0] if return_lse else result).view(b, s, -1)
-    rows = torch.where(rows >= 0, rows - base[..., None], rows) if b > 1 else rows
+    rows = torch.where(rows >= 0, rows - base[..., None], rows) if base is not None else rows
     return (rows, result[1].view(b, s)) if return_lse else rows
 
 

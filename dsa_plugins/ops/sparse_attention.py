@@ -24,7 +24,7 @@ from ..common.settings import deterministic_enabled, resolve_backend
 from ..common.validation import FLOAT_DTYPES, check_tensor
 from ..reference.mla import project_values
 from .attention_custom_ops import attention_backward, attention_forward, normalise_inputs
-from .backend import autocast_floats
+from .backend import autocast_floats, direct_call_ok
 from .fused_indexer_loss import attention_with_indexer_loss
 
 
@@ -58,10 +58,18 @@ def sparse_attention(
             raise ValueError("return_lse is not available together with indexer_loss")
         out = attention_with_indexer_loss(q4, kv3, idx3, sink, scale, dv, resolve_backend(backend), indexer_loss)
         return out.squeeze(0) if packed else out
-    out, lse = torch.ops.dsa_plugins.sparse_attention_fwd(q4, kv3, idx3, sink, scale, dv, resolve_backend(backend))
+    backend = resolve_backend(backend)
+    if direct_call_ok(q4, kv3, idx3, sink) and not (torch.is_grad_enabled() and _any_requires_grad(q4, kv3, sink)):
+        out, lse = attention_forward(q4, kv3, idx3, sink, scale, dv, backend)  # eager, no autograd: no dispatcher
+    else:
+        out, lse = torch.ops.dsa_plugins.sparse_attention_fwd(q4, kv3, idx3, sink, scale, dv, backend)
     if packed:
         out, lse = out.squeeze(0), lse.squeeze(0)
     return (out, lse) if return_lse else out
+
+
+def _any_requires_grad(*tensors) -> bool:
+    return any(t is not None and t.requires_grad for t in tensors)
 
 
 def sparse_mla(

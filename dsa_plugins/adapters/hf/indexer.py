@@ -55,9 +55,10 @@ def select_topk(
     B, S = q.shape[:2]
     T = k.shape[1]
     mask = as_mask(mask, B, S, T, q.device)
-    start, end = mask.windows()
-    end = end.clamp(max=T)
-    start = torch.minimum(start, end)
+    start, end = mask.windows()  # 0 <= start <= end <= mask.kv_length
+    if mask.kv_length > T:  # a mask over more key columns than the cache holds
+        end = end.clamp(max=T)
+        start = torch.minimum(start, end)
     local = ops.indexer_topk(q, k.to(q.dtype), weights, min(int(indexer.index_topk), T), start, end,
                              return_lse=return_lse)
     lse = None

@@ -130,12 +130,13 @@ class LazyMask:
         # create_sliding_window_causal_mask passes and_masks(sliding overlay, causal) and local_size=W
         return self.local_size is not None and _is_plain_sliding(self.mask_function, causal_mask_function)
 
-    def query_positions(self) -> torch.Tensor:
-        """Absolute position of every query row, [S] int64."""
+    def query_positions(self, shift: int = 0) -> torch.Tensor:
+        """Absolute position of every query row (plus ``shift``), [S] int64."""
         offset = self.q_offset
         if isinstance(offset, torch.Tensor):
             offset = offset.to(self.device, torch.long)
-        return torch.arange(self.q_length, device=self.device, dtype=torch.long) + offset
+            return torch.arange(shift, self.q_length + shift, device=self.device, dtype=torch.long) + offset
+        return torch.arange(offset + shift, offset + shift + self.q_length, device=self.device, dtype=torch.long)
 
     def local_padding(self) -> torch.Tensor | None:
         """The 2D padding mask over this mask's key columns, [B, T] bool (None: no padding)."""
@@ -168,24 +169,24 @@ class LazyMask:
         return self._dense
 
     def windows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per query row, key columns ``[start, end)`` it may see: two [B, S] int64 tensors."""
+        """Per query row, key columns ``[start, end)`` it may see: two [B, S] int64 tensors with
+        0 <= start <= end <= kv_length. A causal mask without padding takes four small launches (a
+        generation step pays each one's host time)."""
         if self._windows is not None:
             return self._windows
         B, S, T = self.batch_size, self.q_length, self.kv_length
         if self.is_simple:
-            pos = self.query_positions()
-            end = (pos + 1 - self.kv_offset).clamp(0, T)
-            if self.local_size is not None:
-                start = (pos - int(self.local_size) + 1 - self.kv_offset).clamp(0, T)
-            else:
-                start = torch.zeros_like(end)
+            last = self.query_positions(1 - self.kv_offset)  # one past each row's last visible key
+            start = (last - int(self.local_size)).clamp_(0, T) if self.local_size is not None else None
+            end = last.clamp_(0, T)
+            start = torch.zeros_like(end) if start is None else start
             start, end = start.expand(B, S), end.expand(B, S)
             pad = self.local_padding()
             if pad is not None:
                 has = pad.any(-1)
                 first = torch.where(has, pad.to(torch.int8).argmax(-1), torch.full_like(has, T, dtype=torch.long))
                 start = torch.maximum(start, first[:, None])
-            end = torch.maximum(end, start)
+                end = torch.maximum(end, start)
         else:
             d = self.dense()[:, 0]
             has = d.any(-1)

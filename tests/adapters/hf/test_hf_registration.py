@@ -167,6 +167,9 @@ CASES = [
     dict(B=2, S=7, T=7, q_offset=0, kv_offset=0, pad=[0, 2], window=3),  # sliding prefill
     dict(B=2, S=1, T=4, q_offset=10, kv_offset=7, pad=[0, 9], window=5),  # sliding decode, window full
     dict(B=1, S=4, T=6, q_offset=2, kv_offset=0, pad=None, window=None),
+    dict(B=1, S=1, T=16, q_offset=torch.tensor(9), kv_offset=0, pad=None, window=None),  # static cache's counter
+    dict(B=1, S=3, T=8, q_offset=torch.tensor(6), kv_offset=0, pad=None, window=4),  # rows past the keys
+    dict(B=1, S=2, T=5, q_offset=1, kv_offset=3, pad=None, window=2),  # rows before the first key
 ]
 
 
@@ -194,8 +197,16 @@ def test_lazy_mask_matches_dense(case):
     cols = torch.arange(T).expand(B, S, T)
     assert torch.equal(lazy.allowed(cols), dense)
     start, end = lazy.windows()
+    assert start.shape == end.shape == (B, S)
+    assert bool(((0 <= start) & (start <= end) & (end <= T)).all())  # what select_topk relies on
     in_window = (cols >= start[..., None]) & (cols < end[..., None])
     assert torch.equal(in_window & dense, dense)  # the window covers every allowed key
+    # ... and no more than them (left padding leaves no holes): empty where nothing is allowed
+    first = torch.where(dense.any(-1), dense.int().argmax(-1), 0)
+    last = torch.where(dense.any(-1), T - dense.flip(-1).int().argmax(-1), 0)
+    nonempty = end > start
+    assert torch.equal(nonempty, dense.any(-1))
+    assert torch.equal(start[nonempty], first[nonempty]) and torch.equal(end[nonempty], last[nonempty])
     assert torch.equal(lazy[:, 0], lazy) if False else lazy[:, 0] is lazy
     assert torch.equal(lazy.dense()[:, 0], dense)
     idx = torch.randint(-2, T + 2, (B, S, 5))
