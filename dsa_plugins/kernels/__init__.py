@@ -81,6 +81,13 @@ def zeros_arg(n: int, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.zeros(n, dtype=dtype, device=device)
 
 
+def unread_arg(n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A [n] tensor for a program argument the compiled variant never reads (a sink without sinks, an
+    lse the program does not write): uninitialised, so no fill is launched. Made per call, like
+    :func:`zeros_arg`, for the same CUDA-graph reason."""
+    return torch.empty(n, dtype=dtype, device=device)
+
+
 def target_key(target):
     """A hashable cache key for a compile target (a dict such as CPU_COMPILE_TARGET, or a string)."""
     return tuple(sorted(target.items())) if isinstance(target, dict) else target

@@ -385,7 +385,17 @@ def _factory():
 
 
 def _norm_config(config: dict) -> tuple:
-    cfg = dict(config)
+    """The full configuration key of ``config`` (missing keys from the defaults). Asked on every call
+    (the plan, then the program's lookup): worked out once per distinct config."""
+    try:
+        return _norm_config_items(tuple(sorted(config.items())))
+    except TypeError:  # an unhashable value: worked out without the cache
+        return _norm_config_items.__wrapped__(tuple(config.items()))
+
+
+@functools.lru_cache(maxsize=256)
+def _norm_config_items(items: tuple) -> tuple:
+    cfg = dict(items)
     missing = [k for k in _CFG_KEYS if k not in cfg]
     if missing:
         cfg = {**default_config(cfg["heads"], cfg["dim"], bool(cfg.get("fp8", False))), **cfg}

@@ -54,7 +54,7 @@ import torch
 from ..common.settings import decode_cluster_parts, decode_part_slots, logger
 from ..common.indices import as_int32
 from ..common.validation import check_scale, check_tensor, output_buffer
-from . import aligned_operand, aligned_output, compiled_once, zeros_arg
+from . import aligned_operand, aligned_output, compiled_once, unread_arg, zeros_arg
 from .cluster import CLUSTER_PRELUDE
 from . import fast_exp2 as _ex2
 from .row_scan import row_blocks_cuda
@@ -279,7 +279,21 @@ def _takes_cluster_parts(cfg: dict) -> bool:
 
 
 def _normalise_config(config: dict) -> dict:
-    cfg = {k: config.get(k, DEFAULT_CONFIG[k]) for k in _COMPILE_KEYS}
+    """The full, checked configuration of ``config`` (a fresh dict). Every call of the wrapper normalises
+    its configuration twice (choosing it, then finding its program): checked once per distinct input."""
+    items = tuple(config.get(k, DEFAULT_CONFIG[k]) for k in _COMPILE_KEYS)
+    try:
+        return dict(_normalised(items))
+    except TypeError:  # an unhashable value (a list of register budgets): checked without the cache
+        return _check_config(dict(zip(_COMPILE_KEYS, items)))
+
+
+@functools.lru_cache(maxsize=256)
+def _normalised(items: tuple) -> dict:
+    return _check_config(dict(zip(_COMPILE_KEYS, items)))
+
+
+def _check_config(cfg: dict) -> dict:
     dqk, dv, bk, bh = cfg["dim_qk"], cfg["dim_v"], cfg["block_k"], cfg["block_h"]
     if cfg["dtype"] not in _TORCH_DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_TORCH_DTYPES)}, got {cfg['dtype']!r}")
@@ -1332,7 +1346,7 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
     if kp != k:
         idx = torch.nn.functional.pad(idx, (0, kp - k), value=-1)
     idx = idx.contiguous()
-    sinks = sink.contiguous() if sink is not None else zeros_arg(h, torch.float32, q.device)
+    sinks = sink.contiguous() if sink is not None else unread_arg(h, torch.float32, q.device)  # has_sink off
     rows = s * parts  # part p of a row is row s * parts + p of the partial program
     if (cfg["cluster"] == "heads" and -(-h // cfg["block_h"]) % 2) or (cfg["cluster"] == "rows" and rows % 2):
         raise ValueError(f"cluster={cfg['cluster']!r} needs an even number of head blocks / query rows, got "

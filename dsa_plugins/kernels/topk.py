@@ -35,7 +35,7 @@ import functools
 import logging
 import threading
 
-from . import announce_compile, zeros_arg
+from . import announce_compile, unread_arg, zeros_arg
 from .cluster import CLUSTER_PRELUDE
 
 logger = logging.getLogger("dsa_plugins")
@@ -893,7 +893,7 @@ def topk_rows_ranges(scores, starts, ends, topk: int, row_offsets=None, out=None
         if lse is not None:
             assert lse.dtype == torch.float32 and lse.shape == (R,) and lse.stride(0) == 1
         build_topk(cfg)(view, starts, ends, offsets, stride, out, ties,
-                        lse if lse is not None else zeros_arg(1, torch.float32, scores.device))
+                        lse if lse is not None else unread_arg(1, torch.float32, scores.device))
     build_tie_fill()(view, starts, ends, ties, offsets, stride, out)
     return out
 

@@ -84,7 +84,11 @@ def attention_forward(q, kv, indices, sink, scale: float, dv: int, backend: str)
         b, s, h, _ = q.shape
         out = q.new_empty(b, s, h, dv)
         lse = q.new_empty(b, s, h, dtype=lse_dtype(q.dtype))  # float32 for the kernels' dtypes
-        for b0, b1, s0, s1 in _kernel_chunks(q, kv, indices, dv):
+        blocks = _kernel_chunks(q, kv, indices, dv)
+        if len(blocks) == 1:  # the whole input (every realistic shape): no views to make
+            kernel(q, kv, indices, scale, sink, dv, out=out, lse=lse, decode=s == 1)
+            return out, lse
+        for b0, b1, s0, s1 in blocks:
             blk = (slice(b0, b1), slice(s0, s1))
             # generation steps are the whole input's one-query rows, never a one-row tail block of a long one
             kernel(q[blk], kv[b0:b1], indices[blk], scale, sink, dv, out=out[blk], lse=lse[blk], decode=s == 1)
