@@ -63,3 +63,19 @@ def test_bench_hf_decode_smoke(capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("smoke B")]
     assert any("eager_static" in line for line in lines) and any("sdpa" in line for line in lines)
     assert all(line.rstrip().endswith("diff 0") for line in lines if "dsa_tilelang" in line), lines
+
+
+def test_demo_verdict_does_not_compare_a_model_whose_eager_baseline_fails(capsys):
+    """transformers 5.17 cannot run DeepSeek-V4's own eager path in bf16 (loaded with dtype=bfloat16, a float
+    input meets a bf16 weight): that row is reported as not compared, never as a match or a mismatch; with
+    nothing compared at all the demo fails."""
+    from dsa_plugins.demo import _verdict
+
+    good = dict(model="GLM-5", max_logit_diff=0.0, logit_scale=1.0, tokens_equal=True, divergence_gap=0.0,
+                finite=True, time_dsa=0.1, time_eager=0.1)
+    skipped = dict(model="DeepSeek-V4", skipped="transformers 5.17's own eager bfloat16 forward fails: RuntimeError")
+    assert _verdict(dict(rows=[good, skipped], autoloaded=True), gpu=True) == (True, [
+        "DeepSeek-V4 (transformers 5.17's own eager bfloat16 forward fails: RuntimeError)"])
+    assert _verdict(dict(rows=[skipped], autoloaded=True), gpu=True)[0] is False
+    assert _verdict(dict(rows=[dict(good, max_logit_diff=1.0)], autoloaded=True), gpu=True)[0] is False
+    assert "no model could be compared" in capsys.readouterr().err
