@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
+import re
 import sys
 import time
 import warnings
@@ -85,10 +86,12 @@ def _busy(device, seconds: float = 0.3) -> None:
         torch.cuda.synchronize()
 
 
-def decode_steps(model, mode: str, batch: int, context: int, steps: int, device, dtype):
-    """(ms per step, peak GiB, last hidden state of the first step)."""
+def decode_steps(model, mode: str, batch: int, context: int, steps: int, device, dtype, profile: bool = False):
+    """(ms per step, peak GiB, last hidden state of the first step). ``profile``: after the timed
+    steps, print where the host time of 20 more goes (cProfile, by cumulative time) and the torch
+    operators and kernel launches of one step (torch.profiler)."""
     warm = 3
-    cache = filled_cache(model, mode, batch, context, warm + steps + 2, device, dtype)
+    cache = filled_cache(model, mode, batch, context, warm + steps + (23 if profile else 2), device, dtype)
     forward = model.forward
     if mode == "compiled_static":
         torch._dynamo.reset()
@@ -117,8 +120,39 @@ def decode_steps(model, mode: str, batch: int, context: int, steps: int, device,
         if device.type == "cuda":
             torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1e3 / steps
+        if profile:
+            _print_profile(step, warm + steps, device)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
     return ms, peak, first
+
+
+def _print_profile(step, first: int, device) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(first, first + 20):
+        step(i)
+    prof.disable()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(60)
+    print("host time of 20 steps by cumulative time (cProfile):\n" + text.getvalue(), flush=True)
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as tp:
+        step(first + 20)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    events = tp.key_averages()
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                                                        "cudaLaunchKernelExC"))
+    print(f"one step: {launches} kernel launches", flush=True)
+    print(events.table(sort_by="self_cpu_time_total", row_limit=40), flush=True)
 
 
 def main(argv=None) -> int:
@@ -130,6 +164,10 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--layers", default="1", help="decoder layers, e.g. 1,4: the per-layer cost is the difference")
+    parser.add_argument("--providers", default="dsa_tilelang,sdpa")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the host-time profile of each eager case (cProfile, torch.profiler)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny dims, no result files")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
@@ -149,21 +187,30 @@ def main(argv=None) -> int:
     dtype = torch.float32 if args.smoke else torch.bfloat16
     env = env_info(device)
     model_type = DIMS[args.model][0]
-    cases = [(c, b, m, "dsa_tilelang") for c in contexts for b in batches for m in modes]
-    cases += [(c, 1, m, "sdpa") for c in sorted({contexts[0], contexts[-1]}) for m in modes if m != "eager_dynamic"]
+    depths = [int(n) for n in args.layers.split(",")]
+    providers = args.providers.split(",")
+    cases = []
+    for layers in depths:
+        if "dsa_tilelang" in providers:
+            cases += [(c, b, m, "dsa_tilelang", layers) for c in contexts for b in batches for m in modes]
+        if "sdpa" in providers:
+            cases += [(c, 1, m, "sdpa", layers) for c in sorted({contexts[0], contexts[-1]}) for m in modes
+                      if m != "eager_dynamic"]
     rows, models, firsts = [], {}, {}
-    for context, batch, mode, provider in cases:
-        shape = f"{'smoke' if args.smoke else args.model} B{batch} ctx{context}"
+    for context, batch, mode, provider, layers in cases:
+        depth = f" L{layers}" if layers != 1 else ""
+        shape = f"{'smoke' if args.smoke else args.model}{depth} B{batch} ctx{context}"
         row = {"op": f"hf_{model_type}_decode", "mode": mode, "shape": shape, "provider": provider, **env}
         try:
-            if provider not in models:
+            if (provider, layers) not in models:
                 models.clear()
-                model, _ = build_layer(args.model, provider, args.smoke, device, dtype)
-                models[provider] = model.eval()
-            ms, peak, first = decode_steps(models[provider], mode, batch, context, 2 if args.smoke else args.steps,
-                                           device, dtype)
+                model, _ = build_layer(args.model, provider, args.smoke, device, dtype, layers=layers)
+                models[provider, layers] = model.eval()
+            ms, peak, first = decode_steps(models[provider, layers], mode, batch, context,
+                                           2 if args.smoke else args.steps, device, dtype,
+                                           profile=args.profile and mode != "compiled_static")
             row.update(median_ms=ms, tokens_per_s=batch / ms * 1e3, peak_gib=peak)
-            ref = firsts.setdefault((context, batch, provider), first)
+            ref = firsts.setdefault((context, batch, provider, layers), first)
             row["max_diff_vs_first_mode"] = float((first - ref).abs().max())
             print(f"{shape:<28} {provider:<13} {mode:<16} {ms:8.3f} ms/step  {batch / ms * 1e3:9.0f} tok/s  "
                   f"peak {peak:6.2f} GiB  diff {row['max_diff_vs_first_mode']:.3g}", flush=True)
@@ -176,7 +223,7 @@ def main(argv=None) -> int:
         rows.append(row)
     for row in rows:  # B > 1: tokens/s over B 1's, same context and mode
         one = [r for r in rows if r["provider"] == row["provider"] and r["mode"] == row["mode"]
-               and r["shape"] == row["shape"].replace(row["shape"].split()[1], "B1") and "tokens_per_s" in r]
+               and r["shape"] == re.sub(r"\bB\d+\b", "B1", row["shape"]) and "tokens_per_s" in r]
         if one and "tokens_per_s" in row and row is not one[0]:
             row["throughput_vs_B1"] = row["tokens_per_s"] / one[0]["tokens_per_s"]
     if not args.smoke:

@@ -63,8 +63,8 @@ _ONE_LAYER = {
 }
 
 
-def build_layer(model: str, provider: str, smoke: bool, device, dtype):
-    """The base model (no LM head) with one decoder layer, random weights."""
+def build_layer(model: str, provider: str, smoke: bool, device, dtype, layers: int = 1):
+    """The base model (no LM head) with ``layers`` decoder layers (default one), random weights."""
     import transformers
 
     from dsa_plugins.adapters.hf import tiny
@@ -72,6 +72,9 @@ def build_layer(model: str, provider: str, smoke: bool, device, dtype):
     model_type, dims = DIMS[model]
     kwargs = dict(tiny.SPECS[model_type][2])  # small vocab, ids, rope defaults of the tiny config
     kwargs.update(_ONE_LAYER[model_type])
+    if layers != 1:  # the same layer repeated (per-layer costs as the difference of two depths)
+        kwargs.update({k: v * layers if isinstance(v, list) else layers if k == "num_hidden_layers" else v
+                       for k, v in _ONE_LAYER[model_type].items()})
     if not smoke:
         kwargs.update(dims)
     kwargs["max_position_embeddings"] = 1 << 18
