@@ -182,6 +182,9 @@ def _batched_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, b
         check_tensor(name, t, ndim=(1, 2), dtypes=INDEX_DTYPES, device=device, shape={-1: s}, unit_stride=False)
         if t.dim() == 2:
             check_tensor(name, t, shape={0: b})
+    if check_indices_enabled():  # the opt-in strict mode: windows outside the entry's keys are an error, any batch
+        for name, t in (("key_start", key_start), ("key_end", key_end)):
+            check_index_range(name, t, tk + 1)
     if b == 1:  # one entry: its windows are already rows of the packed keys (clamped by the callee)
         base = None
         start, end = key_start.reshape(s), key_end.reshape(s)

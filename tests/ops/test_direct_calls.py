@@ -82,6 +82,16 @@ def test_indexer_topk_eager_equals_the_custom_op(b):
     assert bool((got[:, 1] == -1).all())  # the reversed window holds no key
 
 
+@pytest.mark.parametrize("b", [1, 3])
+def test_batched_windows_outside_the_keys_are_refused_in_strict_mode_whatever_the_batch(b, monkeypatch):
+    iq, ik, w = _indexer_inputs(b=b, seed=b)
+    start = torch.zeros(b, 2, dtype=torch.int64)
+    end = torch.full((b, 2), ik.shape[1] + 1)
+    monkeypatch.setenv("DSA_PLUGINS_CHECK_INDICES", "1")
+    with pytest.raises(ValueError, match="key_end"):
+        ops.indexer_topk(iq, ik, w, 6, start, end)
+
+
 def test_ops_still_trace_as_custom_ops():
     q, kv, idx = _attention_inputs(b=1, s=1)
     with FakeTensorMode() as mode:
