@@ -4,6 +4,7 @@ and with transformers' static cache under ``torch.compile`` (CUDA graphs).
     python benchmarks/bench_hf_decode.py                                 # GPU, GLM-5 dims, B 1 and 32
     python benchmarks/bench_hf_decode.py --model deepseek_v32 --contexts 4096,65536 --batches 1,32
     python benchmarks/bench_hf_decode.py --smoke                         # CPU, tiny dims, seconds
+    python benchmarks/bench_hf_decode.py --modes eager_static --layers 1,4 --profile   # eager cost per layer
 
 Model: the base model of ``bench_hf_layer.py`` (one decoder layer, small dense MLP, vocab 128, no LM
 head: the time is the layer's), bf16, eval. The cache is filled with random latents and indexer keys
@@ -14,6 +15,11 @@ a decode step's work), then one token per sequence is decoded per step. Modes:
 * ``eager_static``: ``StaticCache`` (fixed buffers), no compile;
 * ``compiled_static``: ``StaticCache`` and ``torch.compile(mode="reduce-overhead", fullgraph=True)``,
   what ``generate(..., cache_implementation="static")`` runs for its decode steps on a GPU.
+
+``--layers 1,4`` also builds a 4-layer model (the same layer repeated): an eager step's cost per layer is the
+difference divided by 3 (a 1-layer step also pays the model's own per-step Python). ``--profile`` prints, for
+each eager case, cProfile's cumulative host time of 20 more steps and torch.profiler's operators and kernel
+launches of one (``profile_hf_decode_host.py`` times our functions one by one).
 
 Rows (ms per step = per layer-token at B 1; tokens/s = B / step time; peak memory) go to
 ``benchmarks/results/hf_decode_<model>.{csv,md}``. sdpa (transformers' own path) runs at B 1, at the

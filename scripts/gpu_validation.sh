@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # GPU validation on the lent Hopper machine: install, doctor, every GPU test, benchmarks.
-# Usage (device): source .devbundle/setup.sh && bash scripts/gpu_validation.sh tests|bench|all|bwd
-# (bwd: the backward's GPU tests and its deterministic modes timed beside the default, in one call)
+# Usage (device): source .devbundle/setup.sh && bash scripts/gpu_validation.sh tests|bench|all|bwd|hf
+# (bwd: the backward's GPU tests and its deterministic modes timed beside the default, in one call;
+#  hf: the HF and ops GPU tests, then generation steps per layer, eager and compiled, and the eager host profile)
 # Logs and results go to $OUT (or ./gpu_out).
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
 what="${1:-all}"
-case $what in tests|bench|all|bwd) ;; *) echo "usage: $0 tests|bench|all|bwd" >&2; exit 2 ;; esac
+case $what in tests|bench|all|bwd|hf) ;; *) echo "usage: $0 tests|bench|all|bwd|hf" >&2; exit 2 ;; esac
 python -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 python -m dsa_plugins doctor 2>&1 | tee "$OUT/doctor.txt"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >>"$OUT/doctor.txt" 2>&1
@@ -34,4 +35,15 @@ if [ "$what" = bwd ]; then
   timeout "${BENCH_TIMEOUT:-240}" python benchmarks/kernels/bench_sparse_attention_bwd.py --det \
     --shapes mla_h64,mla_h128,v4_h128_sink,mla_h64_causal --variants "$det" --csv "$OUT/bwd_det.csv" \
     2>&1 | tee "$OUT/bwd_det.log" | grep "|"
+fi
+if [ "$what" = hf ]; then
+  timeout "${TEST_TIMEOUT:-300}" python -m pytest -q -p no:cacheprovider -n "${WORKERS:-10}" -rfE \
+    tests/ops/test_ops_gpu.py tests/kernels/test_indexer_gpu.py tests/adapters/hf 2>&1 | tee "$OUT/hf_tests.log" | tail -n 8
+  # eager: per layer from two depths (B 1); compiled (CUDA graphs): one layer, B 1 and 32
+  timeout "${BENCH_TIMEOUT:-240}" python benchmarks/bench_hf_decode.py --contexts 4096,131072 --batches 1 \
+    --modes eager_static,eager_dynamic --layers 1,4 --steps 40 --out "$OUT/eager" 2>&1 | tee "$OUT/hf_decode_eager.log" \
+    | grep -E "ms/step|Error"
+  timeout "${BENCH_TIMEOUT:-240}" python benchmarks/bench_hf_decode.py --contexts 131072,4096,65536 --batches 1,32 \
+    --modes compiled_static --steps 60 --out "$OUT" 2>&1 | tee "$OUT/hf_decode.log" | grep -E "ms/step|Error"
+  timeout 120 python benchmarks/profile_hf_decode_host.py 2>&1 | tee "$OUT/hf_eager_host.log" | tail -n 16
 fi
