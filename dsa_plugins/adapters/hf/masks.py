@@ -97,6 +97,7 @@ class LazyMask:
         self.device = torch.device(device)
         self._dense: torch.Tensor | None = None
         self._windows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._local_padding: torch.Tensor | None = None
 
     # tensor-like surface used by model code
     @property
@@ -142,11 +143,13 @@ class LazyMask:
         """The 2D padding mask over this mask's key columns, [B, T] bool (None: no padding)."""
         if self.padding is None:
             return None
-        pad = self.padding.to(self.device).bool()
-        need = self.kv_offset + self.kv_length
-        if pad.shape[-1] < need:  # keys past the 2D mask are masked, as transformers does
-            pad = torch.nn.functional.pad(pad, (0, need - pad.shape[-1]), value=False)
-        return pad[:, self.kv_offset : need]
+        if self._local_padding is None:  # one mask serves every layer of a forward: converted once
+            pad = self.padding.to(self.device).bool()
+            need = self.kv_offset + self.kv_length
+            if pad.shape[-1] < need:  # keys past the 2D mask are masked, as transformers does
+                pad = torch.nn.functional.pad(pad, (0, need - pad.shape[-1]), value=False)
+            self._local_padding = pad[:, self.kv_offset : need]
+        return self._local_padding
 
     def dense(self) -> torch.Tensor:
         """The boolean [B, 1, S, T] mask (True = may attend)."""
@@ -206,22 +209,24 @@ class LazyMask:
         return bool((after_first & ~pad).any())
 
     def allowed(self, idx: torch.Tensor) -> torch.Tensor:
-        """Whether key columns ``idx`` [B, S, k] are allowed for their query rows (bool [B, S, k])."""
+        """Whether key columns ``idx`` [B, S, k] (any integer dtype) are allowed for their query rows
+        (bool [B, S, k])."""
         T = self.kv_length
-        idx = idx.long()
-        in_range = (idx >= 0) & (idx < T)
-        safe = idx.clamp(0, max(T - 1, 0))
         if T == 0:
-            return torch.zeros_like(in_range)
+            return torch.zeros(idx.shape, dtype=torch.bool, device=idx.device)
         if self.is_simple:
             start, end = self.windows()
-            ok = in_range & (idx >= start[..., None]) & (idx < end[..., None])
+            # inside the row's window, which lies in [0, T]: in range too (a generation step with padding
+            # asks this every step: three launches, not eight)
+            ok = (idx >= start[..., None]) & (idx < end[..., None])
             pad = self.local_padding()
             if pad is not None:
                 B = idx.shape[0]
+                safe = idx.clamp(0, T - 1).long()
                 ok &= pad.gather(1, safe.reshape(B, -1)).view_as(idx)
             return ok
-        return in_range & self.dense()[:, 0].gather(-1, safe)
+        safe = idx.clamp(0, T - 1).long()
+        return (idx >= 0) & (idx < T) & self.dense()[:, 0].gather(-1, safe)
 
 
 class DenseMask(LazyMask):
@@ -263,9 +268,8 @@ def dsa_mask(batch_size: int, q_length: int, kv_length: int, **kwargs) -> LazyMa
 
 
 def mask_indices(indices: torch.Tensor, mask: LazyMask) -> torch.Tensor:
-    """Map indices the mask forbids to -1 (int32 out)."""
-    idx = indices.long()
-    return torch.where(mask.allowed(idx), idx, torch.full_like(idx, -1)).to(torch.int32)
+    """Map indices the mask forbids to -1 (int32 out; an allowed index is below kv_length, so it fits)."""
+    return torch.where(mask.allowed(indices), indices, -1).to(torch.int32)
 
 
 class TopkSelection:

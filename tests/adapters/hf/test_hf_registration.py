@@ -212,6 +212,10 @@ def test_lazy_mask_matches_dense(case):
     idx = torch.randint(-2, T + 2, (B, S, 5))
     want = torch.where((idx >= 0) & (idx < T) & dense.gather(-1, idx.clamp(0, T - 1)), idx, -1)
     assert torch.equal(mask_indices(idx, lazy).long(), want)
+    assert torch.equal(mask_indices(idx.int(), lazy).long(), want)  # int32 in, same answer
+    huge = idx.clone()
+    huge[..., 0] = 2**40 + 1  # an int64 column that would wrap onto a valid int32 one
+    assert bool((mask_indices(huge, lazy)[..., 0] == -1).all())
 
 
 def test_tiny_configs_spell_indexed_layers_as_the_installed_transformers_does(monkeypatch):

@@ -129,7 +129,7 @@ def v4_attention(module, query, key, value, attention_mask, scaling, s_aux=None,
     pos = mask.query_positions()
     cand = (pos - mask.kv_offset)[:, None] - torch.arange(W - 1, -1, -1, device=query.device)
     cand = cand.expand(B, S, W)
-    parts = [torch.where(mask.allowed(cand), cand, torch.full_like(cand, -1)).to(torch.int32)]
+    parts = [torch.where(mask.allowed(cand), cand, -1).to(torch.int32)]
     comp = getattr(module, "compressor", None)
     if comp is not None and Tc > 0:
         indexer = getattr(comp, "indexer", None)
