@@ -71,10 +71,9 @@ def build_layer(model: str, provider: str, smoke: bool, device, dtype, layers: i
 
     model_type, dims = DIMS[model]
     kwargs = dict(tiny.SPECS[model_type][2])  # small vocab, ids, rope defaults of the tiny config
-    kwargs.update(_ONE_LAYER[model_type])
-    if layers != 1:  # the same layer repeated (per-layer costs as the difference of two depths)
-        kwargs.update({k: v * layers if isinstance(v, list) else layers if k == "num_hidden_layers" else v
-                       for k, v in _ONE_LAYER[model_type].items()})
+    one = _ONE_LAYER[model_type]
+    # ``layers`` copies of the one layer (per-layer costs as the difference of two depths)
+    kwargs.update(one, num_hidden_layers=layers, **{k: v * layers for k, v in one.items() if isinstance(v, list)})
     if not smoke:
         kwargs.update(dims)
     kwargs["max_position_embeddings"] = 1 << 18

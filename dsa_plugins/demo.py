@@ -45,18 +45,18 @@ _CHILD = textwrap.dedent(
         result, times = {}, {}
         for impl in ("eager", "dsa_tilelang"):
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=impl).to(device).eval()
-            if impl == "eager":
-                try:  # the baseline itself: some transformers releases cannot run a model in this dtype
-                    with torch.no_grad():
-                        model(ids, attention_mask=mask)
+            assert model.config._attn_implementation == impl
+            with torch.no_grad():
+                try:
+                    model(ids, attention_mask=mask)  # warm-up (first-call costs, kernel compilation)
                 except Exception as exc:
+                    if impl != "eager":
+                        raise
+                    # the baseline itself: some transformers releases cannot run a model in this dtype
                     import transformers
                     rows.append(dict(model=name, skipped=f"transformers {transformers.__version__}'s own eager "
                                      f"{spec['dtype']} forward fails: {type(exc).__name__}: {str(exc)[:120]}"))
                     break
-            assert model.config._attn_implementation == impl
-            with torch.no_grad():
-                model(ids, attention_mask=mask)  # warm-up (first-call costs, kernel compilation)
                 if device == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()

@@ -95,10 +95,12 @@ def quantize_indexer_fp8(index_q: Tensor, index_k: Tensor, weights: Tensor) -> t
     return q8, k8, k_scale, (weights.float() * q_scale).contiguous()
 
 
-def _check_windows(key_start, key_end, tq: int, tk: int, device) -> tuple[Tensor, Tensor]:
+def _check_windows(key_start, key_end, tq: int, tk: int, device, range_checked: bool = False) -> tuple[Tensor, Tensor]:
+    """``range_checked``: the caller has range-checked the windows already (the batched layout, in its entries'
+    own columns): no second check, and no second host sync."""
     for name, t in (("key_start", key_start), ("key_end", key_end)):
         check_tensor(name, t, ndim=1, dtypes=INDEX_DTYPES, device=device, shape={0: tq}, unit_stride=False)
-    if check_indices_enabled():
+    if check_indices_enabled() and not range_checked:
         check_index_range("key_start", key_start, tk + 1)
         check_index_range("key_end", key_end, tk + 1)
     return key_start.to(torch.int32).contiguous(), key_end.to(torch.int32).contiguous()
@@ -160,7 +162,8 @@ def _packed_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, ba
     topk = int(topk)
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
-    key_start, key_end = _check_windows(key_start, key_end, tq, index_k.shape[0], device)
+    key_start, key_end = _check_windows(key_start, key_end, tq, index_k.shape[0], device,
+                                        range_checked=entries != (0, 0))
     weights = weights.float() if weights.dtype != torch.float64 else weights
     args = (index_q.contiguous(), index_k.contiguous(), weights.contiguous(), key_start, key_end, topk,
             resolve_backend(backend), index_k_scale, *entries)
