@@ -49,7 +49,8 @@ def test_ab_script_parses_and_lists_its_shapes(monkeypatch, capsys):
 @pytest.mark.slow
 def test_cluster_gather_probe_compiles_for_sm90a():
     """The probe of two CTAs sharing a gather compiles in its three modes; "share" forwards each half to
-    the peer with bulk SM-to-SM copies and keeps the cluster together until both CTAs are done."""
+    the peer with bulk SM-to-SM copies and keeps the cluster together until both CTAs are done. Deeper
+    pipelines with a hold per stage compile too (the decode's gather floor)."""
     pytest.importorskip("tilelang")
     probe = _load("probe_cluster_gather")
     sources = {mode: probe.build(576, mode, target={"kind": "cuda", "arch": "sm_90a"}).get_kernel_source()
@@ -58,6 +59,10 @@ def test_cluster_gather_probe_compiles_for_sm90a():
     assert "tma_store_cluster" in sources["share"] and sources["share"].count("tl::cluster_sync()") == 2
     assert "tma_store_cluster" not in sources["alone"] and "cluster_sync" not in sources["alone"]
     assert "ready[0].init(137)" in sources["share"] and "ready[0].init(256)" in sources["alone_cluster"]
+    # the decode floor's pipelines: more stages of fewer rows, consumers that hold each stage
+    deep = probe.build(576, "alone", target={"kind": "cuda", "arch": "sm_90a"}, distinct=True, stages=4, block=32,
+                       hold_ns=800).get_kernel_source()
+    assert "ready[3].init(256)" in deep and "ready[4]" not in deep and "dsa_hold(800)" in deep
 
 
 @pytest.mark.parametrize("fine", [False, True], ids=["phases", "fine"])

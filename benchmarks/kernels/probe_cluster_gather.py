@@ -15,7 +15,15 @@ stage, read it and release it. Three modes, timed on the same indices:
   is ready when the CTA's own rows and the peer's bytes have landed, and free when both CTAs' consumers
   have released it.
 
-Printed: ms per launch and GB/s of rows delivered into shared memory (both CTAs count the full 64 rows).
+Printed: time per launch and GB/s of rows delivered into shared memory (both CTAs count the full 64 rows).
+
+The same probe gives a generation step's floor (``attention_decode.md``): ``--segments`` gives each index row
+a cache of its own (HBM-sized, as one cache per sequence), ``--variants 2x64,3x64@1600,...`` tries pipelines of
+more or fewer stages whose consumers hold each one for a while (a stand-in for the MMAs), ``--flush`` evicts
+L2 before each launch. E.g. GLM-5's step at B 64 (two CTAs per row of 2048 slots)::
+
+    python benchmarks/kernels/probe_cluster_gather.py --modes alone --rows 64 --topk 1024 --distinct \
+        --segments 64 --keys 32768 --variants 2x64,2x64@1600,3x64
 If ``share`` delivers well above ``alone``, the forward at H 128 can be rebuilt around it; if not, the
 gather-then-forward latency or the SM-to-SM path is the limit. Compiled on the CPU by the test suite
 (``tests/test_forward_tools.py``); written before it could run on a GPU.
@@ -31,18 +39,34 @@ MODES = ("alone", "alone_cluster", "share")
 _BLOCK = 64  # rows per stage (the forward's block_k)
 _PIECE = 2048  # bf16 elements per forwarded piece (4 KB, a 32-row half of one 64-column chunk in the forward)
 
+# the consumers' stand-in for their MMAs (hold_ns): spin on the global timer
+_HOLD_PRELUDE = r"""
+__device__ __forceinline__ int dsa_hold(int ns) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < (unsigned long long)ns);
+  return 0;
+}
+"""
 
-def probe_program(dim: int, mode: str, distinct: bool = False):
+
+def probe_program(dim: int, mode: str, distinct: bool = False, stages: int = 2, block: int = _BLOCK,
+                  hold_ns: int = 0):
     """The TileLang program of one mode: (KV [N, dim] bf16, Idx [R, KP] int32, Out [R, 2] fp32), grid 2 R.
     ``distinct`` (not with "share"): the two CTAs of a pair gather different index rows (Idx [2 R, KP],
-    CTA b reads row b), to tell co-scheduling by itself from two SMs fetching the same rows at once."""
+    CTA b reads row b), to tell co-scheduling by itself from two SMs fetching the same rows at once.
+    ``stages`` buffers of ``block`` rows each ("alone" modes; the forward: 2 x 64); ``hold_ns``: the consumers
+    keep each stage that long before freeing it (a stand-in for the forward's MMAs on it)."""
     assert not (distinct and mode == "share"), "share needs both CTAs on the same rows"
+    assert mode != "share" or (stages, block) == (2, _BLOCK), "share is written for 2 stages of 64 rows"
+    assert block % 16 == 0 and stages >= 2
     import tilelang.cuda.language as TC
     import tilelang.language as T
 
     share = mode == "share"
     cluster = mode != "alone"
-    own = _BLOCK // 2 if share else _BLOCK  # rows each CTA gathers per block
+    own = _BLOCK // 2 if share else block  # rows each CTA gathers per block
+    stage_ids = tuple(range(stages))
     passes = tuple(range(own // 16))  # 16 rows per pass: 8 threads x 16 bytes per row piece
     chunks = tuple(range(dim // 64))
     pieces = tuple(range((_BLOCK // 2) * dim // _PIECE))
@@ -52,15 +76,16 @@ def probe_program(dim: int, mode: str, distinct: bool = False):
     @T.prim_func
     def probe(KV: T.Tensor([N, dim], bf16), Idx: T.Tensor([RI, KP], i32),
               Out: T.Tensor([R, 2], f32)):
-        with T.Kernel(2 * R, threads=256, cluster_dims=2 if cluster else 1) as bx:
-            stages = [T.alloc_shared([_BLOCK * dim], bf16), T.alloc_shared([_BLOCK * dim], bf16)]
+        with T.Kernel(2 * R, threads=256, cluster_dims=2 if cluster else 1,
+                      prelude=_HOLD_PRELUDE if hold_ns else None) as bx:
+            bufs = [T.alloc_shared([block * dim], bf16) for _ in stage_ids]
             # ready: own producer arrivals (cp.async-tracked and explicit: 2 x 128), or in "share" 128 explicit
             # arrivals after the rows landed plus one remote arrive.expect_tx per forwarded piece
             # (barriers a peer can reach only where the launch has clusters, as in the forward otherwise)
             alloc = T.alloc_cluster_barrier if cluster else T.alloc_barrier
-            ready = alloc([128 + len(pieces) if share else 256] * 2)
+            ready = alloc([128 + len(pieces) if share else 256] * stages)
             # free: the own consumers, and in "share" the peer's consumers too (they receive our rows)
-            free = alloc([2 if share else 1] * 2)
+            free = alloc([2 if share else 1] * stages)
             idx_reg = T.alloc_local([len(passes)], i32)
             acc = T.alloc_local([1], f32)
             tx = T.get_thread_binding()
@@ -68,20 +93,20 @@ def probe_program(dim: int, mode: str, distinct: bool = False):
             row = bx // 2
             idx_row = T.min(bx, RI - 1) if distinct else T.min(row, RI - 1)  # (RI named in the body: annotations resolve through it)
             first = rank * (_BLOCK // 2) if share else 0  # this CTA's rows of each block
-            n_trips = KP // (2 * _BLOCK)
+            n_trips = KP // (stages * block)
             if tx < 128:
                 lane = tx % 8
                 for t in T.serial(n_trips):
-                    for st in (0, 1):
+                    for st in stage_ids:
                         T.mbarrier_wait_parity(free[st], (t & 1) ^ 1)
                         for r in passes:
-                            idx_reg[r] = Idx[idx_row, (2 * t + st) * _BLOCK + first + r * 16 + tx // 8]
+                            idx_reg[r] = Idx[idx_row, (stages * t + st) * block + first + r * 16 + tx // 8]
                         for r in passes:
                             ok = (idx_reg[r] >= 0) and (idx_reg[r] < N)
                             src = T.if_then_else(ok, idx_reg[r], 0)
                             for c in chunks:
                                 col = c * 64 + lane * 8
-                                T.ptx_cp_async(T.access_ptr(stages[st][(first + r * 16 + tx // 8) * dim + col], "w", 8),
+                                T.ptx_cp_async(T.access_ptr(bufs[st][(first + r * 16 + tx // 8) * dim + col], "w", 8),
                                                T.access_ptr(KV[src, col], "r", 8), 8, ok)
                         T.ptx_commit_group()
                         if share:
@@ -94,7 +119,7 @@ def probe_program(dim: int, mode: str, distinct: bool = False):
                             if tx == 0:
                                 for p in pieces:
                                     lo = first * dim + p * _PIECE
-                                    T.copy_cluster(stages[st][lo : lo + _PIECE], stages[st][lo : lo + _PIECE],
+                                    T.copy_cluster(bufs[st][lo : lo + _PIECE], bufs[st][lo : lo + _PIECE],
                                                    dst_block=1 - rank, remote_barrier=ready[st])
                         else:
                             T.cp_async_barrier_noinc(ready[st])
@@ -102,10 +127,13 @@ def probe_program(dim: int, mode: str, distinct: bool = False):
             else:
                 acc[0] = 0.0
                 for t in T.serial(n_trips):
-                    for st in (0, 1):
+                    for st in stage_ids:
                         T.mbarrier_wait_parity(ready[st], t & 1)
                         # read one element of every row (the forward's MMAs read them all)
-                        acc[0] += T.cast(stages[st][((tx - 128) % _BLOCK) * dim + (tx - 128) // _BLOCK], f32)
+                        acc[0] += T.cast(bufs[st][((tx - 128) % block) * dim + (tx - 128) // block], f32)
+                        if hold_ns:
+                            if tx == 128:
+                                T.evaluate(T.call_extern("int32", "dsa_hold", hold_ns))
                         T.sync_threads(14, 128)
                         if tx == 128:
                             T.barrier_arrive(free[st])
@@ -119,10 +147,12 @@ def probe_program(dim: int, mode: str, distinct: bool = False):
     return probe
 
 
-def build(dim: int, mode: str, target="auto", distinct: bool = False):
+def build(dim: int, mode: str, target="auto", distinct: bool = False, stages: int = 2, block: int = _BLOCK,
+          hold_ns: int = 0):
     import tilelang
 
-    return tilelang.jit(target=target, compile_flags=["-O3", "-DNDEBUG"])(probe_program)(dim, mode, distinct)
+    return tilelang.jit(target=target, compile_flags=["-O3", "-DNDEBUG"])(probe_program)(
+        dim, mode, distinct, stages, block, hold_ns)
 
 
 def main(argv=None) -> int:
@@ -133,19 +163,42 @@ def main(argv=None) -> int:
     ap.add_argument("--keys", type=int, default=8192, help="kv rows to pick from")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--distinct", action="store_true", help="the CTAs of a pair gather different rows (alone modes)")
+    ap.add_argument("--stages", type=int, default=2, help="stage buffers (alone modes)")
+    ap.add_argument("--block", type=int, default=_BLOCK, help="rows per stage (a multiple of 16; alone modes)")
+    ap.add_argument("--hold-ns", type=int, default=0, help="the consumers hold each stage this long (MMA stand-in)")
+    ap.add_argument("--segments", type=int, default=1,
+                    help="a cache of --keys rows per segment; index row i picks from segment i %% segments "
+                         "(a generation step: one cache per sequence, HBM-sized)")
+    ap.add_argument("--flush", action="store_true", help="evict L2 (a 256 MB write) before every timed launch")
+    ap.add_argument("--variants", default=None,
+                    help="alone modes only: several pipelines in one process, 'STAGESxBLOCK[@HOLD_NS],...' "
+                         "(overrides --stages, --block, --hold-ns)")
     args = ap.parse_args(argv)
     import torch
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    kv = torch.randn(args.keys, args.dim, device="cuda", generator=g).bfloat16()
-    idx = torch.rand(args.rows * (2 if args.distinct else 1), args.keys, device="cuda", generator=g).topk(args.topk, dim=-1).indices.int()
+    kv = torch.randn(args.keys * args.segments, args.dim, device="cuda", generator=g).bfloat16()
+    n_idx = args.rows * (2 if args.distinct else 1)
+    idx = torch.rand(n_idx, args.keys, device="cuda", generator=g).topk(args.topk, dim=-1).indices.int()
+    idx += (torch.arange(n_idx, device="cuda", dtype=torch.int32) % args.segments).mul(args.keys)[:, None]
     out = torch.empty(args.rows, 2, device="cuda")
     delivered = 2 * args.rows * args.topk * args.dim * 2  # bytes landing in shared memory, both CTAs
+    distinct_bytes = n_idx * args.topk * args.dim * 2  # distinct rows read (both CTAs of a pair read one set unless --distinct)
+    scrub = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if args.flush else None
+    pipelines = [(args.stages, args.block, args.hold_ns)]
+    if args.variants:
+        pipelines = []
+        for v in args.variants.split(","):
+            shape, _, hold = v.partition("@")
+            st, _, blk = shape.partition("x")
+            pipelines.append((int(st), int(blk), int(hold or 0)))
     sums = {}
-    for mode in args.modes.split(","):
+    for mode, (stages, block, hold_ns) in ((m, p) for m in args.modes.split(",") for p in pipelines):
         if args.distinct and mode == "share":
             continue
-        kernel = build(args.dim, mode, distinct=args.distinct)
+        if mode == "share" and (stages, block) != (2, _BLOCK):
+            continue
+        kernel = build(args.dim, mode, distinct=args.distinct, stages=stages, block=block, hold_ns=hold_ns)
         for _ in range(3):
             kernel(kv, idx, out)
         torch.cuda.synchronize()
@@ -153,6 +206,8 @@ def main(argv=None) -> int:
         times = []
         for _ in range(20):
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if scrub is not None:
+                scrub.fill_(1)
             start.record()
             kernel(kv, idx, out)
             stop.record()
@@ -160,8 +215,11 @@ def main(argv=None) -> int:
             times.append(start.elapsed_time(stop))
         ms = statistics.median(times)
         same = "" if mode == "alone" or "alone" not in sums else f", same sums as alone: {torch.equal(out, sums['alone'])}"
-        print(f"{mode:14s} D{args.dim}{' distinct' if args.distinct else ''} rows {args.rows} k {args.topk}: {ms:.3f} ms, "
-              f"{delivered / ms / 1e6:.0f} GB/s into shared memory{same}", flush=True)
+        print(f"{mode:14s} D{args.dim}{' distinct' if args.distinct else ''} rows {args.rows} k {args.topk} "
+              f"stages {stages}x{block} hold {hold_ns} ns segments {args.segments}x{args.keys}"
+              f"{' flushed' if args.flush else ''}: "
+              f"{ms * 1e3:.1f} us, {delivered / ms / 1e6:.0f} GB/s into shared memory, "
+              f"{distinct_bytes / ms / 1e6:.0f} GB/s of distinct rows{same}", flush=True)
     return 0
 
 
