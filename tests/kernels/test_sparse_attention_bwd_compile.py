@@ -692,3 +692,82 @@ def test_deterministic_env_names_the_mode(monkeypatch, caplog):
         bwd._normalise_config(ws)
     monkeypatch.setenv("DSA_PLUGINS_DETERMINISTIC", "off")
     assert not settings.deterministic_enabled() and settings.deterministic_mode() is None
+
+
+def test_det_overlap_sms_setting_and_its_fallback(monkeypatch, caplog):
+    """det_overlap_sms: off by default, a whole number of SMs from the config or the environment; where the SMs
+    cannot be split (here: no GPU driver) the chunks run one after the other and a warning says so once."""
+    from dsa_plugins.kernels import sm_partition
+
+    cfg = {"heads": 64, "dqk": 576, "dv": 512}
+    assert bwd._normalise_config(cfg)["det_overlap_sms"] == 0
+    assert bwd._normalise_config({**cfg, "det_overlap_sms": 24})["det_overlap_sms"] == 24
+    monkeypatch.setenv("DSA_PLUGINS_BWD_DET_OVERLAP_SMS", "16")
+    assert bwd._normalise_config(cfg)["det_overlap_sms"] == 16
+    assert bwd._normalise_config({**cfg, "det_overlap_sms": 0})["det_overlap_sms"] == 0  # the config wins
+    for bad in (-8, "many"):
+        with pytest.raises(ValueError, match="det_overlap_sms"):
+            bwd._normalise_config({**cfg, "det_overlap_sms": bad})
+
+    def unavailable(device, small):
+        raise sm_partition.PartitionUnavailable("no driver here")
+
+    monkeypatch.setattr(bwd, "split_streams", unavailable)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    on = bwd._normalise_config({**cfg, "det_overlap_sms": 16})
+    cuda = torch.device("cuda", 0)
+    assert bwd._overlap_partition(bwd._normalise_config({**cfg, "det_overlap_sms": 0}), cuda, 4) is None  # off
+    assert bwd._overlap_partition(on, cuda, 1) is None  # one chunk: nothing to overlap
+    assert bwd._overlap_partition(on, torch.device("cpu"), 4) is None
+    with caplog.at_level(logging.WARNING, logger="dsa_plugins"):
+        assert bwd._overlap_partition(on, cuda, 4) is None
+    assert "det_overlap_sms=16" in caplog.text and "no driver here" in caplog.text
+
+
+def test_sm_partition_says_why_it_cannot_split(monkeypatch):
+    """Without a CUDA driver library the partition is refused with a reason, never a crash."""
+    import ctypes
+
+    from dsa_plugins.kernels import sm_partition
+
+    def no_library(name, *args, **kwargs):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_library)
+    monkeypatch.setattr(sm_partition, "_CACHE", {})
+    monkeypatch.setattr(sm_partition, "_DRIVER", None)
+    with pytest.raises(sm_partition.PartitionUnavailable, match="no CUDA driver library"):
+        sm_partition.split_streams(torch.device("cuda", 0), 16)
+    with pytest.raises(sm_partition.PartitionUnavailable, match="at least one SM"):
+        sm_partition.split_streams(torch.device("cuda", 0), 0)
+
+
+def test_det_reduce_ring_keys_and_settings(monkeypatch):
+    """det_reduce: "warps" by default (the program keys as before), "ring" appends its flag after perm."""
+    key = bwd._program_key
+    mla = {"heads": 64, "dqk": 576, "dv": 512, "has_sink": False, "dtype": "bfloat16"}
+    assert key(bwd._normalise_config(mla), "reduce") == ("reduce", (576, 1, "int16", 8, True))
+    assert key(bwd._normalise_config({**mla, "det_reduce": "ring"}), "reduce") == ("reduce", (576, 1, "int16", 8, True, True))
+    assert key(bwd._normalise_config({**mla, "det_reduce": "ring", "ws_dkv_perm": False}), "reduce") == \
+        ("reduce", (576, 1, "int16", 8, False, True))
+    monkeypatch.setenv("DSA_PLUGINS_BWD_DET_REDUCE", "ring")
+    assert bwd._normalise_config(mla)["det_reduce"] == "ring"
+    with pytest.raises(ValueError, match="det_reduce"):
+        bwd._normalise_config({**mla, "det_reduce": "tree"})
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
+@pytest.mark.parametrize("args", [(576, 1, "int16", 8, True), (576, 2, "int16", 8, False), (512, 1, "int16", 4, False),
+                                  (512, 2, "bfloat16", 8, False), (576, 1, "float32", 8, False), (128, 1, "float32", 8, False)],
+                         ids=lambda a: "-".join(map(str, a)))
+def test_ring_reduce_compiles_and_sums_in_the_warps_order(args):
+    """The ring reduce compiles for every contribution layout the backward stores, copies groups of rows with
+    cp.async three groups ahead, and keeps one sum per warp of the warps reduce (slot s into sum s % 4, added in
+    order from 0 at the end): the additions of the warps program."""
+    src = contrib_reduce.build_reduce(*args, ring=True, target=SM90A).get_kernel_source()
+    assert "cp_async_gs_conditional<16>" in src and "cp_async_wait<3>()" in src
+    assert ("cp_async_gs_conditional<8>" in src) == (args[2] == "int16")
+    # (j & 3 where a group holds 8 slots; j where it holds 4)
+    assert re.search(r"acc\[\(\(\(?j( & 3\))? \* \d+\) \+ k\)\]", src) or re.search(r"acc\[\(j & 3\)\]|acc\[j\]", src)
+    assert "total = (total + acc[" in src

@@ -970,3 +970,89 @@ def test_deterministic_backward_replays_under_a_cuda_graph(det_mode):
     torch.cuda.synchronize()
     for a, b in zip(eager, captured):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("det_reduce", ["warps", "ring"])
+@pytest.mark.parametrize("det_mode", ["contrib", "contrib_i16", "contrib_bf16"])
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3]], ids=lambda c: f"H{c[0]}-D{c[1]}")
+def test_det_overlap_gives_the_sequential_bits(monkeypatch, cfg, det_mode, det_reduce):
+    """det_overlap_sms: each chunk's reduce on a few SMs while the next chunk's main program runs on the others
+    (two contribution buffers) gives the bits of the chunks one after the other, with the head-summed
+    probabilities, over many chunks (a tiny budget) and 20 runs; so does the ring reduce (det_reduce "ring"),
+    overlapped or not: the same additions as the warps reduce."""
+    from dsa_plugins.kernels import sparse_attention_bwd as mod
+    from dsa_plugins.kernels.sm_partition import split_streams
+
+    part = split_streams(torch.device("cuda"), 16)
+    assert part.small_sms >= 16 and part.small_sms + part.large_sms <= torch.cuda.get_device_properties(0).multi_processor_count
+    case = (1, 57, 300, 130, "mixed", "normal")
+    _, Dqk, Dv, _, dtype = cfg
+    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=21)
+    out64, lse64, *_ = _reference(q, kv, idx, dout, sink, scale, Dv)
+    out, lse = out64.to(dtype), lse64.float()
+    monkeypatch.setattr(mod, "_DET_BUDGET_BYTES", 2 * 2 * 192 * Dqk * 4)  # a few query rows per chunk
+    kw = dict(sink=sink, dv=Dv, deterministic=True, return_probs=True)
+    sequential = mod.sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, **kw, config={"det_mode": det_mode})
+    ring = mod.sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, **kw,
+                                    config={"det_mode": det_mode, "det_reduce": det_reduce})
+    for a, b in zip(sequential, ring, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+    for _ in range(20):
+        overlapped = mod.sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, **kw,
+                                              config={"det_mode": det_mode, "det_overlap_sms": 16,
+                                                      "det_reduce": det_reduce})
+        for a, b in zip(sequential, overlapped, strict=True):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_det_overlap_inside_a_graph_capture_runs_the_chunks_in_turn(monkeypatch):
+    """Under CUDA-graph capture the partition's streams are not the captured one: the chunks run one after the
+    other on the captured stream (the same bits), and the replay matches eager."""
+    from dsa_plugins.kernels import sparse_attention_bwd as mod
+
+    cfg, case = CONFIGS[0], (1, 33, 300, 77, "dups", "normal")
+    H, Dqk, Dv, has_sink, dtype = cfg
+    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=13)
+    out64, lse64, *_ = _reference(q, kv, idx, dout, sink, scale, Dv)
+    out, lse = out64.to(dtype), lse64.float()
+    monkeypatch.setattr(mod, "_DET_BUDGET_BYTES", 2 * 4 * 80 * Dqk * 2)
+    kw = dict(sink=sink, dv=Dv, deterministic=True, config={"det_overlap_sms": 16, "det_reduce": "ring"})
+    eager = mod.sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, **kw)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        mod.sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, **kw)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = mod.sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, captured):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("det_mode", ["contrib_i16", "contrib_bf16"])
+def test_ring_reduce_carries_nan_and_matches_the_warps_reduce(det_mode):
+    """The ring reduce: a non-finite contribution block still makes its sums NaN (exponent byte 255), rows no
+    slot names stay zero, and every other value equals the warps reduce's, bit for bit (H 100: a partial head
+    block; duplicates and -1)."""
+    from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
+
+    cfg, case = (100, 576, 512, False, torch.bfloat16), (1, 41, 300, 130, "mixed", "normal")
+    H, Dqk, Dv, _, dtype = cfg
+    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=31)
+    out64, lse64, *_ = _reference(q, kv, idx, dout, sink, scale, Dv)
+    out, lse = out64.to(dtype), lse64.float()
+    dout = dout.clone()
+    dout[0, 5, 3, 7] = float("inf")  # query 5's slots get non-finite contributions
+    kw = dict(sink=sink, dv=Dv, deterministic=True)
+    warps = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, **kw, config={"det_mode": det_mode})
+    ring = sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, **kw,
+                                config={"det_mode": det_mode, "det_reduce": "ring"})
+    assert torch.equal(warps[0].isnan(), ring[0].isnan()) and torch.equal(warps[1].isnan(), ring[1].isnan())
+    assert ring[1].isnan().any()
+    assert torch.equal(torch.nan_to_num(warps[1]), torch.nan_to_num(ring[1]))
+    unnamed = torch.ones(kv.shape[1], dtype=torch.bool, device=kv.device)
+    unnamed[idx[0][(idx[0] >= 0) & (idx[0] < kv.shape[1])].long()] = False
+    assert (ring[1][0, unnamed] == 0).all()
