@@ -25,8 +25,7 @@ from torch import Tensor
 
 from . import compiled_once, target_key
 
-__all__ = ["DET_BUDGET_BYTES", "build_reduce", "keys_last_invalid", "reduce_body", "ring_reduce_body", "side_stream",
-           "slot_order", "slot_order_async"]
+__all__ = ["DET_BUDGET_BYTES", "build_reduce", "keys_last_invalid", "reduce_body", "slot_order", "slot_order_async"]
 
 logger = logging.getLogger("dsa_plugins")
 
@@ -43,14 +42,6 @@ def keys_last_invalid(idx: Tensor, n_rows: int) -> Tensor:
 
 
 _SIDE_STREAMS: dict = {}
-
-
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream the slot orders are sorted on beside the main programs (one per device, kept)."""
-    side = _SIDE_STREAMS.get(device)
-    if side is None:
-        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return side
 
 
 def slot_order(idx: Tensor, n_rows: int, kp: int, nhb: int, rows: Tensor, rowptr: Tensor) -> None:
@@ -76,7 +67,9 @@ def slot_order_async(idx: Tensor, n_rows: int, kp: int, nhb: int):
         slot_order(idx, n_rows, kp, nhb, rows, rowptr)
         return lambda: (rows, rowptr)
     main = torch.cuda.current_stream(idx.device)
-    side = side_stream(idx.device)
+    side = _SIDE_STREAMS.get(idx.device)
+    if side is None:
+        side = _SIDE_STREAMS[idx.device] = torch.cuda.Stream(idx.device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
         slot_order(idx, n_rows, kp, nhb, rows, rowptr)
@@ -185,160 +178,24 @@ def reduce_body(dqk, nhb, contrib_dtype="float32", block=8, perm=False, warps=4)
     return dsa_bwd_reduce
 
 
-def _block_of(T, col, dqk, block, perm):
-    """The exponent byte of stored column ``col`` of an int16 contribution row (see :func:`reduce_body`)."""
-    if perm:
-        return T.min(col // 64 * 8 + col % 16 // 4 * 2 + col % 64 // 32, dqk // 8 - 1)
-    if block == 8:
-        return T.min(col // 64 * 8 + col % 32 // 4, dqk // 8 - 1)
-    return T.min(col // 4, dqk // 4 - 1)
-
-
-def _real_column(col, perm):
-    """The dkv column that stored column ``col`` sums into (``perm``: stored 4 q + 2 h + e of a group of 16 is real
-    column 8 h + 2 q + e)."""
-    return col // 16 * 16 + col % 4 // 2 * 8 + col % 16 // 4 * 2 + col % 2 if perm else col
-
-
-RING_STAGES = 4
-RING_SHARED_BYTES = 40 * 1024  # per CTA: five CTAs an SM, three stages of each in flight
-
-
-def ring_reduce_body(dqk, nhb, contrib_dtype="float32", block=8, perm=False, warps=4, threads=128):
-    """The reduce of :func:`reduce_body` with the same sums, bit for bit, and many more bytes in flight per SM:
-    what a few SMs reducing beside the main program (``det_overlap_sms``) need, where the warps' own loads left
-    each SM at ~30 GB/s.
-
-    One CTA per kv row. Its sorted slots come in groups of ``group`` (a multiple of ``warps``): each thread issues
-    16-byte ``cp.async`` copies of a group's contribution rows (and 8-byte ones of their exponent bytes) into one of
-    ``RING_STAGES`` shared buffers, three groups ahead of the one being summed, so the bytes in flight are bounded
-    by shared memory, not registers. Thread t owns columns t, t + threads, ... and keeps ``warps`` sums of each:
-    slot s goes into sum s % warps, in slot order, and the sums are added in order at the end, starting from 0:
-    the additions of :func:`reduce_body`, whose warp w sums slots w, w + warps, ... and whose partial sums are
-    added in warp order."""
-    import tilelang.language as T
-
-    f32 = T.float32
-    i32 = T.int32
-    M = T.dynamic("M")
-    L = T.dynamic("L")
-    N = T.dynamic("N")
-    N1 = T.dynamic("N1")
-    scaled = contrib_dtype == "int16"
-    esz = 4 if contrib_dtype == "float32" else 2
-    vec = 16 // esz  # elements of one 16-byte copy
-    if (dqk * esz) % 16 or (scaled and (dqk // block) % 8):
-        raise ValueError(f"ring reduce: rows of {dqk} {contrib_dtype} values (and their exponent bytes) must come in "
-                         f"16-byte (8-byte) pieces")
-    nblk = dqk // block if scaled else 8
-    stages = RING_STAGES
-    row_bytes = nhb * (dqk * esz + (nblk if scaled else 0))
-    group = max(warps, RING_SHARED_BYTES // stages // row_bytes // warps * warps)
-    rows_g = group * nhb  # contribution rows of one stage
-    copies = rows_g * (dqk // vec)
-    ex_copies = rows_g * (nblk // 8)
-    cpt = (dqk + threads - 1) // threads  # columns a thread owns
-    dtype = getattr(T, contrib_dtype)
-
-    @T.macro
-    def issue(Contrib, Exps, Rows, buf, ebuf, start, count, kp, tx, gi, st):
-        # group gi's rows into stage st; slots past the row's last come in as zeros and are never summed
-        for it in T.serial((copies + threads - 1) // threads):
-            k = it * threads + tx
-            if k < copies:
-                rr = k // (dqk // vec)
-                slot = gi * group + rr // nhb
-                src = Rows[start + T.min(slot, count - 1)] + rr % nhb * kp
-                T.ptx_cp_async(T.access_ptr(buf[st, rr, k % (dqk // vec) * vec], "w", vec),
-                               T.access_ptr(Contrib[src, k % (dqk // vec) * vec], "r", vec), vec, slot < count)
-        if scaled:
-            for it in T.serial((ex_copies + threads - 1) // threads):
-                k = it * threads + tx
-                if k < ex_copies:
-                    rr = k // (nblk // 8)
-                    slot = gi * group + rr // nhb
-                    src = Rows[start + T.min(slot, count - 1)] + rr % nhb * kp
-                    T.ptx_cp_async(T.access_ptr(ebuf[st, rr, k % (nblk // 8) * 8], "w", 8),
-                                   T.access_ptr(Exps[src, k % (nblk // 8) * 8], "r", 8), 8, slot < count)
-
-    @T.prim_func
-    def dsa_bwd_reduce_ring(
-        Contrib: T.Tensor([M, dqk], dtype),
-        Exps: T.Tensor([M, dqk // block] if scaled else [1], T.uint8),
-        Rows: T.Tensor([L], i32),
-        RowPtr: T.Tensor([N1], i32),
-        dKV: T.Tensor([N, dqk], f32),
-        kp: i32,
-    ):
-        with T.Kernel(N, threads=threads) as n:
-            tx = T.get_thread_binding()
-            buf = T.alloc_shared([stages, rows_g, dqk], dtype)
-            ebuf = T.alloc_shared([stages, rows_g, nblk], T.uint8)
-            acc = T.alloc_local([warps * cpt], f32)
-            for i in T.serial(warps * cpt):
-                acc[i] = 0.0
-            start = RowPtr[n]
-            count = RowPtr[n + 1] - start
-            n_groups = T.ceildiv(count, group)
-
-            for s0 in T.unroll(stages - 1):
-                if s0 < n_groups:
-                    issue(Contrib, Exps, Rows, buf, ebuf, start, count, kp, tx, s0, s0)
-                T.ptx_commit_group()
-            for g in T.serial(n_groups):
-                if g + stages - 1 < n_groups:
-                    issue(Contrib, Exps, Rows, buf, ebuf, start, count, kp, tx, g + stages - 1, (g + stages - 1) % stages)
-                T.ptx_commit_group()
-                T.ptx_wait_group(stages - 1)  # this thread's copies of group g have landed
-                T.sync_threads()  # and every other thread's
-                st = g % stages
-                for j in T.unroll(group):
-                    if g * group + j < count:
-                        for hb in T.unroll(nhb):
-                            for k in T.unroll(cpt):
-                                col = tx + k * threads
-                                if col < dqk:
-                                    if scaled:
-                                        # exponent byte 255 (a block that held a value that is not finite): NaN
-                                        ex = T.alloc_var(T.uint32, init=T.cast(
-                                            ebuf[st, j * nhb + hb, _block_of(T, col, dqk, block, perm)], T.uint32))
-                                        sc = T.alloc_var(f32, init=T.reinterpret(T.bitwise_or(
-                                            T.shift_left(ex, T.uint32(23)),
-                                            T.if_then_else(ex == T.uint32(255), T.uint32(0x400000), T.uint32(0))), f32))
-                                        acc[j % warps * cpt + k] += T.cast(buf[st, j * nhb + hb, col], f32) * sc
-                                    else:
-                                        acc[j % warps * cpt + k] += T.cast(buf[st, j * nhb + hb, col], f32)
-                T.sync_threads()  # stage st is summed before the next round refills it
-            for k in T.unroll(cpt):
-                col = tx + k * threads
-                if col < dqk:
-                    total = T.alloc_var(f32, init=0.0)
-                    for w in T.unroll(warps):
-                        total += acc[w * cpt + k]
-                    dKV[n, _real_column(col, perm)] += total
-
-    return dsa_bwd_reduce_ring
-
-
 _COMPILED: dict = {}
 _LOCK = threading.Lock()
 
 
-def build_reduce(dqk: int, nhb: int, contrib_dtype: str = "float32", block: int = 8, perm: bool = False,
-                 ring: bool = False, *, target="auto"):
+def build_reduce(dqk: int, nhb: int, contrib_dtype: str = "float32", block: int = 8, perm: bool = False, *,
+                 target="auto"):
     """The compiled reduce program (:func:`reduce_body`) for rows of ``dqk`` columns, ``nhb`` contribution
     rows per slot, ``contrib_dtype`` ("float32", "bfloat16" or "int16"), ``block`` values per exponent byte
-    (int16), ``perm`` (rows with permuted columns) and ``ring`` (:func:`ring_reduce_body`: the same sums, more
-    bytes in flight per SM); cached per process."""
+    (int16) and ``perm`` (rows with permuted columns); cached per process."""
     import tilelang
 
     if block not in (4, 8) or (perm and (block != 8 or dqk % 16)):
         raise ValueError(f"block must be 4 or 8 values per exponent byte (8 with permuted columns, dqk a multiple of "
                          f"16), got block {block}, perm {perm}, dqk {dqk}")
-    key = (target_key(target), int(dqk), int(nhb), str(contrib_dtype), int(block), bool(perm), bool(ring))
+    key = (target_key(target), int(dqk), int(nhb), str(contrib_dtype), int(block), bool(perm))
 
     def build():
-        prog = tilelang.jit(target=target)(ring_reduce_body if ring else reduce_body)(*key[1:-1])
+        prog = tilelang.jit(target=target)(reduce_body)(*key[1:])
         logger.info("dsa_plugins: compiled the contribution reduce %s for %s", key[1:], target)
         return prog
 

@@ -66,8 +66,7 @@ from . import aligned_operand, aligned_output, compiled_once, target_key, zeros_
 from .cluster import CLUSTER_PRELUDE
 from . import fast_exp2 as _ex2
 from .row_scan import ROW_SCAN_PRELUDE
-from .contrib_reduce import DET_BUDGET_BYTES, build_reduce, keys_last_invalid, side_stream, slot_order, slot_order_async
-from .sm_partition import PartitionUnavailable, split_streams
+from .contrib_reduce import DET_BUDGET_BYTES, build_reduce, keys_last_invalid, slot_order_async
 
 __all__ = ["BWD_PROGRAMS", "SHIPPED_CONFIGS", "build_bwd_kernels", "build_bwd_program", "bwd_flops", "bwd_program_names",
            "sparse_attention_bwd"]
@@ -100,7 +99,7 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
 _TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep",
                 "schedule", "ws_prefetch", "ws_dq_rs", "ws_pair", "ws_wg0_chunks", "ws_auto_sync", "det_mode",
                 "fast_exp2", "det_store_pred", "det_pair", "ws_tma_q", "ws_fused_pre", "ws_dkv_perm",
-                "ws_stage_dq", "ws_row_regs", "ws_tma_dq", "det_overlap_sms", "det_reduce")
+                "ws_stage_dq", "ws_row_regs", "ws_tma_dq")
 _DET_MODES = ("contrib", "contrib_ws", "contrib_bf16", "contrib_i16", "fixed")
 # the modes whose contribution rows the ws program stores
 _CONTRIB_WS_MODES = ("contrib_ws", "contrib_bf16", "contrib_i16")
@@ -302,26 +301,6 @@ def _normalise_config(config: dict) -> dict:
     if cfg["det_mode"] not in _DET_MODES or (cfg["det_mode"] != "contrib" and cfg["schedule"] != "ws"):
         raise ValueError(f"det_mode must be one of {_DET_MODES} (all but 'contrib' need the ws schedule), got "
                          f"{cfg['det_mode']!r} with schedule {cfg['schedule']!r}")
-    # det_overlap_sms (the contribution modes): this many SMs (rounded up by the driver) reduce one chunk's
-    # contribution rows while the next chunk's main program runs on the other SMs (kernels/sm_partition.py), with
-    # two contribution buffers of the chunk's size instead of one. The same chunks and the same order of sums as
-    # without it: the same bits. 0: one after the other on the whole GPU
-    ov = cfg.get("det_overlap_sms")
-    if ov is None:
-        ov = os.environ.get("DSA_PLUGINS_BWD_DET_OVERLAP_SMS", "0")
-    try:
-        cfg["det_overlap_sms"] = int(ov)
-    except (TypeError, ValueError):
-        cfg["det_overlap_sms"] = -1
-    if cfg["det_overlap_sms"] < 0:
-        raise ValueError(f"det_overlap_sms must be a whole number of SMs >= 0 (0: off), got {ov!r}")
-    # det_reduce: the contribution reduce's program, "warps" (each warp loads its slots' rows itself) or "ring"
-    # (cp.async copies of groups of slots into a ring of shared buffers, three groups ahead: many more bytes in
-    # flight per SM, for the few SMs of det_overlap_sms). The same sums, bit for bit
-    red = cfg.get("det_reduce") or os.environ.get("DSA_PLUGINS_BWD_DET_REDUCE") or "warps"
-    if red not in ("warps", "ring"):
-        raise ValueError(f"det_reduce must be 'warps' or 'ring', got {red!r}")
-    cfg["det_reduce"] = red
     return cfg
 
 
@@ -1700,9 +1679,8 @@ def _program_key(cfg: dict, name: str) -> tuple:
     if name == "reduce":  # with det_pair one contribution row per pair of head blocks, int16 blocks of 4 values
         nhb, pair = (cfg["heads"] + _BLOCK_H - 1) // _BLOCK_H, _det_pair(cfg, True)
         block = 4 if pair and _contrib_dtype(cfg) == "int16" else 8  # (no exponent bytes in the other dtypes)
-        perm = _dkv_perm(cfg, True, pair)  # rows with permuted columns (the key grows only then, or with the ring)
-        extra = (perm, True) if cfg["det_reduce"] == "ring" else (True,) if perm else ()
-        return "reduce", (cfg["dqk"], nhb // 2 if pair else nhb, _contrib_dtype(cfg), block) + extra
+        perm = (True,) if _dkv_perm(cfg, True, pair) else ()  # rows with permuted columns (the key grows only then)
+        return "reduce", (cfg["dqk"], nhb // 2 if pair else nhb, _contrib_dtype(cfg), block) + perm
     if name not in BWD_PROGRAMS:
         raise ValueError(f"unknown backward program {name!r}; known: {BWD_PROGRAMS}")
     return _main_kernel(cfg, "_det" in name, name.endswith("_probs"))
@@ -1936,64 +1914,6 @@ def _fixed_point_scale(maxima, kv2, idx, n_rows, heads, dv, scale):
     return torch.stack([torch.exp2(exp), limit]).float(), torch.exp2(-exp).view(1)
 
 
-def _overlap_partition(cfg: dict, dev: torch.device, n_chunks: int):
-    """The SM partition that ``det_overlap_sms`` asks for (:mod:`.sm_partition`), or None: off, a single chunk
-    (nothing to overlap), not on a GPU, inside a CUDA-graph capture (the green contexts' streams are not the
-    captured one), or no partition on this driver (said once; the results are the same either way)."""
-    n = cfg["det_overlap_sms"]
-    if n <= 0 or n_chunks < 2 or dev.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return None
-    try:
-        return split_streams(dev, n)
-    except PartitionUnavailable as exc:
-        warn_once(f"det_overlap_sms:{dev}",
-                  f"dsa_plugins: det_overlap_sms={n}: the SMs cannot be split here ({exc}); the deterministic "
-                  f"backward reduces each chunk after its main program instead (the same results)")
-        return None
-
-
-def _run_overlapped(part, bounds, buffers, run_main, red, idx, dkv, N: int, Kp: int, ncr: int) -> None:
-    """The contribution chunks ``bounds`` with chunk i - 1's reduce on ``part.small`` while chunk i's main program
-    runs on ``part.large``: the first main program and the last reduce have the whole GPU (the current stream).
-    Chunk i's rows go to buffer i % 2 (``buffers(i % 2, t0, t1)``), so chunk i's main program waits for chunk
-    i - 2's reduce. The reduces run one after another in chunk order, as in the sequential loop: the same sums.
-    Every chunk's slot order is sorted up front on the side stream (it needs the indices only). Everything is
-    allocated on the current stream, which joins every other stream before returning (also on an exception)."""
-    dev = idx.device
-    cur = torch.cuda.current_stream(dev)
-    orders = [(torch.empty((t1 - t0) * Kp, device=dev, dtype=torch.int32),
-               torch.empty(N + 1, device=dev, dtype=torch.int32)) for t0, t1 in bounds]
-    side = side_stream(dev)
-    side.wait_stream(cur)
-    sorted_at = []
-    with torch.cuda.stream(side):
-        for (t0, t1), (rows, rowptr) in zip(bounds, orders):
-            slot_order(idx[t0:t1], N, Kp, ncr, rows, rowptr)
-            sorted_at.append(side.record_event())
-    try:
-        run_main(*bounds[0], *buffers(0, *bounds[0]))
-        main_done = cur.record_event()
-        part.large.wait_stream(cur)
-        part.small.wait_stream(cur)
-        freed = [None, None]
-        for i in range(1, len(bounds)):
-            part.small.wait_event(main_done)
-            part.small.wait_event(sorted_at[i - 1])
-            with part.use(part.small):
-                red(*buffers((i - 1) % 2, *bounds[i - 1]), *orders[i - 1], dkv, Kp)
-            freed[(i - 1) % 2] = part.small.record_event()
-            if i >= 2:
-                part.large.wait_event(freed[i % 2])
-            with part.use(part.large):
-                run_main(*bounds[i], *buffers(i % 2, *bounds[i]))
-            main_done = part.large.record_event()
-    finally:
-        cur.wait_stream(part.large)
-        cur.wait_stream(part.small)
-        cur.wait_stream(side)
-    red(*buffers((len(bounds) - 1) % 2, *bounds[-1]), *orders[-1], dkv, Kp)
-
-
 def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, deterministic, B, S, Skv,
             return_probs, dq, dkv, dkv_zero=False):
     """Run the programs: (results, whether dkv's columns are left permuted). ``dq`` [T, H, Dqk] is written, ``dkv``
@@ -2052,49 +1972,36 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
         cdt = getattr(torch, _contrib_dtype(cfg))
         per_row = ncr * Kp * (Dqk * cdt.itemsize + (Dqk // block if cdt == torch.int16 else 0))  # with the exponents
         chunk = max(1, min(T_, _DET_BUDGET_BYTES // per_row))
-
-        def run_main(t0, t1, cb, sb):
-            # the main program of query rows [t0, t1), its contribution rows into cb (and their exponents into sb)
+        contrib = torch.empty(chunk * ncr * Kp, Dqk, device=dev, dtype=cdt)
+        # contrib_i16: each contribution row's exponent byte per block of values (the ws program's Scales)
+        scales = (torch.empty(chunk * ncr * Kp, Dqk // block, device=dev, dtype=torch.uint8)
+                  if cdt == torch.int16 else zeros_arg(1, torch.uint8, dev))
+        for t0 in range(0, T_, chunk):
+            t1 = min(T_, t0 + chunk)
             tc = t1 - t0
+            cb = contrib[: tc * ncr * Kp]
+            sb = scales[: tc * ncr * Kp] if cdt == torch.int16 else scales
             # probs[:, t0:t1] is not contiguous with two head blocks or more: a chunk buffer of its own
             view = part = None if probs is None else probs[:, t0:t1]
             if view is not None and not view.is_contiguous():
                 part = (torch.zeros if skip else torch.empty)(nhb, tc, Kp, device=dev, dtype=torch.float32)
-            if kind == "ws":  # "contrib_ws" / "_bf16" / "_i16": the same contribution rows, from the ws program
-                sums, fix = _no_fixed_point(dev)
-                chunk_fused = (fused[0][t0:t1], fused[1][t0:t1], fused[2]) if fuse else fused
-                main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1], cb, s,
-                     s * _LOG2E, _probs_arg(part, dev), sums, sb if cdt == torch.int16 else fix, *chunk_fused)
-            else:
-                main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1],
-                     cb.view(tc, nhb, Kp, Dqk), s, s * _LOG2E, _probs_arg(part, dev),
-                     blocks[t0:t1] if skip else blocks)
-            if part is not view:
-                view.copy_(part)
-
-        def buffers(i, t0, t1):
-            n = (t1 - t0) * ncr * Kp
-            return contrib[i][:n], scales[i][:n] if cdt == torch.int16 else scales[i]
-
-        bounds = [(t0, min(T_, t0 + chunk)) for t0 in range(0, T_, chunk)]
-        partition = _overlap_partition(cfg, dev, len(bounds))
-        # contrib_i16: each contribution row's exponent byte per block of values (the ws program's Scales)
-        contrib = [torch.empty(chunk * ncr * Kp, Dqk, device=dev, dtype=cdt)
-                   for _ in range(2 if partition else 1)]
-        scales = [torch.empty(chunk * ncr * Kp, Dqk // block, device=dev, dtype=torch.uint8)
-                  if cdt == torch.int16 else zeros_arg(1, torch.uint8, dev) for _ in contrib]
-        if partition is None:
-            for t0, t1 in bounds:
-                cb, sb = buffers(0, t0, t1)
-                # the slots' fixed order depends on the indices only: sorted on a side stream while the main program runs
-                order_ready = slot_order_async(idx[t0:t1], N, Kp, ncr)
-                try:
-                    run_main(t0, t1, cb, sb)
-                finally:
-                    rows, rowptr = order_ready()  # the side stream joins even when a launch raised
-                red(cb, sb, rows, rowptr, dkv, Kp)
-        else:
-            _run_overlapped(partition, bounds, buffers, run_main, red, idx, dkv, N, Kp, ncr)
+            # the slots' fixed order depends on the indices only: sorted on a side stream while the main program runs
+            order_ready = slot_order_async(idx[t0:t1], N, Kp, ncr)
+            try:
+                if kind == "ws":  # "contrib_ws" / "_bf16" / "_i16": the same contribution rows, from the ws program
+                    sums, fix = _no_fixed_point(dev)
+                    chunk_fused = (fused[0][t0:t1], fused[1][t0:t1], fused[2]) if fuse else fused
+                    main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1], cb, s,
+                         s * _LOG2E, _probs_arg(part, dev), sums, sb if cdt == torch.int16 else fix, *chunk_fused)
+                else:
+                    main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1],
+                         cb.view(tc, nhb, Kp, Dqk), s, s * _LOG2E, _probs_arg(part, dev),
+                         blocks[t0:t1] if skip else blocks)
+                if part is not view:
+                    view.copy_(part)
+            finally:
+                rows, rowptr = order_ready()  # the side stream joins even when a launch raised
+            red(cb, sb, rows, rowptr, dkv, Kp)
 
     dsink = None
     if sink is not None:
