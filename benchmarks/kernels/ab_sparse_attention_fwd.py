@@ -1,7 +1,7 @@
 """Forward variants against the default, interleaved in one process (decisions of a few percent).
 
     python benchmarks/kernels/ab_sparse_attention_fwd.py '[{"tma_io": false}]' [--shapes prefill|decode]
-        [--rounds 7] [--replays 15] [--jobs 8]
+        [--rounds 7] [--replays 15] [--jobs 8] [--batches 1,8,64] [--cache 32768]
 
 Single runs of a benchmark move by a few percent from one process to the next, so a compile-time
 variant is judged here against the default in the same process: each program is captured in a CUDA
@@ -10,8 +10,8 @@ program, in alternating order. Printed per shape: the default's median time, eac
 default / variant time ratio per round as median [min, max] (> 1: the variant is faster).
 
 Shapes: ``prefill`` the peers benchmark's k sweep (V4 D512 sink, H 64, k 256-2048) and 8K shapes (B1
-S4096 Skv8192); ``decode`` one query per sequence over a 32K cache, k 2048, MLA 576/512, H 64 / 128,
-B 1 / 8 / 64.
+S4096 Skv8192); ``decode`` one query per sequence over a 32K cache (``--cache``), k 2048, MLA 576/512, H 64 / 128,
+B 1 / 8 / 64 (``--batches``; a batch whose cache reaches 2**31 elements is skipped: one launch's int32 offsets).
 """
 
 from __future__ import annotations
@@ -35,14 +35,18 @@ def _decode_inputs(b: int, skv: int, h: int, dqk: int, k: int):
     return q, kv, idx, None
 
 
-def cases(which: str):
-    """(label, (q, kv, idx, sink), dv) per shape, inputs made lazily."""
+def cases(which: str, batches=(1, 8, 64), cache: int = 32768):
+    """(label, (q, kv, idx, sink), dv) per shape, inputs made lazily; ``batches`` and ``cache`` for decode."""
     from bench_attention_peers import SHAPES_8K, SHAPES_K, make_inputs
 
     if which == "decode":
         for h in (64, 128):
-            for b in (1, 8, 64):
-                yield f"B{b} S1 H{h} D576/512 k2048 cache32768", lambda b=b, h=h: _decode_inputs(b, 32768, h, 576, 2048), 512
+            for b in batches:
+                if b * cache * 576 >= 2**31:
+                    print(f"B{b} cache{cache}: skipped (2**31 elements or more in one launch)", flush=True)
+                    continue
+                yield (f"B{b} S1 H{h} D576/512 k2048 cache{cache}",
+                       lambda b=b, h=h: _decode_inputs(b, cache, h, 576, 2048), 512)
         return
     for _op, s, skv, h, dqk, dv, k, sink in SHAPES_K + SHAPES_8K[:3]:
         yield (f"B1 S{s} Skv{skv} H{h} D{dqk}/{dv} k{k}",
@@ -79,7 +83,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--replays", type=int, default=15)
     ap.add_argument("--jobs", type=int, default=0, help="compile the programs this many at a time first")
+    ap.add_argument("--batches", default="1,8,64", help="decode: sequences per step, comma list")
+    ap.add_argument("--cache", type=int, default=32768, help="decode: cache rows per sequence")
     args = ap.parse_args(argv)
+    batches = tuple(int(b) for b in args.batches.split(","))
     variants = [None] + json.loads(args.variants)
     if args.jobs:
         precompile(args.shapes, variants, args.jobs)
@@ -87,7 +94,7 @@ def main(argv=None) -> int:
     from dsa_plugins.bench.runner import capture_graph, graph_replay_ms
     from dsa_plugins.kernels.sparse_attention_fwd import _check_inputs, _launch
 
-    for label, make, dv in cases(args.shapes):
+    for label, make, dv in cases(args.shapes, batches, args.cache):
         q, kv, idx, sink = make()
         scale, dv = _check_inputs(q, kv, idx, q.shape[-1] ** -0.5, sink, dv)
         out = torch.empty(*q.shape[:3], dv, dtype=q.dtype, device=q.device)
