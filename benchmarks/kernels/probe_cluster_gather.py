@@ -183,7 +183,8 @@ def main(argv=None) -> int:
     idx += (torch.arange(n_idx, device="cuda", dtype=torch.int32) % args.segments).mul(args.keys)[:, None]
     out = torch.empty(args.rows, 2, device="cuda")
     delivered = 2 * args.rows * args.topk * args.dim * 2  # bytes landing in shared memory, both CTAs
-    distinct_bytes = n_idx * args.topk * args.dim * 2  # distinct rows read (both CTAs of a pair read one set unless --distinct)
+    # distinct rows read (both CTAs of a pair read one set unless --distinct)
+    distinct_bytes = n_idx * args.topk * args.dim * 2
     scrub = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if args.flush else None
     pipelines = [(args.stages, args.block, args.hold_ns)]
     if args.variants:
@@ -202,7 +203,7 @@ def main(argv=None) -> int:
         for _ in range(3):
             kernel(kv, idx, out)
         torch.cuda.synchronize()
-        sums[mode] = out.clone()
+        sums[mode, stages, block, hold_ns] = out.clone()
         times = []
         for _ in range(20):
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -214,7 +215,8 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             times.append(start.elapsed_time(stop))
         ms = statistics.median(times)
-        same = "" if mode == "alone" or "alone" not in sums else f", same sums as alone: {torch.equal(out, sums['alone'])}"
+        alone = sums.get(("alone", stages, block, hold_ns))  # the same pipeline without clusters
+        same = "" if mode == "alone" or alone is None else f", same sums as alone: {torch.equal(out, alone)}"
         print(f"{mode:14s} D{args.dim}{' distinct' if args.distinct else ''} rows {args.rows} k {args.topk} "
               f"stages {stages}x{block} hold {hold_ns} ns segments {args.segments}x{args.keys}"
               f"{' flushed' if args.flush else ''}: "

@@ -180,9 +180,8 @@ class LazyMask:
         B, S, T = self.batch_size, self.q_length, self.kv_length
         if self.is_simple:
             last = self.query_positions(1 - self.kv_offset)  # one past each row's last visible key
-            start = (last - int(self.local_size)).clamp_(0, T) if self.local_size is not None else None
-            end = last.clamp_(0, T)
-            start = torch.zeros_like(end) if start is None else start
+            end = last.clamp(0, T)
+            start = (last - int(self.local_size)).clamp_(0, T) if self.local_size is not None else torch.zeros_like(end)
             start, end = start.expand(B, S), end.expand(B, S)
             pad = self.local_padding()
             if pad is not None:
