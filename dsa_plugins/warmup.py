@@ -139,8 +139,7 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
                                                      indexer_loss, topk))
     jobs: list[KernelJob] = []
     if dims is None:
-        attn = [(c["dim_qk"], c["dim_v"], c["has_sink"]) for c in sparse_attention_fwd.SHIPPED_CONFIGS
-                if c.get("schedule") != sparse_attention_fwd.DECODE_SCHEDULE]  # those come with the decode jobs
+        attn = [(c["dim_qk"], c["dim_v"], c["has_sink"]) for c in sparse_attention_fwd.SHIPPED_CONFIGS]
         bwd_cfgs = [dict(c) for c in sparse_attention_bwd.SHIPPED_CONFIGS]
         idx_cfgs = [dict(c) for c in indexer.SHIPPED_CONFIGS]
         loss_cfgs = [dict(c) for c in indexer_loss.SHIPPED_CONFIGS]
@@ -180,27 +179,25 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
                               (cfg,), seconds=35))
     if attn:  # the prefill's per-row trip counts (skip_tail), one launch before the forward
         jobs.append(KernelJob("attention row block counts", row_scan.__name__, "build_row_blocks", (), seconds=5))
-    # generation steps (the decode schedule): the row's parts merged inside a cluster (for every shipped model's
-    # top-k, or this one's), and the plain program for rows not cut into parts
-    decode_schedule = {"schedule": sparse_attention_fwd.DECODE_SCHEDULE}
+    # generation steps cut into parts (their schedule, PARTS_SCHEDULE), merged inside a cluster: for every shipped
+    # model's top-k, or this one's; rows left whole run the prefill's program above
     if dims is None:
         decode_cfgs = [dict(c) for c in sparse_attention_fwd.DECODE_CLUSTER_CONFIGS]
-        decode_cfgs += [{k: v for k, v in c.items() if k != "covers"} for c in sparse_attention_fwd.SHIPPED_CONFIGS
-                        if c.get("schedule") == sparse_attention_fwd.DECODE_SCHEDULE]
     else:
         # the part count follows the heads a rank holds: the whole model's, and its tensor-parallel shards'
         shard_heads = [dims.heads // 2**i for i in range(4) if dims.heads // 2**i >= 16]
-        counts = {0} if decode_part_slots() else {decode_cluster_parts(dims.topk, h) for h in shard_heads}
+        counts = set() if decode_part_slots() else {decode_cluster_parts(dims.topk, h) for h in shard_heads} - {0}
         decode_cfgs = [sparse_attention_fwd.config_for(dqk, dv, sink, torch.bfloat16,
-                                                       {**decode_schedule, "cluster_parts": parts})
+                                                       {"schedule": sparse_attention_fwd.PARTS_SCHEDULE,
+                                                        "cluster_parts": parts})
                        for dqk, dv, sink in attn for parts in sorted(counts)]
     for cfg in decode_cfgs:
-        parts = f"{cfg['cluster_parts']} parts" if cfg.get("cluster_parts") else "whole rows"
         jobs.append(KernelJob(f"attention forward {cfg['dim_qk']}/{cfg['dim_v']}{' sink' if cfg['has_sink'] else ''}"
-                              f" decode, {parts}", fwd, "build_fwd_kernel", (cfg,), seconds=35))
+                              f" decode, {cfg['cluster_parts']} parts", fwd, "build_fwd_kernel", (cfg,), seconds=35))
     if decode_part_slots():  # the decode split's programs (DSA_PLUGINS_DECODE_PART_SLOTS)
         for dqk, dv, sink in attn:
-            cfg = sparse_attention_fwd.config_for(dqk, dv, False, torch.bfloat16, {**decode_schedule, "partial": True})
+            cfg = sparse_attention_fwd.config_for(dqk, dv, False, torch.bfloat16,
+                                                  {"schedule": sparse_attention_fwd.PARTS_SCHEDULE, "partial": True})
             jobs.append(KernelJob(f"attention forward {dqk}/{dv} decode parts", fwd, "build_fwd_kernel", (cfg,),
                                   seconds=35))
             jobs.append(KernelJob(f"attention decode combine {dv}{' sink' if sink else ''}", fwd,

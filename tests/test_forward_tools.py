@@ -49,6 +49,9 @@ def test_ab_script_parses_and_lists_its_shapes(monkeypatch, capsys):
     assert labels == [f"B{b} S1 H{h} D576/512 k2048 cache16384" for h in (64, 128) for b in (32, 128)]
     assert [label for label, _m, _d in ab.cases("decode", (64, 128), 32768)] == [
         f"B64 S1 H{h} D576/512 k2048 cache32768" for h in (64, 128)]
+    # DeepSeek-V4's decode rows (D512 with sink) beside MLA's
+    labels = [label for label, _m, _d in ab.cases("decode", (1,), 16384, ("mla", "v4"))]
+    assert labels == [f"B1 S1 H{h} D{d} k2048 cache16384" for d in ("576/512", "512/512 sink") for h in (64, 128)]
 
 
 @pytest.mark.slow
@@ -80,3 +83,21 @@ def test_trace_patches_apply_to_the_backward_source(fine):
     assert src.count('"dsa_lap"') == (12 if fine else 10) and "Trace: T.Tensor([NHB * Tq, 16], T.int64)" in src
     assert "*_no_fixed_point(dev), TRACE[0],\n" in src and len(tool.PHASES) == 8
     assert ("Trace[bx, 13] = tr[11]" in src) == fine
+
+
+def test_indexer_overlap_tool_cuts_equal_work_chunks():
+    """The indexer overlap experiment's chunks: contiguous query blocks of about equal score work (key
+    blocks), each as wide as its widest block's range; every block in exactly one chunk."""
+    import types
+
+    import torch
+
+    tool = _load("ab_indexer_overlap")
+    hi = torch.arange(1, 101, dtype=torch.int32)  # causal: block b sees key blocks [0, b + 1)
+    plan = types.SimpleNamespace(blk_lo=torch.zeros(100, dtype=torch.int32), blk_hi=hi)
+    chunks = tool.equal_work_chunks(plan, 4)
+    assert [c[0] for c in chunks] == [0] + [c[1] for c in chunks[:-1]] and chunks[-1][1] == 100
+    work = [sum(range(a + 1, b + 1)) for a, b, _w in chunks]
+    assert len(chunks) == 4 and max(work) - min(work) <= 100
+    assert all(w == b for a, b, w in chunks)  # the widest block of a causal chunk is its last
+    assert tool.equal_work_chunks(plan, 1) == [(0, 100, 100)]

@@ -37,7 +37,7 @@ def test_without_a_model_every_shipped_configuration():
 
     jobs = warmup.jobs_for(None)
     assert sum(j.function == "build_fwd_kernel" for j in jobs) == len(sparse_attention_fwd.SHIPPED_CONFIGS) + len(
-        sparse_attention_fwd.DECODE_CLUSTER_CONFIGS)  # prefill, whole decode rows, parts merged in a cluster
+        sparse_attention_fwd.DECODE_CLUSTER_CONFIGS)  # prefill and whole decode rows; parts merged in a cluster
     assert sum(j.function == "build_bwd_program" for j in jobs) == sum(
         len(sparse_attention_bwd.bwd_program_names(c)) for c in sparse_attention_bwd.SHIPPED_CONFIGS)
     # the shipped shapes' deterministic mode ("contrib_i16") needs the reduce, not the fixed-point preprocess
@@ -45,6 +45,17 @@ def test_without_a_model_every_shipped_configuration():
     assert "reduce" in names and "preprocess_det" not in names
     assert sum(j.function == "build_indexer" for j in jobs) == len(indexer.SHIPPED_CONFIGS)
     assert len({j.label for j in jobs}) == len(jobs), "labels must tell the kernels apart"
+
+
+def test_a_model_gets_the_decode_part_programs_its_heads_and_shards_take():
+    """Generation steps cut into parts compile one program per part count; rows left whole (DeepSeek-V4's 128
+    heads) run the prefill's program, so no program of their own is listed."""
+    labels = [j.label for j in warmup.jobs_for(warmup.load_dims("deepseek_v4")[0])]
+    forward = [label for label in labels if label.startswith("attention forward")]
+    # 128 heads whole; the shards of 64 and 32 heads in 2 parts, 16 heads in 2 (k 1024: at most 2 CTAs a row)
+    assert forward == ["attention forward 512/512 sink", "attention forward 512/512 sink decode, 2 parts"]
+    labels = [j.label for j in warmup.jobs_for(warmup.load_dims("glm5")[0])]
+    assert [label for label in labels if "decode" in label] == ["attention forward 576/512 decode, 2 parts"]
 
 
 @pytest.mark.parametrize("model_type", [m for m in tiny.SPECS if tiny.available(m)])

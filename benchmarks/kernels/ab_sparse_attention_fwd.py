@@ -1,7 +1,7 @@
 """Forward variants against the default, interleaved in one process (decisions of a few percent).
 
     python benchmarks/kernels/ab_sparse_attention_fwd.py '[{"tma_io": false}]' [--shapes prefill|decode]
-        [--rounds 7] [--replays 15] [--jobs 8] [--batches 1,8,64] [--cache 32768]
+        [--rounds 7] [--replays 15] [--jobs 8] [--batches 1,8,64] [--cache 32768] [--models mla,v4]
 
 Single runs of a benchmark move by a few percent from one process to the next, so a compile-time
 variant is judged here against the default in the same process: each program is captured in a CUDA
@@ -10,8 +10,8 @@ program, in alternating order. Printed per shape: the default's median time, eac
 default / variant time ratio per round as median [min, max] (> 1: the variant is faster).
 
 Shapes: ``prefill`` the peers benchmark's k sweep (V4 D512 sink, H 64, k 256-2048) and 8K shapes (B1
-S4096 Skv8192); ``decode`` one query per sequence over a 32K cache (``--cache``), k 2048, MLA 576/512, H 64 / 128,
-B 1 / 8 / 64 (``--batches``; a batch whose cache reaches 2**31 elements is skipped: one launch's int32 offsets).
+S4096 Skv8192); ``decode`` one query per sequence over a 32K cache (``--cache``), k 2048, H 64 / 128, MLA 576/512
+and with ``--models mla,v4`` also DeepSeek-V4's D512 with sink, B 1 / 8 / 64 (``--batches``; a batch whose cache reaches 2**31 elements is skipped: one launch's int32 offsets).
 """
 
 from __future__ import annotations
@@ -27,26 +27,32 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "peers"))
 
 
-def _decode_inputs(b: int, skv: int, h: int, dqk: int, k: int):
+# decode's kernel families: MLA 576/512 (no sink) and DeepSeek-V4 D512 with its per-head sink
+DECODE_DIMS = {"mla": (576, 512, False), "v4": (512, 512, True)}
+
+
+def _decode_inputs(b: int, skv: int, h: int, dqk: int, k: int, sink: bool = False):
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(b, 1, h, dqk, device="cuda", generator=g).bfloat16()
     kv = torch.randn(b, skv, dqk, device="cuda", generator=g).bfloat16()
     idx = torch.rand(b, skv, device="cuda", generator=g).topk(k, dim=-1).indices.to(torch.int32).view(b, 1, k)
-    return q, kv, idx, None
+    return q, kv, idx, torch.randn(h, device="cuda", generator=g) if sink else None
 
 
-def cases(which: str, batches=(1, 8, 64), cache: int = 32768):
-    """(label, (q, kv, idx, sink), dv) per shape, inputs made lazily; ``batches`` and ``cache`` for decode."""
+def cases(which: str, batches=(1, 8, 64), cache: int = 32768, models=("mla",)):
+    """(label, (q, kv, idx, sink), dv) per shape, inputs made lazily; ``batches``, ``cache`` and ``models``
+    (keys of DECODE_DIMS) for decode."""
     from bench_attention_peers import SHAPES_8K, SHAPES_K, make_inputs
 
     if which == "decode":
-        for h in (64, 128):
-            for b in batches:
-                if b * cache * 576 >= 2**31:
-                    print(f"B{b} cache{cache}: skipped (2**31 elements or more in one launch)", flush=True)
-                    continue
-                yield (f"B{b} S1 H{h} D576/512 k2048 cache{cache}",
-                       lambda b=b, h=h: _decode_inputs(b, cache, h, 576, 2048), 512)
+        for dqk, dv, sink in (DECODE_DIMS[m] for m in models):
+            for h in (64, 128):
+                for b in batches:
+                    if b * cache * dqk >= 2**31:
+                        print(f"B{b} cache{cache} D{dqk}: skipped (2**31 elements or more in one launch)", flush=True)
+                        continue
+                    yield (f"B{b} S1 H{h} D{dqk}/{dv}{' sink' if sink else ''} k2048 cache{cache}",
+                           lambda b=b, h=h, dqk=dqk, sink=sink: _decode_inputs(b, cache, h, dqk, 2048, sink), dv)
         return
     for _op, s, skv, h, dqk, dv, k, sink in SHAPES_K + SHAPES_8K[:3]:
         yield (f"B1 S{s} Skv{skv} H{h} D{dqk}/{dv} k{k}",
@@ -61,12 +67,10 @@ def precompile(which: str, variants, jobs: int) -> None:
     from dsa_plugins.kernels import sparse_attention_fwd as F
     from dsa_plugins.warmup import KernelJob, compile_jobs
 
-    dims = {(576, 512, False)} if which == "decode" else {(d[4], d[5], d[7]) for d in SHAPES_K + SHAPES_8K[:3]}
+    dims = set(DECODE_DIMS.values()) if which == "decode" else {(d[4], d[5], d[7]) for d in SHAPES_K + SHAPES_8K[:3]}
     todo = []
     for dqk, dv, sink in sorted(dims):
-        for v in variants:
-            if which == "decode" and "schedule" not in (v or {}):  # as the wrapper runs generation steps
-                v = {**(v or {}), "schedule": F.DECODE_SCHEDULE}
+        for v in variants:  # (decode rows cut into parts compile their own programs on first use)
             try:
                 cfg = F.config_for(dqk, dv, sink, torch.bfloat16, v)
             except ValueError as exc:  # reported again when the variant is captured
@@ -85,6 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=0, help="compile the programs this many at a time first")
     ap.add_argument("--batches", default="1,8,64", help="decode: sequences per step, comma list")
     ap.add_argument("--cache", type=int, default=32768, help="decode: cache rows per sequence")
+    ap.add_argument("--models", default="mla", help="decode: kernel families, comma list of " + ",".join(DECODE_DIMS))
     args = ap.parse_args(argv)
     batches = tuple(int(b) for b in args.batches.split(","))
     variants = [None] + json.loads(args.variants)
@@ -94,7 +99,7 @@ def main(argv=None) -> int:
     from dsa_plugins.bench.runner import capture_graph, graph_replay_ms
     from dsa_plugins.kernels.sparse_attention_fwd import _check_inputs, _launch
 
-    for label, make, dv in cases(args.shapes, batches, args.cache):
+    for label, make, dv in cases(args.shapes, batches, args.cache, tuple(args.models.split(","))):
         q, kv, idx, sink = make()
         scale, dv = _check_inputs(q, kv, idx, q.shape[-1] ** -0.5, sink, dv)
         out = torch.empty(*q.shape[:3], dv, dtype=q.dtype, device=q.device)

@@ -13,14 +13,15 @@ Design (one CTA per (64-head block, query token, batch), 3 warpgroups, 384 threa
   dereferenced: its copy is predicated off (cp.async zero-fills the row) and the slot is flagged.
 - Two consumer warpgroups, each owning one column half of the output (64 heads x Dv/2, fp32 in
   registers). Schedules (compile-time parameter ``schedule``):
-  "seesaw" (prefill, the default): the producer loads each stage in halves (value columns left /
-  right, each with its own barriers); consumer 0 scores the even slot blocks and consumer 1 the
-  odd ones, the running row maximum passes between them, each keeps its own P in registers for
-  its output half and hands it to the other through shared memory; consumer 0 issues the next
-  block's score MMAs behind its last P @ V, and a half-stage read by one consumer only is freed as
-  soon as that consumer's P @ V is done. Compiled without TileLang's automatic warpgroup syncs
-  (``auto_sync``): its own barriers order its shared memory.
-  "qk_one" (generation steps, and the programs that cut rows into parts): consumer 0 computes all
+  "seesaw" (the default: prefill, and generation steps whose rows are left whole): the producer
+  loads each stage in halves (value columns left / right, each with its own barriers); consumer 0
+  scores the even slot blocks and consumer 1 the odd ones, the running row maximum passes between
+  them, each keeps its own P in registers for its output half and hands it to the other through
+  shared memory; consumer 0 issues the next block's score MMAs behind its last P @ V, and a
+  half-stage read by one consumer only is freed as soon as that consumer's P @ V is done. Compiled
+  without TileLang's automatic warpgroup syncs (``auto_sync``): its own barriers order its shared
+  memory.
+  "qk_one" (the programs that cut a generation step's rows into parts): consumer 0 computes all
   scores of the block (64 heads x 64 slots over Dqk), runs the online softmax, hands P (bf16) and
   the rescale factors to consumer 1 through shared memory and named barriers, then both accumulate
   P @ V for their half.
@@ -61,7 +62,7 @@ from .row_scan import row_blocks_cuda
 
 __all__ = [
     "DECODE_CLUSTER_CONFIGS",
-    "DECODE_SCHEDULE",
+    "PARTS_SCHEDULE",
     "DEFAULT_CONFIG",
     "SHIPPED_CONFIGS",
     "build_fwd_kernel",
@@ -82,7 +83,7 @@ DEFAULT_CONFIG: dict = {
     "block_h": 64,  # heads per CTA (rows of every MMA); fewer heads are padded
     "block_k": 64,  # index slots per pipeline stage
     # None: "seesaw" for prefill rows, "qk_one" for the programs that exist for qk_one only (partial,
-    # persistent_ctas, cluster_parts); the wrapper runs generation steps (decode) on "qk_one".
+    # persistent_ctas, cluster_parts); the wrapper runs rows cut into parts on it (PARTS_SCHEDULE).
     # "seesaw": consumer 0 scores the even slot blocks and consumer 1 the odd ones; the running row
     #   maximum passes from one to the other, so one softmax overlaps the other's MMAs, and each
     #   accumulates its output half from both blocks' P (its own from registers, the peer's from
@@ -157,23 +158,22 @@ DEFAULT_CONFIG: dict = {
     "fast_exp2": True,
 }
 
-# The schedule of generation steps (one query per row): their programs that cut a row into parts exist
-# for it only, and whole rows keep it too (the decode figures in attention_decode.md are its own).
-DECODE_SCHEDULE = "qk_one"
+# The schedule of the programs that cut a generation step's row into parts (cluster_parts, partial): they
+# exist for it only. Rows left whole, prefill or generation step (128 heads by default), run the default
+# seesaw program, so a decode row gives the bits the same row gives in a prefill. H100, whole 128-head rows
+# on the seesaw against qk_one, interleaved under CUDA graphs, k 2048 over 16K caches, MLA 576/512 / V4 D512
+# with sink: B 1 1.19 / 1.18x, B 8 1.21 / 1.17x, B 32 1.03 / 1.04x, B 64 0.97 / 0.98x, B 128 0.98 / 0.98x
+# (attention_decode.md).
+PARTS_SCHEDULE = "qk_one"
 
 # Every configuration the package ships. Heads, batch, lengths and K are runtime values, so one
 # entry serves every head count listed in "covers" (H = 16/32 shards use the padded head block).
 # Other (Dqk, Dv, sink) combinations compile on first use.
 SHIPPED_CONFIGS: list[dict] = [
     {**DEFAULT_CONFIG, "dim_qk": 512, "dim_v": 512, "has_sink": True,
-     "covers": "DeepSeek-V4 D512 with sink, H 16/32/64/128"},
+     "covers": "DeepSeek-V4 D512 with sink, H 16/32/64/128, and its generation steps of whole rows"},
     {**DEFAULT_CONFIG, "dim_qk": 576, "dim_v": 512, "has_sink": False,
-     "covers": "absorbed MLA (V3.2 / GLM-5) 576/512, H 16/32/64/128"},
-    # generation steps whose rows are not cut into parts (128 heads, or DSA_PLUGINS_DECODE_ROW_CTAS=0)
-    {**DEFAULT_CONFIG, "dim_qk": 512, "dim_v": 512, "has_sink": True, "schedule": DECODE_SCHEDULE,
-     "covers": "DeepSeek-V4 generation steps of whole rows"},
-    {**DEFAULT_CONFIG, "dim_qk": 576, "dim_v": 512, "has_sink": False, "schedule": DECODE_SCHEDULE,
-     "covers": "absorbed MLA generation steps of whole rows"},
+     "covers": "absorbed MLA (V3.2 / GLM-5) 576/512, H 16/32/64/128, and its generation steps of whole rows"},
 ]
 
 # The decode programs whose parts merge inside a cluster that the models' generation steps take by default
@@ -1323,18 +1323,20 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
     decode = s == 1 if decode is None else bool(decode)
     if part_slots is None:
         part_slots = decode_part_slots() if decode else 0
-    if (decode or part_slots or cluster_parts) and "schedule" not in (overrides or {}):
-        # generation steps, and any rows that may be cut into parts: the programs for parts are qk_one's
-        overrides = {**(overrides or {}), "schedule": DECODE_SCHEDULE}
-    cfg = config_for(dqk, dv, sink is not None, q.dtype, overrides)
-    step = 2 * cfg["block_k"]
+    given = dict(overrides or {})
+    # the programs that cut a row into parts exist for PARTS_SCHEDULE only: unless a schedule is named, rows cut
+    # into parts take it, and whole rows (prefill, or generation steps left whole) the default
+    parts_overrides = given if "schedule" in given else {**given, "schedule": PARTS_SCHEDULE}
     if cluster_parts is None:
-        split_ok = decode and not part_slots and _takes_cluster_parts(cfg)
+        split_ok = decode and not part_slots and _takes_cluster_parts(
+            config_for(dqk, dv, sink is not None, q.dtype, parts_overrides))
         cluster_parts = decode_cluster_parts(k, h) if split_ok else 0
     if cluster_parts:
         parts = cluster_parts
     else:
         parts = -(-k // part_slots) if part_slots and k > part_slots else 1
+    cfg = config_for(dqk, dv, sink is not None, q.dtype, parts_overrides if parts > 1 else given)
+    step = 2 * cfg["block_k"]
     kp = -(-(-(-k // parts)) // step) * step * parts  # each part a whole number of trips
     # (the HBM split's fp32 partials hold parts outputs; the cluster split none)
     if max(q.numel(), kv.numel(), out.numel() * (1 if cluster_parts else parts), b * s * kp) >= 2**31:

@@ -331,15 +331,19 @@ def test_seesaw_without_auto_sync_is_bitwise_with_it(case, repeat):
 
 @pytest.mark.parametrize("h", (16, 64, 128))
 @pytest.mark.parametrize("dims", ((576, 512, None), (512, 512, "randn")))
-def test_prefill_runs_seesaw_and_generation_steps_qk_one(dims, h):
-    """The op's schedules: rows of a prefill (S > 1, or decode=False) take the seesaw program, generation
-    steps (S == 1) qk_one's, whatever the batch; each bitwise the program named explicitly."""
+def test_prefill_and_whole_decode_rows_run_seesaw_and_parts_qk_one(dims, h):
+    """The op's schedules: rows of a prefill (S > 1, or decode=False) and generation steps left whole (128
+    heads) take the seesaw program, generation steps cut into parts (16 and 64 heads) qk_one's, whatever the
+    batch; each bitwise the program named explicitly."""
+    from dsa_plugins.common.settings import decode_cluster_parts
     from dsa_plugins.kernels.sparse_attention_fwd import _check_inputs, _launch, sparse_attention_fwd
 
     dqk, dv, sink_mode = dims
     gen = torch.Generator(device="cuda")
     gen.manual_seed(7 + h + dqk)
-    for s, b, decode, named in ((9, 2, None, "seesaw"), (1, 3, False, "seesaw"), (1, 3, None, "qk_one")):
+    step = "seesaw" if decode_cluster_parts(700, h) == 0 else "qk_one"
+    assert (step == "seesaw") == (h == 128)
+    for s, b, decode, named in ((9, 2, None, "seesaw"), (1, 3, False, "seesaw"), (1, 3, None, step)):
         q = torch.randn(b, s, h, dqk, generator=gen, device="cuda").bfloat16()
         kv = make_kv(b, 3001, dqk, torch.bfloat16, torch.device("cuda"), gen)
         idx = make_indices(b, s, 700, 3001, "random", torch.device("cuda"), gen)
@@ -349,9 +353,15 @@ def test_prefill_runs_seesaw_and_generation_steps_qk_one(dims, h):
         o2, l2 = torch.empty_like(out), torch.empty_like(lse)
         _launch(q, kv, idx, sc, sink, dv_, o2, l2, overrides={"schedule": named}, decode=decode)
         assert torch.equal(out, o2) and torch.equal(lse, l2), (s, decode, named)
-        if named == "seesaw":  # the other schedule differs in the last bits somewhere: the check can fail
-            _launch(q, kv, idx, sc, sink, dv_, o2, l2, overrides={"schedule": "qk_one"}, decode=decode)
-            assert not (torch.equal(out, o2) and torch.equal(lse, l2)), (s, decode)
+        # the other schedule differs in the last bits somewhere: the check can fail
+        other = "qk_one" if named == "seesaw" else "seesaw"
+        _launch(q, kv, idx, sc, sink, dv_, o2, l2, overrides={"schedule": other}, decode=decode)
+        assert not (torch.equal(out, o2) and torch.equal(lse, l2)), (s, decode, named)
+    if step == "seesaw":  # a generation step left whole: the bits its row gives inside a prefill
+        q2 = torch.cat([q, torch.randn_like(q)], dim=1)
+        idx2 = torch.cat([idx, idx.flip(-1)], dim=1)
+        out2, lse2 = sparse_attention_fwd(q2, kv, idx2, dqk**-0.5, sink, dv)
+        assert torch.equal(out, out2[:, :1]) and torch.equal(lse, lse2[:, :1])
 
 
 # Decode: one query per row, the slots split into parts scored by CTAs of their own, merged by the combine
@@ -435,12 +445,13 @@ def test_decode_rows_are_batch_invariant(h, dqk, sink_mode, split, monkeypatch):
         assert torch.equal(o1, out[i : i + 1]) and torch.equal(l1, lse[i : i + 1]), f"row {i} differs alone"
 
 
-@pytest.mark.parametrize("decode", (True, False), ids=("decode_schedule", "prefill_schedule"))
+@pytest.mark.parametrize("decode", (True, False), ids=("decode_path", "prefill_path"))
 @pytest.mark.parametrize("h, dqk, mode", [(64, 576, "pad"), (128, 512, "empty_rows"), (16, 576, "oob")])
 def test_decode_rows_walk_all_trips_with_the_same_bits(h, dqk, mode, decode, monkeypatch):
     """One-query rows skip the per-row trip counts (they walk every trip of their slots); each
     such row on one CTA (no split) gives the bits the same row gives inside a two-row launch (trips
-    from the indices) of the same schedule (decode=True: generation steps' qk_one, False: the seesaw)."""
+    from the indices) of the same path (decode=True: generation steps', False: the prefill's; rows left
+    whole run the seesaw on both)."""
     from dsa_plugins.kernels.sparse_attention_fwd import sparse_attention_fwd
 
     monkeypatch.setenv("DSA_PLUGINS_DECODE_ROW_CTAS", "0")
