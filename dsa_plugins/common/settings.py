@@ -126,7 +126,8 @@ def decode_cluster_parts(k: int, heads: int) -> int:
 
     A function of k and the head count only, never of the batch: rows stay batch invariant. The default
     splits the rows of models with up to 64 heads in two (H100, k 2048: 1.6x at B 1-32, 1.07x at B 64) and
-    leaves 128-head rows whole (two parts were 0.89x at B 64); 8 takes B 1-8 to about 3.2x at 0.75x at B 64
+    leaves 128-head rows whole, on the prefill's seesaw program (two parts: 1.38-1.47x at B 1-32 but 0.97x at
+    B 64 and 0.93x at B 128); 8 takes B 1-8 to about 3.2x at 0.75x at B 64
     (benchmarks/results/attention_decode.md)."""
     ctas = _env_count("DSA_PLUGINS_DECODE_ROW_CTAS", "2", "CTAs")
     if ctas < 0:
