@@ -274,8 +274,9 @@ _BAR_NEXT = 8
 
 
 def _takes_cluster_parts(cfg: dict) -> bool:
-    """The decode cluster split exists for the plain qk_one program only (no partial, persistent or cluster)."""
-    return cfg["schedule"] == "qk_one" and not (cfg["partial"] or cfg["persistent_ctas"] or cfg["cluster"])
+    """The decode cluster split exists for the plain qk_one and seesaw programs (no partial, persistent or
+    cluster)."""
+    return cfg["schedule"] in ("qk_one", "seesaw") and not (cfg["partial"] or cfg["persistent_ctas"] or cfg["cluster"])
 
 
 def _normalise_config(config: dict) -> dict:
@@ -354,8 +355,8 @@ def _check_config(cfg: dict) -> dict:
     if parts not in (0, 1, 2, 4, 8):
         raise ValueError(f"cluster_parts must be 0, 2, 4 or 8, got {cfg['cluster_parts']}")
     if cfg["cluster_parts"] and not _takes_cluster_parts(cfg):
-        raise ValueError("cluster_parts takes the qk_one schedule on the plain grid (no partial, persistent_ctas "
-                         "or cluster)")
+        raise ValueError("cluster_parts takes the qk_one or seesaw schedule on the plain grid (no partial, "
+                         "persistent_ctas or cluster)")
     return cfg
 
 
@@ -1077,7 +1078,8 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
                     T.sync_threads(_BAR_FIN, 256)
                     for h in T.Parallel(HB):
                         rs0[h] = l_s[0, h] + l_s[1, h]
-                    finish(0, c, rs0, m_i0, alpha0, acc_o0, Q_l, Sinks, Output, Lse, bz, by, h0, m_scaled=True)
+                    finish(0, c, rs0, m_i0, alpha0, acc_o0, Q_l, Sinks, Output, Lse, bz, by, h0, m_scaled=True,
+                           stages=stages, cl=cl)
                 elif seesaw:
                     T.set_max_nreg(consumer_regs[1], 1)
                     T.fill(acc_o1, 0)
@@ -1091,7 +1093,8 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
                     T.sync_threads(_BAR_FIN, 256)
                     for h in T.Parallel(HB):
                         rs1[h] = l_s[0, h] + l_s[1, h]
-                    finish(1, c, rs1, m_i1, alpha1, acc_o1, Q_r, Sinks, Output, Lse, bz, by, h0, m_scaled=True)
+                    finish(1, c, rs1, m_i1, alpha1, acc_o1, Q_r, Sinks, Output, Lse, bz, by, h0, m_scaled=True,
+                           stages=stages, cl=cl)
                 elif tx < 128:
                     T.set_max_nreg(consumer_regs[0], 1)
                     rows_consumer0(c, Q_l, Q_r, Q_t, stages, valid, acc_s0, acc_o0, m_i0, m_loc0, alpha0, l_i0, rs0,

@@ -107,8 +107,10 @@ def test_decode_split_programs_compile_for_sm90a(dims):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TILELANG, reason="TileLang is not installed")
-@pytest.mark.parametrize("config", mod.DECODE_CLUSTER_CONFIGS + [{**mod.SHIPPED_CONFIGS[1], "cluster_parts": 8}],
-                         ids=lambda c: f"{c['dim_qk']}-{c['dim_v']}-sink{int(c['has_sink'])}-parts{c['cluster_parts']}")
+@pytest.mark.parametrize("config", mod.DECODE_CLUSTER_CONFIGS + [{**mod.SHIPPED_CONFIGS[1], "cluster_parts": 8},
+                                    {**mod.SHIPPED_CONFIGS[0], "cluster_parts": 2, "schedule": "seesaw"}],
+                         ids=lambda c: f"{c['dim_qk']}-{c['dim_v']}-sink{int(c['has_sink'])}-parts{c['cluster_parts']}"
+                                       f"-{mod._normalise_config(c)['schedule']}")
 def test_decode_cluster_programs_compile_for_sm90a(config):
     """The decode split merged inside a cluster, as the 64-head models' generation steps take it (2 parts)
     and with DSA_PLUGINS_DECODE_ROW_CTAS=8 (8 parts): cluster launch, peer loads through distributed shared
@@ -151,14 +153,15 @@ def test_config_validation():
     with pytest.raises(ValueError, match="504"):  # more than the CTA's registers: setmaxnreg would hang
         mod._normalise_config({"producer_regs": 56, "consumer_regs": (256, 208)})
     assert mod._normalise_config({"consumer_regs": 224})["consumer_regs"] == (224, 224)
-    # the decode split merged in a cluster: 2, 4 or 8 parts, the plain qk_one program only
+    # the decode split merged in a cluster: 2, 4 or 8 parts, the plain qk_one and seesaw programs only
     assert mod._normalise_config({})["cluster_parts"] == 0
     assert mod._normalise_config({"cluster_parts": 1})["cluster_parts"] == 0
     assert mod._normalise_config({"cluster_parts": 8, "has_sink": True})["cluster_parts"] == 8
     for bad in ({"cluster_parts": 3}, {"cluster_parts": 16}):
         with pytest.raises(ValueError, match="cluster_parts must be"):
             mod._normalise_config(bad)
-    for bad in ({"schedule": "seesaw"}, {"partial": True}, {"persistent_ctas": 132}, {"cluster": "rows"}):
+    assert mod._normalise_config({"cluster_parts": 2, "schedule": "seesaw"})["schedule"] == "seesaw"
+    for bad in ({"schedule": "split"}, {"partial": True}, {"persistent_ctas": 132}, {"cluster": "rows"}):
         with pytest.raises(ValueError, match="cluster_parts takes"):
             mod._normalise_config({"cluster_parts": 4, **bad})
     # the cluster-launch experiment: off by default, two layouts, the plain grid only

@@ -386,18 +386,21 @@ DECODE_CASES += [
 ]
 
 
+@pytest.mark.parametrize("schedule", ("qk_one", "seesaw"))
 @pytest.mark.parametrize("parts", (2, 4, 8))
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"B{c[0]}H{c[2]}D{c[3]}-{c[4]}K{c[5]}Skv{c[6]}-{c[7]}-{c[8]}")
-def test_decode_cluster_split_matches_float64(case, parts):
+def test_decode_cluster_split_matches_float64(case, parts, schedule):
     """The parts of each row (some with no valid slot: k 511 in 8 parts of 128) merged through distributed
-    shared memory: the reference's values, empty rows out 0 and lse +inf, no NaN."""
-    _run_case(case, cluster_parts=parts)
+    shared memory, on either schedule that has the split: the reference's values, empty rows out 0 and lse
+    +inf, no NaN."""
+    _run_case(case, cluster_parts=parts, schedule=schedule)
 
 
+@pytest.mark.parametrize("schedule", ("qk_one", "seesaw"))
 @pytest.mark.parametrize("case", [DECODE_CASES[i] for i in (0, 3, 6)], ids=lambda c: f"B{c[0]}H{c[2]}D{c[3]}-{c[7]}")
-def test_decode_cluster_split_float16(case):
+def test_decode_cluster_split_float16(case, schedule):
     """float16 rows through the cluster split (its hi + lo halves and their conversion are fp16 there)."""
-    _run_case(case, dtype=torch.float16, cluster_parts=4)
+    _run_case(case, dtype=torch.float16, cluster_parts=4, schedule=schedule)
 
 
 @pytest.mark.parametrize("part_slots", (512, 128))
@@ -487,10 +490,11 @@ def test_decode_split_agrees_with_one_part_and_keeps_nan():
     idx = make_indices(b, 1, k, skv, "random", torch.device("cuda"), gen)
     sc, dv = _check_inputs(q, kv, idx, dqk**-0.5, None, 512)
     res = []
-    for part_slots, parts in ((512, 0), (0, 8), (0, 0)):
+    for part_slots, parts, schedule in ((512, 0, None), (0, 8, None), (0, 8, "seesaw"), (0, 0, None)):
         out = torch.full((b, 1, h, dv), math.nan, dtype=torch.bfloat16, device="cuda")
         lse = torch.full((b, 1, h), math.nan, device="cuda")
-        _launch(q, kv, idx, sc, None, dv, out, lse, part_slots=part_slots, cluster_parts=parts)
+        _launch(q, kv, idx, sc, None, dv, out, lse, part_slots=part_slots, cluster_parts=parts,
+                overrides={"schedule": schedule} if schedule else None)
         res.append((out, lse))
     o_one, l_one = res[-1]
     nan_head = torch.zeros(b, 1, h, dtype=torch.bool, device="cuda")
@@ -504,6 +508,6 @@ def test_decode_split_agrees_with_one_part_and_keeps_nan():
         err = (o.double() - ref_out)[keep].abs().max().item()
         assert err <= 1.5e-2 * ref_out[keep].abs().max().item() + 1e-3
         assert (lse_.double() - ref_lse)[keep].abs().max().item() <= 2e-3 + 1e-3 * ref_lse[keep].abs().max().item()
-    for name, (o_split, _) in zip(("HBM partials", "cluster"), res[:2]):
+    for name, (o_split, _) in zip(("HBM partials", "cluster", "cluster, seesaw"), res[:3]):
         d = (o_split.double() - o_one.double())[keep].abs().max().item()
         assert d <= 1e-2 * o_one[keep].double().abs().max().item(), f"split ({name}) vs one part: {d:.3e}"
