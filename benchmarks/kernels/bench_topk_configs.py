@@ -1,6 +1,7 @@
 """The radix top-k's shipped CTA shapes on few long rows (generation steps: one row per sequence).
 
     python benchmarks/kernels/bench_topk_configs.py [--k 2048]
+    python benchmarks/kernels/bench_topk_configs.py --prefill 8192,32768 --extra '[{"threads": 256, ...}]'
 
 For each (rows, columns) case and each configuration of ``kernels.topk.SHIPPED_CONFIGS`` (without lse): the
 select + tie-fill pair replayed from a CUDA graph (mean us per call), and which one ``config_for_rows``
@@ -31,12 +32,47 @@ def scores(kind, rows, cols, g):
     return (x * w).sum(-1)
 
 
+def prefill(T: int, k: int, configs: list, rounds: int = 7, replays: int = 20) -> None:
+    """The top-k of a causal prefill's indexer scores (T rows, Hi 64, Di 128, the score program's own buffer) with
+    each configuration, captured in CUDA graphs and timed in alternating rounds; the sets checked equal."""
+    import statistics
+
+    from dsa_plugins.kernels import indexer as K
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(T, 64, 128, device="cuda", generator=g).bfloat16()
+    kk = torch.randn(T, 128, device="cuda", generator=g).bfloat16()
+    w = torch.randn(T, 64, device="cuda", generator=g) * (64**-0.5 * 128**-0.5)
+    ar = torch.arange(T, device="cuda", dtype=torch.int32)
+    plan = K._Plan(q, kk, w, torch.zeros_like(ar), ar + 1, None, 1 << 62)
+    r0, r1, buf = plan.chunk_scores(plan.chunks[0])
+    outs = [torch.empty(T, k, dtype=torch.int32, device="cuda") for _ in configs]
+    graphs = [capture_graph(lambda cfg=cfg, out=out: plan.chunk_topk(r0, r1, buf, k, out, config=cfg))
+              for cfg, out in zip(configs, outs)]
+    for cfg, out in zip(configs, outs):
+        assert torch.equal(out.sort(1).values, outs[0].sort(1).values), cfg
+    times = [[] for _ in configs]
+    for r in range(rounds):
+        for i in range(len(configs)) if r % 2 == 0 else reversed(range(len(configs))):
+            times[i].append(1e3 * graph_replay_ms(graphs[i], replays))
+    for cfg, t in zip(configs, times):
+        ratios = [a / b for a, b in zip(times[0], t)]
+        print(f"prefill T{T} k{k} {json.dumps(cfg)}: {statistics.median(t):.1f} us, first/this "
+              f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--extra", default="[]", help="JSON list of more configurations to time beside the shipped ones")
     ap.add_argument("--kinds", default="indexer-like,normal")
+    ap.add_argument("--prefill", default="", help="comma list of T: a causal prefill's indexer scores instead, the "
+                    "configuration picked for them first, then --extra")
     args = ap.parse_args()
+    if args.prefill:
+        for T in (int(t) for t in args.prefill.split(",")):
+            prefill(T, args.k, [TK.config_for_rows(T, T)] + json.loads(args.extra))
+        return
     g = torch.Generator(device="cuda").manual_seed(0)
     configs = [c for c in TK.SHIPPED_CONFIGS if not c.get("lse")] + json.loads(args.extra)
     print("| scores | rows | columns | " + " | ".join(f"{c['threads']}t agg={c.get('agg')}" + (f" parts={c['parts']}" if c.get('parts') else "")
