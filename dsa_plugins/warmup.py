@@ -204,7 +204,8 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
                                   "build_combine_kernel", (dv, sink, "bfloat16")))
     for cfg in idx_cfgs:
         fp8 = " fp8" if cfg.get("fp8") else ""
-        step = ", generation steps" if cfg in indexer.DECODE_CONFIGS else ""
+        step = (", generation steps" if cfg in indexer.DECODE_CONFIGS
+                else ", dense loss tiling" if cfg not in indexer.PREFILL_CONFIGS else "")
         jobs.append(KernelJob(f"indexer scores Hi{cfg['heads']} Di{cfg['dim']}{fp8}{step}", idx, "build_indexer", (cfg,),
                               gpu_target="auto"))
     for bq, bk in sorted({(c["block_q"], c["block_k"]) for c in idx_cfgs}):

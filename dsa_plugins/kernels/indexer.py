@@ -59,9 +59,11 @@ from . import aligned_operand, announce_compile
 
 logger = logging.getLogger("dsa_plugins")
 
-#: Compile-time configurations shipped for prefill and training (many query rows).
-#: Row counts, key counts and the chunk width are run-time sizes.
-PREFILL_CONFIGS: list = [
+#: Compile-time configurations of TileLang's own warp specialisation (the score MMAs of a key block, then its
+#: epilogue). Row counts, key counts and the chunk width are run-time sizes. They tile the dense warm-up loss
+#: (its score-gradient and dense programs follow the score buffer's key blocks) and the generation steps, and
+#: score the prefill where no hand-specialised program is faster.
+TILED_CONFIGS: list = [
     {"heads": 64, "dim": 128, "block_q": 4, "block_k": 128, "threads": 256, "num_stages": 2, "ws": True},
     {"heads": 32, "dim": 128, "block_q": 4, "block_k": 128, "threads": 256, "num_stages": 2, "ws": True},
     {"heads": 16, "dim": 64, "block_q": 4, "block_k": 64, "threads": 128, "num_stages": 2, "ws": True},
@@ -71,19 +73,28 @@ PREFILL_CONFIGS: list = [
     {"heads": 32, "dim": 128, "block_q": 8, "block_k": 128, "threads": 256, "num_stages": 2, "ws": True, "fp8": True},
 ]
 
+#: The prefill's score program (the indexer top-k over many query rows): for 64 index heads the hand-specialised
+#: one (``pingpong``: one consumer's epilogue runs beside the other's MMAs, 64-key blocks). H100, T 8K / 32K
+#: causal, the same sets: scores 1.07-1.08x / 1.04-1.06x bf16 and 1.12x fp8, indexer + top-k 1.02-1.05x;
+#: at 32 heads (128 columns) 0.97-0.98x, so they keep the tiled program (indexer_fp8.md).
+PREFILL_CONFIGS: list = [
+    {**cfg, "block_k": 64, "pingpong": True} if cfg["heads"] == 64 else cfg for cfg in TILED_CONFIGS
+]
+
 #: Generation steps (up to DECODE_MAX_ROWS query rows): one row per CTA (``block_q`` 1), so rows
 #: of different sequences never share a CTA's MMAs or score columns; the key reads dominate, so
 #: one more stage of them is in flight.
 DECODE_MAX_ROWS = 256
-DECODE_CONFIGS: list = [{**cfg, "block_q": 1, "num_stages": 3} for cfg in PREFILL_CONFIGS]
+DECODE_CONFIGS: list = [{**cfg, "block_q": 1, "num_stages": 3} for cfg in TILED_CONFIGS]
 
 #: Every configuration shipped (the CPU test compiles each one for sm_90a; warmup fills the cache).
-SHIPPED_CONFIGS: list = PREFILL_CONFIGS + DECODE_CONFIGS
+SHIPPED_CONFIGS: list = PREFILL_CONFIGS + [c for c in TILED_CONFIGS if c not in PREFILL_CONFIGS] + DECODE_CONFIGS
 
 #: Default chunk buffer budget (bytes of fp32 scores held at once).
 DEFAULT_MAX_CHUNK_BYTES = 1 << 30
 
-_CFG_KEYS = ("heads", "dim", "block_q", "block_k", "threads", "num_stages", "ws", "split_n", "fp8", "relu_max")
+_CFG_KEYS = ("heads", "dim", "block_q", "block_k", "threads", "num_stages", "ws", "split_n", "fp8", "relu_max",
+             "pingpong")
 
 # relu as one max.NaN (sm_80+: NaN in, NaN out; a negative score or -0.0 gives +0.0), where a compare and a select
 # per score were needed to keep a NaN score NaN (fmaxf would turn it into 0)
@@ -96,11 +107,12 @@ __device__ __forceinline__ float dsa_relu_keep_nan(float x) {
 """
 
 
-def default_config(heads: int, dim: int, fp8: bool = False, rows: int | None = None) -> dict:
+def default_config(heads: int, dim: int, fp8: bool = False, rows: int | None = None, tiled: bool = False) -> dict:
     """The shipped configuration for (heads, dim, fp8) and ``rows`` query rows (at most
-    ``DECODE_MAX_ROWS``: a generation step's), else a generic one."""
+    ``DECODE_MAX_ROWS``: a generation step's), else a generic one. ``tiled``: TileLang's own specialisation
+    (TILED_CONFIGS) in place of a hand-specialised prefill program."""
     decode = rows is not None and rows <= DECODE_MAX_ROWS
-    for cfg in DECODE_CONFIGS if decode else PREFILL_CONFIGS:
+    for cfg in DECODE_CONFIGS if decode else TILED_CONFIGS if tiled else PREFILL_CONFIGS:
         if cfg["heads"] == heads and cfg["dim"] == dim and cfg.get("fp8", False) == fp8:
             return dict(cfg)
     block_q = 1 if decode else (max(1, min(4, 256 // heads)) if heads <= 256 else 1)
@@ -199,6 +211,121 @@ def _factory():
                             (lo + i - BlkLo[qb]) * block_k : (lo + i - BlkLo[qb] + 1) * block_k,
                         ],
                     )
+
+        return main
+
+    @tilelang.jit
+    def indexer_scores_pp(heads: int, dim: int, block_q: int, block_k: int, fp8: bool = False,
+                          producer_regs: int = 24, consumer_regs: int = 240):
+        # The same scores as indexer_scores, warp-specialised by hand so that one consumer's epilogue (relu,
+        # weights, head sum, store) runs while the other's MMAs hold the tensor cores: consumer g (128 threads)
+        # takes the key blocks i = g (mod 2) whole (block_k keys x all block_q * heads columns), and the two
+        # issue their MMAs in turn (named barriers), so they never run their epilogues side by side. The
+        # producer warpgroup loads Q once and the key blocks into four stages (two per consumer) by TMA.
+        nq = T.dynamic("nq")
+        nk = T.dynamic("nk")
+        nks = T.dynamic("nks")
+        width = T.dynamic("width")
+        nqb = T.dynamic("nqb")
+        dtype = T.float8_e4m3fn if fp8 else T.bfloat16
+        acc = T.float32
+        cols = block_q * heads
+        turn = (10, 11)  # consumer g waits on turn[g] for the other's MMA issue
+        out_bar = (12, 13)  # consumer g's own 128 threads, around its output tile
+
+        @T.macro
+        def consumer(g, Q, W, Scores, q_s, k_st, ks_st, out_s, ready, free, bar_q, s, s3, w_f, red, qb, lo, n,
+                     BlkLo):
+            T.copy(W[qb * block_q : (qb + 1) * block_q, :], w_f)
+            T.mbarrier_wait_parity(bar_q, 0)
+            if g == 1:  # consumer 0 issues the first block's MMAs without waiting
+                T.named_barrier_arrive(turn[0], 256)
+            for u in T.serial(T.ceildiv(n, 4)):
+                for jj in (0, 1):  # a tuple: Python unrolls it (stages g and g + 2)
+                    j = g + 2 * jj  # stage of block 4u + j
+                    if 4 * u + j < n:
+                        T.mbarrier_wait_parity(ready[j], u & 1)
+                        T.sync_threads(turn[g], 256)
+                        T.wgmma_gemm(k_st[j], q_s, s, transpose_B=True, clear_accum=True)
+                        T.named_barrier_arrive(turn[1 - g], 256)
+                        T.wait_wgmma(0)
+                        if not fp8:  # the stage is free once its MMAs are done (fp8: its key scales are read below)
+                            T.barrier_arrive(free[j])
+                        for a, b, h in T.Parallel(block_k, block_q, heads):
+                            s3[a, b, h] = T.call_extern(acc, "dsa_relu_keep_nan", s3[a, b, h]) * w_f[b, h]
+                        T.reduce_sum(s3, red, dim=-1, clear=True)
+                        T.tma_store_wait()  # the previous tile left out_s
+                        T.sync_threads(out_bar[g], 128)
+                        for b, a in T.Parallel(block_q, block_k):
+                            out_s[b, a] = red[a, b] * ks_st[j][a] if fp8 else red[a, b]
+                        if fp8:
+                            T.barrier_arrive(free[j])
+                        T.fence_proxy_async()
+                        T.sync_threads(out_bar[g], 128)
+                        blk = lo + 4 * u + j - BlkLo[qb]
+                        T.tma_copy(out_s, Scores[qb * block_q : (qb + 1) * block_q,
+                                                 blk * block_k : (blk + 1) * block_k], leader_scope_threads=128)
+            # the turn handed on after the last block (or consumer 1's first, when there is none) is taken, so
+            # that no arrival is left on a named barrier: n even, consumer 1's to consumer 0; n odd, the reverse
+            if (n % 2) == (1 if g == 1 else 0):
+                T.sync_threads(turn[g], 256)
+            T.tma_store_wait()
+
+        @T.prim_func
+        def main(
+            Q: T.Tensor([nq * heads, dim], dtype),
+            K: T.Tensor([nk, dim], dtype),
+            W: T.Tensor([nq, heads], acc),
+            KScale: T.Tensor([nks], acc),
+            BlkLo: T.Tensor([nqb], T.int32),
+            BlkHi: T.Tensor([nqb], T.int32),
+            splits: T.int32,
+            Scores: T.Tensor([nq, width], acc),
+        ):
+            with T.Kernel(nqb, splits, threads=384, prelude=_RELU_PRELUDE) as (bx, by):
+                q_s = T.alloc_shared([cols, dim], dtype)
+                k_st = [T.alloc_shared([block_k, dim], dtype) for _ in range(4)]
+                ks_st = [T.alloc_shared([block_k], acc) for _ in range(4)] if fp8 else [None] * 4
+                out_s = [T.alloc_shared([block_q, block_k], acc) for _ in range(2)]
+                bar_q = T.alloc_barrier(1)
+                ready = [T.alloc_barrier(1) for _ in range(4)]
+                free = [T.alloc_barrier(128) for _ in range(4)]
+                s0 = T.alloc_fragment([block_k, cols], acc)
+                s1 = T.alloc_fragment([block_k, cols], acc)
+                w0 = T.alloc_fragment([block_q, heads], acc)
+                w1 = T.alloc_fragment([block_q, heads], acc)
+                red0 = T.alloc_fragment([block_k, block_q], acc)
+                red1 = T.alloc_fragment([block_k, block_q], acc)
+                tx = T.get_thread_binding()
+                qb = nqb - 1 - bx  # last query blocks (the longest causal rows) first, as indexer_scores
+                per = T.ceildiv(BlkHi[qb] - BlkLo[qb], splits)
+                lo = BlkLo[qb] + by * per
+                hi = T.min(T.min(BlkHi[qb], lo + per), BlkLo[qb] + width // block_k)
+                n = T.max(hi - lo, 0)
+                if tx >= 256:
+                    T.set_max_nreg(producer_regs, 0)
+                    T.tma_copy(Q[qb * cols : (qb + 1) * cols, :], q_s, barrier=bar_q, leader_scope_threads=128)
+                    if T.shuffle_elect(128):
+                        T.barrier_arrive(bar_q)
+                    for u in T.serial(T.ceildiv(n, 4)):
+                        for j in (0, 1, 2, 3):  # a tuple: Python unrolls it (stage j is a buffer of its own)
+                            if 4 * u + j < n:
+                                T.mbarrier_wait_parity(free[j], (u & 1) ^ 1)
+                                T.tma_copy(K[(lo + 4 * u + j) * block_k : (lo + 4 * u + j + 1) * block_k, :], k_st[j],
+                                           barrier=ready[j], leader_scope_threads=128)
+                                if fp8:
+                                    T.tma_copy(KScale[(lo + 4 * u + j) * block_k : (lo + 4 * u + j + 1) * block_k],
+                                               ks_st[j], barrier=ready[j], leader_scope_threads=128)
+                                if T.shuffle_elect(128):
+                                    T.barrier_arrive(ready[j])
+                elif tx < 128:
+                    T.set_max_nreg(consumer_regs, 1)
+                    consumer(0, Q, W, Scores, q_s, k_st, ks_st, out_s[0], ready, free, bar_q, s0,
+                             T.reshape(s0, (block_k, block_q, heads)), w0, red0, qb, lo, n, BlkLo)
+                else:
+                    T.set_max_nreg(consumer_regs, 1)
+                    consumer(1, Q, W, Scores, q_s, k_st, ks_st, out_s[1], ready, free, bar_q, s1,
+                             T.reshape(s1, (block_k, block_q, heads)), w1, red1, qb, lo, n, BlkLo)
 
         return main
 
@@ -380,7 +507,8 @@ def _factory():
 
         return main
 
-    return {"indexer_scores": indexer_scores, "block_ranges": block_ranges, "score_grads_query": score_grads_query,
+    return {"indexer_scores": indexer_scores, "indexer_scores_pp": indexer_scores_pp, "block_ranges": block_ranges,
+            "score_grads_query": score_grads_query,
             "score_grads_key": score_grads_key}
 
 
@@ -397,15 +525,17 @@ def _norm_config(config: dict) -> tuple:
 def _norm_config_items(items: tuple) -> tuple:
     cfg = dict(items)
     missing = [k for k in _CFG_KEYS if k not in cfg]
-    if missing:
-        cfg = {**default_config(cfg["heads"], cfg["dim"], bool(cfg.get("fp8", False))), **cfg}
+    if missing:  # (a configuration names the hand-specialised program itself: filled from the tiled ones)
+        cfg = {**default_config(cfg["heads"], cfg["dim"], bool(cfg.get("fp8", False)), tiled=True), **cfg}
     cfg.setdefault("split_n", False)
     cfg.setdefault("fp8", False)
     # relu_max: the relu as one max.NaN (_RELU_PRELUDE) instead of a compare and a select per score: the consumers'
     # loop 687 -> 559 instructions (Hi 64, sm_90a SASS); H100, same process, the same sets: scores 1.04-1.06x bf16
     # and 1.08x fp8 at T 8K, indexer + top-k 1.02-1.04x bf16, 1.07x fp8
     cfg["relu_max"] = True if cfg.get("relu_max") is None else cfg["relu_max"]
-    return tuple((k, (bool(cfg[k]) if k in ("ws", "split_n", "fp8", "relu_max") else int(cfg[k]))) for k in _CFG_KEYS)
+    cfg.setdefault("pingpong", False)
+    return tuple((k, (bool(cfg[k]) if k in ("ws", "split_n", "fp8", "relu_max", "pingpong") else int(cfg[k])))
+                 for k in _CFG_KEYS)
 
 
 _BUILD_LOCK = threading.Lock()
@@ -435,6 +565,15 @@ def build_indexer(config: dict, target=None):
     key = _norm_config(config)
     params = dict(key)
     ws = params.pop("ws")
+    if params.pop("pingpong"):
+        if not params["relu_max"] or params["split_n"] or params["block_k"] != 64:
+            raise ValueError(f"the pingpong score program takes block_k 64, relu_max and no split_n, got {config}")
+        # warp-specialised by hand (its own barriers): neither TileLang's specialisation nor its syncs
+        import tilelang
+
+        pp = {k: params[k] for k in ("heads", "dim", "block_q", "block_k", "fp8")}
+        return _compiled("indexer_scores_pp", key, pp, target,
+                         {**_pass_configs(False), tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})
     return _compiled("indexer_scores", key, params, target, _pass_configs(ws))
 
 
@@ -450,8 +589,8 @@ def grad_config(score_config: dict) -> dict:
             "threads": cfg["threads"], "num_stages": 2}
 
 
-#: The score-gradient programs shipped (the dense warm-up loss): one pair per bf16 prefill tiling.
-GRAD_CONFIGS: list = [grad_config(c) for c in PREFILL_CONFIGS if not c.get("fp8")]
+#: The score-gradient programs shipped (the dense warm-up loss): one pair per bf16 tiling it scores with.
+GRAD_CONFIGS: list = [grad_config(c) for c in TILED_CONFIGS if not c.get("fp8")]
 
 
 def build_score_grads(side: str, config: dict, target=None):

@@ -1320,11 +1320,11 @@ def dense_index_heads(index_heads: int) -> int:
 
 def dense_score_config(index_heads: int, index_dim: int) -> dict:
     """The indexer score tiling of the dense loss (its logits, score-gradient and dense programs follow it): the
-    padded index heads (:func:`dense_index_heads`) and the prefill tiling at any T, so that short inputs run the
-    shipped, warmed programs rather than the generation-step tiling."""
+    padded index heads (:func:`dense_index_heads`) and TileLang's own prefill tiling at any T (TILED_CONFIGS), so
+    that short inputs run the shipped, warmed programs rather than the generation-step tiling."""
     from . import indexer as _indexer
 
-    return _indexer.default_config(dense_index_heads(index_heads), index_dim)
+    return _indexer.default_config(dense_index_heads(index_heads), index_dim, tiled=True)
 
 
 #: Bytes of one fp32 [rows, width] buffer of a row chunk of the dense loss (the scores, the target, and a few

@@ -67,11 +67,16 @@ def _src(compiled, key):
 @pytest.mark.parametrize(
     "i", range(len(K.SHIPPED_CONFIGS)),
     ids=[f"h{c['heads']}d{c['dim']}q{c['block_q']}k{c['block_k']}{'fp8' if c.get('fp8') else ''}"
-         for c in K.SHIPPED_CONFIGS],
+         f"{'pp' if c.get('pingpong') else ''}" for c in K.SHIPPED_CONFIGS],
 )
 def test_indexer_configs_compile(compiled, i):
     src = _src(compiled, ("indexer", i))
     assert "wgmma" in src  # the score GEMM runs on Hopper tensor cores
+    if K.SHIPPED_CONFIGS[i].get("pingpong"):
+        # specialised by hand: a producer at 24 registers, consumers at 240 handing each other the turn to
+        # issue their MMAs (named barriers 10 and 11), each storing its own tiles by TMA
+        assert "warpgroup_reg_dealloc<24>" in src and "warpgroup_reg_alloc<240>" in src
+        assert src.count("__named_barrier_arrive(10, 256)") >= 2 and src.count("tma_store(Scores_desc") == 4
     # the relu as one max.NaN (relu_max, the default): a NaN score stays NaN without a compare and a select
     assert "dsa_relu_keep_nan(" in src and "max.NaN.f32" in src
     if K.SHIPPED_CONFIGS[i].get("fp8"):
@@ -123,7 +128,7 @@ def test_score_gradient_programs_compile(compiled, side, i):
 
 
 def test_gradient_tiling_follows_the_score_buffers():
-    for cfg in K.PREFILL_CONFIGS:
+    for cfg in K.TILED_CONFIGS:  # the tilings the dense warm-up loss scores with
         if cfg.get("fp8"):
             continue
         g = K.grad_config(cfg)
@@ -154,7 +159,17 @@ def test_supported_shapes_and_configs():
     for cfg in K.DECODE_CONFIGS:  # generation steps: one query row per CTA
         assert cfg["block_q"] == 1
         assert K.default_config(cfg["heads"], cfg["dim"], cfg.get("fp8", False), rows=K.DECODE_MAX_ROWS) == cfg
-    assert K.SHIPPED_CONFIGS == K.PREFILL_CONFIGS + K.DECODE_CONFIGS
+    # the prefill's programs, the tiled ones they replace (the dense loss scores with those), the generation steps'
+    assert K.SHIPPED_CONFIGS == K.PREFILL_CONFIGS + [c for c in K.TILED_CONFIGS if c.get("heads") == 64] + \
+        K.DECODE_CONFIGS
+    for cfg in K.TILED_CONFIGS:
+        assert K.default_config(cfg["heads"], cfg["dim"], cfg.get("fp8", False), tiled=True) == cfg
+        assert not cfg.get("pingpong")
+    # 64 index heads score their prefill on the hand-specialised program, in 64-key blocks
+    assert [c.get("pingpong", False) for c in K.PREFILL_CONFIGS] == [c["heads"] == 64 for c in K.PREFILL_CONFIGS]
+    assert all(c["block_k"] == 64 for c in K.PREFILL_CONFIGS if c.get("pingpong"))
+    with pytest.raises(ValueError, match="pingpong"):
+        K.build_indexer({**K.PREFILL_CONFIGS[0], "relu_max": False}, target=SM90)
     assert TK.config_for_rows(64, 32768) == TK.DEFAULT_CONFIG
     assert TK.config_for_rows(8192, 8192) == TK.MANY_SHORT_ROWS_CONFIG
     assert TK.config_for_rows(4096, 65536) == TK.MANY_LONG_ROWS_CONFIG
@@ -184,5 +199,5 @@ def test_plan_chunks_budget_and_cover():
 def test_indexer_relu_as_compare_and_select_compiles():
     """relu_max=False (the compare and select the max.NaN replaced) still compiles, without the prelude's max."""
     _need_toolchain()
-    src = K.build_indexer({**K.PREFILL_CONFIGS[0], "relu_max": False}, target=SM90).get_kernel_source()
+    src = K.build_indexer({**K.TILED_CONFIGS[0], "relu_max": False}, target=SM90).get_kernel_source()
     assert "wgmma" in src and "dsa_relu_keep_nan" not in src

@@ -522,3 +522,42 @@ def test_indexer_selected_lse(budget):
     assert torch.isfinite(lse[4:]).all()
     err = (lse[4:].double() - want[4:]).abs().max().item()
     assert err <= 1e-5 * max(1.0, want[4:].abs().max().item()), f"lse max abs err {err:.3e}"
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("hi", [64, 32])
+def test_indexer_pingpong_program_gives_the_shipped_scores(hi, fp8):
+    """The hand-specialised score program (``pingpong``: one consumer's epilogue beside the other's MMAs) writes
+    the shipped program's scores bit for bit (the same MMA shape per 64 keys, the same head sum) at every key
+    of every window: T not a multiple of any block, empty windows, windows that start inside a key block."""
+    from dsa_plugins.ops import quantize_indexer_fp8
+
+    T, Tk, k = 1001, 1500, 300
+    q, kk, w = make_inputs(T, Tk, hi, 128, seed=40 + hi)
+    scale = None
+    if fp8:
+        q, kk, scale, w = quantize_indexer_fp8(q, kk, w)
+    g = torch.Generator(device="cuda").manual_seed(41)
+    a = torch.randint(0, Tk, (T,), device="cuda", generator=g)
+    b = torch.randint(0, Tk + 1, (T,), device="cuda", generator=g)
+    ks, ke = torch.minimum(a, b).int(), torch.maximum(a, b).int()
+    ke[:7] = ks[:7]  # empty windows
+    shipped = K.default_config(hi, 128, fp8, tiled=True)
+    pingpong = {**shipped, "block_k": 64, "pingpong": True}
+    dense = []
+    for cfg in (shipped, pingpong):
+        plan = K._Plan(q, kk, w, ks, ke, cfg, 1 << 62, index_k_scale=scale)
+        (chunk,) = plan.chunks
+        r0, r1, buf = plan.chunk_scores(chunk)
+        cols = torch.arange(buf.shape[1], device="cuda")
+        inside = (cols[None, :] >= plan.ks[:, None]) & (cols[None, :] < plan.ke[:, None])
+        full = torch.full((T, Tk), float("nan"), device="cuda")
+        rows = torch.arange(T, device="cuda")[:, None].expand_as(inside)
+        full[rows[inside], (plan.base[:, None] + cols[None, :]).expand_as(inside)[inside]] = buf[inside]
+        dense.append(full)
+    seen = ~torch.isnan(dense[0])
+    assert torch.equal(seen, ~torch.isnan(dense[1]))
+    assert int(seen.sum()) == int((ke - ks).clamp(min=0).sum())
+    assert torch.equal(dense[0][seen], dense[1][seen])
+    out = [K.indexer_topk(q, kk, w, ks, ke, k, config=cfg, index_k_scale=scale) for cfg in (shipped, pingpong)]
+    assert torch.equal(out[0].sort(1).values, out[1].sort(1).values)

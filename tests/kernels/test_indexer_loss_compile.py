@@ -41,8 +41,8 @@ def test_module_imports_without_tilelang_side_effects():
     # and both dims
     from dsa_plugins.kernels import indexer
 
-    plans = {(cfg["block_q"], cfg["block_k"]) for cfg in (indexer.default_config(mod.dense_index_heads(h), 128)
-                                                           for h in (8, 32, 64))}
+    plans = {(cfg["block_q"], cfg["block_k"]) for cfg in (indexer.default_config(mod.dense_index_heads(h), 128,
+                                                                                 tiled=True) for h in (8, 32, 64))}
     for kind in ("dense_target", "dense_norm"):
         assert {(c["block_q"], c["block_k"]) for c in mod.SHIPPED_CONFIGS if c["kind"] == kind} == plans
         assert {(c["heads"], c["dim"]) for c in mod.SHIPPED_CONFIGS if c["kind"] == kind} == {
