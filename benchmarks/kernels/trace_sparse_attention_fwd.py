@@ -102,7 +102,7 @@ def traced_source(ablate: tuple[str, ...] = ()) -> str:
         s = _replace(s, sums, f"{ind}if tx == {tid}:\n{ind}    {_stamp(loop_done)}\n" + sums
                      + f"{ind}if tx == {tid}:\n{ind}    {_stamp(fin)}\n")
         fin_call = (f"{ind}finish({g}, c, rs{g}, m_i{g}, alpha{g}, acc_o{g}, {'Q_l' if g == 0 else 'Q_r'}, Sinks, "
-                    "Output, Lse, bz, by, h0, m_scaled=True)\n")
+                    f"Output, Lse, bz, by, h0, m_scaled=True,\n{ind}       stages=stages, cl=cl)\n")
         extra = f"{ind}    {_stamp(10, 'dsa_trace_gt')}\n" if g == 0 else ""
         s = _replace(s, fin_call, fin_call + f"{ind}if tx == {tid}:\n{ind}    {_stamp(end)}\n" + extra)
     s = _replace(s, "seesaw_odd(c, ", "seesaw_odd(Trace, cta, c, ", count=2)
