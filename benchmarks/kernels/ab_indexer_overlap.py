@@ -17,7 +17,6 @@ shipped / variant ratio per round (> 1: the variant is faster).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -25,18 +24,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
+from bench_indexer import inputs as causal_inputs  # noqa: E402  (one causal sequence: q, k, w, windows)
 from dsa_plugins.bench.runner import capture_graph, graph_replay_ms  # noqa: E402
 from dsa_plugins.kernels import indexer as K  # noqa: E402
-
-
-def causal_inputs(T, hi, di, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(T, hi, di, device="cuda", generator=g).bfloat16()
-    k = torch.randn(T, di, device="cuda", generator=g).bfloat16()
-    w = torch.randn(T, hi, device="cuda", generator=g) * (hi**-0.5 * di**-0.5)
-    ar = torch.arange(T, device="cuda", dtype=torch.int32)
-    return q, k, w, torch.zeros_like(ar), ar + 1
 
 
 def equal_work_chunks(plan, n):
