@@ -73,12 +73,15 @@ TILED_CONFIGS: list = [
     {"heads": 32, "dim": 128, "block_q": 8, "block_k": 128, "threads": 256, "num_stages": 2, "ws": True, "fp8": True},
 ]
 
-#: The prefill's score program (the indexer top-k over many query rows): for 64 index heads the hand-specialised
-#: one (``pingpong``: one consumer's epilogue runs beside the other's MMAs, 64-key blocks). H100, T 8K / 32K
-#: causal, the same sets: scores 1.07-1.08x / 1.04-1.06x bf16 and 1.12x fp8, indexer + top-k 1.02-1.05x;
-#: at 32 heads (128 columns) 0.97-0.98x, so they keep the tiled program (indexer_fp8.md).
+#: The prefill's score program (the indexer top-k over many query rows): for 32 and 64 index heads of 128 the
+#: hand-specialised one (``pingpong``: one consumer's epilogue runs beside the other's MMAs), 64-key blocks of
+#: 256 columns (block_q * heads). H100, T 8K / 32K causal, the same sets, against the tiled program: Hi 64 scores
+#: 1.05-1.07x bf16 and 1.15-1.17x fp8; Hi 32 1.08-1.10x / 1.05-1.08x bf16 and 1.09-1.10x fp8 at T 8K; indexer +
+#: top-k 1.03-1.10x (indexer_fp8.md). At Hi 32 with 128 columns (block_q 4) it was 0.97-0.98x.
 PREFILL_CONFIGS: list = [
-    {**cfg, "block_k": 64, "pingpong": True} if cfg["heads"] == 64 else cfg for cfg in TILED_CONFIGS
+    {**cfg, "block_q": 256 // cfg["heads"], "block_k": 64, "pingpong": True}
+    if cfg["dim"] == 128 and cfg["heads"] in (32, 64) else cfg
+    for cfg in TILED_CONFIGS
 ]
 
 #: Generation steps (up to DECODE_MAX_ROWS query rows): one row per CTA (``block_q`` 1), so rows

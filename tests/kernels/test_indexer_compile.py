@@ -159,15 +159,17 @@ def test_supported_shapes_and_configs():
     for cfg in K.DECODE_CONFIGS:  # generation steps: one query row per CTA
         assert cfg["block_q"] == 1
         assert K.default_config(cfg["heads"], cfg["dim"], cfg.get("fp8", False), rows=K.DECODE_MAX_ROWS) == cfg
-    # the prefill's programs, the tiled ones they replace (the dense loss scores with those), the generation steps'
-    assert K.SHIPPED_CONFIGS == K.PREFILL_CONFIGS + [c for c in K.TILED_CONFIGS if c.get("heads") == 64] + \
-        K.DECODE_CONFIGS
+    # every tiled configuration ships too (the dense loss scores with them; generation steps derive from them)
+    assert all(c in K.SHIPPED_CONFIGS for c in K.TILED_CONFIGS + K.PREFILL_CONFIGS + K.DECODE_CONFIGS)
+    assert len(K.SHIPPED_CONFIGS) == len(K.TILED_CONFIGS) + 4 + len(K.DECODE_CONFIGS)  # + 4 hand-specialised
     for cfg in K.TILED_CONFIGS:
         assert K.default_config(cfg["heads"], cfg["dim"], cfg.get("fp8", False), tiled=True) == cfg
         assert not cfg.get("pingpong")
-    # 64 index heads score their prefill on the hand-specialised program, in 64-key blocks
-    assert [c.get("pingpong", False) for c in K.PREFILL_CONFIGS] == [c["heads"] == 64 for c in K.PREFILL_CONFIGS]
-    assert all(c["block_k"] == 64 for c in K.PREFILL_CONFIGS if c.get("pingpong"))
+    # 32 and 64 index heads of 128 score their prefill on the hand-specialised program: 64-key blocks of 256
+    # columns (the m64n256 MMA of one consumer)
+    assert [c.get("pingpong", False) for c in K.PREFILL_CONFIGS] == [
+        c["heads"] in (32, 64) and c["dim"] == 128 for c in K.PREFILL_CONFIGS]
+    assert all(c["block_k"] == 64 and c["block_q"] * c["heads"] == 256 for c in K.PREFILL_CONFIGS if c.get("pingpong"))
     with pytest.raises(ValueError, match="pingpong"):
         K.build_indexer({**K.PREFILL_CONFIGS[0], "relu_max": False}, target=SM90)
     assert TK.config_for_rows(64, 32768) == TK.DEFAULT_CONFIG

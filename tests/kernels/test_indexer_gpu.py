@@ -527,9 +527,10 @@ def test_indexer_selected_lse(budget):
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("hi", [64, 32])
 def test_indexer_pingpong_program_gives_the_shipped_scores(hi, fp8):
-    """The hand-specialised score program (``pingpong``: one consumer's epilogue beside the other's MMAs) writes
-    the shipped program's scores bit for bit (the same MMA shape per 64 keys, the same head sum) at every key
-    of every window: T not a multiple of any block, empty windows, windows that start inside a key block."""
+    """The hand-specialised score program (``pingpong``: one consumer's epilogue beside the other's MMAs; the
+    prefill's for 32 and 64 index heads) writes the tiled program's scores bit for bit (the same MMA per 64 keys
+    and the same head sum, whatever block_q) at every key of every window: T not a multiple of any block, empty
+    windows, windows that start inside a key block."""
     from dsa_plugins.ops import quantize_indexer_fp8
 
     T, Tk, k = 1001, 1500, 300
@@ -543,7 +544,8 @@ def test_indexer_pingpong_program_gives_the_shipped_scores(hi, fp8):
     ks, ke = torch.minimum(a, b).int(), torch.maximum(a, b).int()
     ke[:7] = ks[:7]  # empty windows
     shipped = K.default_config(hi, 128, fp8, tiled=True)
-    pingpong = {**shipped, "block_k": 64, "pingpong": True}
+    pingpong = K.default_config(hi, 128, fp8)
+    assert pingpong.get("pingpong") and pingpong["block_k"] == 64
     dense = []
     for cfg in (shipped, pingpong):
         plan = K._Plan(q, kk, w, ks, ke, cfg, 1 << 62, index_k_scale=scale)
