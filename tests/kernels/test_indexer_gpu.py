@@ -528,9 +528,11 @@ def test_indexer_selected_lse(budget):
 @pytest.mark.parametrize("hi", [64, 32])
 def test_indexer_pingpong_program_gives_the_shipped_scores(hi, fp8):
     """The hand-specialised score program (``pingpong``: one consumer's epilogue beside the other's MMAs; the
-    prefill's for 32 and 64 index heads) writes the tiled program's scores bit for bit (the same MMA per 64 keys
-    and the same head sum, whatever block_q) at every key of every window: T not a multiple of any block, empty
-    windows, windows that start inside a key block."""
+    prefill's for 32 and 64 index heads) writes the tiled program's scores at every key of every window (T not a
+    multiple of any block, empty windows, windows that start inside a key block): bit for bit where both take
+    the same block_q (the same m64nN MMA per 64 keys, the same head sum); where the tiled one takes fewer
+    queries per block (bf16 Hi 32: block_q 4 against 8, a narrower MMA) to fp32 rounding, with the reference's
+    selections."""
     from dsa_plugins.ops import quantize_indexer_fp8
 
     T, Tk, k = 1001, 1500, 300
@@ -560,6 +562,11 @@ def test_indexer_pingpong_program_gives_the_shipped_scores(hi, fp8):
     seen = ~torch.isnan(dense[0])
     assert torch.equal(seen, ~torch.isnan(dense[1]))
     assert int(seen.sum()) == int((ke - ks).clamp(min=0).sum())
-    assert torch.equal(dense[0][seen], dense[1][seen])
     out = [K.indexer_topk(q, kk, w, ks, ke, k, config=cfg, index_k_scale=scale) for cfg in (shipped, pingpong)]
-    assert torch.equal(out[0].sort(1).values, out[1].sort(1).values)
+    if shipped["block_q"] == pingpong["block_q"]:
+        assert torch.equal(dense[0][seen], dense[1][seen])
+        assert torch.equal(out[0].sort(1).values, out[1].sort(1).values)
+    else:
+        a, b = dense[0][seen], dense[1][seen]
+        assert not torch.isnan(b).any() and (a - b).abs().max() <= 1e-5 * a.abs().max()
+        assert check_indexer_rows(out[1], q, kk, w, ks, ke, k) > 0.98
