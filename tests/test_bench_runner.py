@@ -1,4 +1,5 @@
-"""Results files: rows keep their columns when the column list grows, and other files are refused."""
+"""Results files: rows keep their columns when the column list grows, and other files are refused; the A/B
+rounds' timing helper."""
 
 import csv
 
@@ -31,3 +32,15 @@ def test_a_file_with_columns_of_its_own_is_refused(tmp_path):
     with pytest.raises(ValueError, match="columns of its own"):
         write_results([{"op": "x", "mode": "fwd", "shape": "B1", "provider": "tilelang"}], tmp_path, "floor")
     assert path.read_text() == "dim,mode,ms\n128,red,3.3\n"
+
+
+def test_interleaved_graph_timing_alternates_and_skips_missing_graphs(monkeypatch):
+    """A/B rounds: forward order on even rounds, backward on odd ones; a None graph gets no times; the ratio
+    text is base / variant per round, median [min, max]."""
+    from dsa_plugins.bench import runner
+
+    calls = []
+    monkeypatch.setattr(runner, "graph_replay_ms", lambda g, reps: calls.append(g) or float(g))
+    times = runner.interleaved_graph_ms([1, None, 2], rounds=3, replays=5)
+    assert calls == [1, 2, 2, 1, 1, 2] and times == [[1.0, 1.0, 1.0], [], [2.0, 2.0, 2.0]]
+    assert runner.ratio_text([2.0, 4.0, 3.0], [1.0, 1.0, 1.0]) == "3.000 [2.000, 4.000]"

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_indexer import inputs as causal_inputs  # noqa: E402  (one causal sequence: q, k, w, windows)
-from dsa_plugins.bench.runner import capture_graph, graph_replay_ms  # noqa: E402
+from dsa_plugins.bench.runner import capture_graph, interleaved_graph_ms, ratio_text  # noqa: E402
 from dsa_plugins.kernels import indexer as K  # noqa: E402
 
 
@@ -54,13 +54,8 @@ def overlapped(plan, chunks, topk, out, side, bufs, reverse=True):
     """Scores of each chunk on the current stream, its top-k on ``side`` once they are written."""
     main = torch.cuda.current_stream()
     order = list(range(len(chunks)))[::-1] if reverse else list(range(len(chunks)))
-    kern = K.build_indexer(plan.cfg)
     for i in order:
-        qb0, qb1, wblocks = chunks[i]
-        r0, r1 = qb0 * plan.bq, min(qb1 * plan.bq, plan.Tq)
-        scores = bufs[i]
-        kern(plan.q[r0 * plan.Hi : r1 * plan.Hi], plan.k, plan.w[r0:r1], plan.k_scale, plan.blk_lo[qb0:qb1],
-             plan.blk_hi[qb0:qb1], K._splits(qb1 - qb0, wblocks, plan.device), scores)
+        r0, r1, scores = plan.chunk_scores(chunks[i], scores=bufs[i])
         ev = torch.cuda.Event()
         ev.record(main)
         side.wait_event(ev)
@@ -121,26 +116,13 @@ def main(argv=None) -> int:
         graphs = {name: capture_graph(fn) for name, fn in programs.items()}
         # scores alone and top-k alone (one chunk), for the shares
         buf = torch.empty(T, plan.chunks[0][2] * plan.bk, dtype=torch.float32, device="cuda")
-        one = [plan.chunks[0]]
-        kern = K.build_indexer(plan.cfg)
         out1 = torch.empty(T, topk, dtype=torch.int32, device="cuda")
-
-        def scores_only():
-            kern(plan.q, plan.k, plan.w, plan.k_scale, plan.blk_lo, plan.blk_hi,
-                 K._splits(one[0][1], one[0][2], plan.device), buf)
-
-        graphs["scores alone"] = capture_graph(scores_only)
+        graphs["scores alone"] = capture_graph(lambda: plan.chunk_scores(plan.chunks[0], scores=buf))
         graphs["top-k alone"] = capture_graph(lambda: plan.chunk_topk(0, T, buf, topk, out1))
         names = list(graphs)
-        times = {n_: [] for n_ in names}
-        for r in range(args.rounds):
-            for n_ in names if r % 2 == 0 else reversed(names):
-                times[n_].append(graph_replay_ms(graphs[n_], args.replays))
-        base = times["shipped"]
-        for n_ in names:
-            ratios = [a / b for a, b in zip(base, times[n_])]
-            print(f"T{T} {n_}: {statistics.median(times[n_]):.4f} ms, shipped/this {statistics.median(ratios):.3f} "
-                  f"[{min(ratios):.3f}, {max(ratios):.3f}]", flush=True)
+        times = interleaved_graph_ms([graphs[n_] for n_ in names], args.rounds, args.replays)
+        for n_, t in zip(names, times):
+            print(f"T{T} {n_}: {statistics.median(t):.4f} ms, shipped/this {ratio_text(times[0], t)}", flush=True)
         del graphs, programs, plan, buf, q, k, w
         torch.cuda.empty_cache()
     return 0

@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     if args.jobs:
         precompile(args.shapes, variants, args.jobs)
 
-    from dsa_plugins.bench.runner import capture_graph, graph_replay_ms
+    from dsa_plugins.bench.runner import capture_graph, interleaved_graph_ms, ratio_text
     from dsa_plugins.kernels.sparse_attention_fwd import _check_inputs, _launch
 
     for label, make, dv in cases(args.shapes, batches, args.cache, tuple(args.models.split(","))):
@@ -111,18 +111,12 @@ def main(argv=None) -> int:
             except ValueError as exc:  # a variant this shape cannot take (e.g. clusters of an odd head-block count)
                 graphs.append(None)
                 print(f"{label}: {json.dumps(v)} n/a: {exc}", flush=True)
-        times = [[] for _ in graphs]
-        for r in range(args.rounds):
-            for i in range(len(graphs)) if r % 2 == 0 else reversed(range(len(graphs))):
-                if graphs[i] is not None:
-                    times[i].append(graph_replay_ms(graphs[i], args.replays))
+        times = interleaved_graph_ms(graphs, args.rounds, args.replays)
         line = f"{label}: default {statistics.median(times[0]):.4f} ms"
         for v, t in zip(variants[1:], times[1:]):
             if not t:
                 continue
-            ratios = [a / b for a, b in zip(times[0], t)]
-            line += (f" | {json.dumps(v)} {statistics.median(t):.4f} ms, default/variant "
-                     f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]")
+            line += f" | {json.dumps(v)} {statistics.median(t):.4f} ms, default/variant {ratio_text(times[0], t)}"
         print(line, flush=True)
         del q, kv, idx, out, lse, graphs
     return 0

@@ -17,6 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 from dsa_plugins.bench.runner import capture_graph, graph_replay_ms  # noqa: E402
 from dsa_plugins.kernels import topk as TK  # noqa: E402
@@ -37,28 +38,21 @@ def prefill(T: int, k: int, configs: list, rounds: int = 7, replays: int = 20) -
     each configuration, captured in CUDA graphs and timed in alternating rounds; the sets checked equal."""
     import statistics
 
+    from bench_indexer import inputs
+    from dsa_plugins.bench.runner import interleaved_graph_ms, ratio_text
     from dsa_plugins.kernels import indexer as K
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(T, 64, 128, device="cuda", generator=g).bfloat16()
-    kk = torch.randn(T, 128, device="cuda", generator=g).bfloat16()
-    w = torch.randn(T, 64, device="cuda", generator=g) * (64**-0.5 * 128**-0.5)
-    ar = torch.arange(T, device="cuda", dtype=torch.int32)
-    plan = K._Plan(q, kk, w, torch.zeros_like(ar), ar + 1, None, 1 << 62)
+    plan = K._Plan(*inputs(T, 64, 128), None, 1 << 62)
     r0, r1, buf = plan.chunk_scores(plan.chunks[0])
     outs = [torch.empty(T, k, dtype=torch.int32, device="cuda") for _ in configs]
     graphs = [capture_graph(lambda cfg=cfg, out=out: plan.chunk_topk(r0, r1, buf, k, out, config=cfg))
               for cfg, out in zip(configs, outs)]
     for cfg, out in zip(configs, outs):
         assert torch.equal(out.sort(1).values, outs[0].sort(1).values), cfg
-    times = [[] for _ in configs]
-    for r in range(rounds):
-        for i in range(len(configs)) if r % 2 == 0 else reversed(range(len(configs))):
-            times[i].append(1e3 * graph_replay_ms(graphs[i], replays))
+    times = interleaved_graph_ms(graphs, rounds, replays)
     for cfg, t in zip(configs, times):
-        ratios = [a / b for a, b in zip(times[0], t)]
-        print(f"prefill T{T} k{k} {json.dumps(cfg)}: {statistics.median(t):.1f} us, first/this "
-              f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]", flush=True)
+        print(f"prefill T{T} k{k} {json.dumps(cfg)}: {1e3 * statistics.median(t):.1f} us, first/this "
+              f"{ratio_text(times[0], t)}", flush=True)
 
 
 def main() -> None:

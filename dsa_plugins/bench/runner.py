@@ -127,6 +127,24 @@ def graph_replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
     return start.elapsed_time(stop) / reps
 
 
+def interleaved_graph_ms(graphs: list, rounds: int, replays: int) -> list[list[float]]:
+    """Mean ms per replay of each CUDA graph (``graph_replay_ms``), once per round for ``rounds`` rounds, in
+    forward order on even rounds and backward on odd ones, so that the GPU's drift during a run falls on every
+    graph alike (A/B decisions of a few percent). A None graph (a variant a shape cannot take) gets no times."""
+    times: list[list[float]] = [[] for _ in graphs]
+    for r in range(rounds):
+        for i in range(len(graphs)) if r % 2 == 0 else reversed(range(len(graphs))):
+            if graphs[i] is not None:
+                times[i].append(graph_replay_ms(graphs[i], replays))
+    return times
+
+
+def ratio_text(base: list[float], times: list[float]) -> str:
+    """``base / times`` per round as "median [min, max]" (> 1: ``times`` is the faster)."""
+    ratios = [a / b for a, b in zip(base, times)]
+    return f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]"
+
+
 # ----------------------------------------------------------------------------- running and writing
 
 

@@ -146,6 +146,19 @@ def _factory():
     import tilelang
     import tilelang.language as T
 
+    @T.macro
+    def cta_key_blocks(BlkLo, BlkHi, nqb, splits, width, block_k, bx, by):
+        # The CTA's query block and key blocks [lo, hi). Grid (query blocks, splits): split s of a query block takes
+        # the s-th part of its key blocks (each key block's tile is written by one CTA, so the splits need no
+        # merge). Last query blocks first: under a causal mask they have the most key blocks, so the long CTAs
+        # start early and the tail of the grid is short.
+        qb = nqb - 1 - bx
+        per = T.ceildiv(BlkHi[qb] - BlkLo[qb], splits)
+        lo = BlkLo[qb] + by * per
+        # (never past the buffer: a window outside the bound the caller gave is cut, not written out of bounds)
+        hi = T.min(T.min(BlkHi[qb], lo + per), BlkLo[qb] + width // block_k)
+        return qb, lo, hi
+
     @tilelang.jit
     def indexer_scores(
         heads: int, dim: int, block_q: int, block_k: int, threads: int, num_stages: int, split_n: bool = False,
@@ -176,8 +189,6 @@ def _factory():
             splits: T.int32,
             Scores: T.Tensor([nq, width], acc),
         ):
-            # grid (query blocks, splits): split s of a query block takes the s-th part of its key
-            # blocks (each key block's tile is written by one CTA, so the splits need no merge).
             # Score columns are relative to the block's first key block (BlkLo): a row's buffer holds
             # its block's key range only, whatever the rows beside it see.
             with T.Kernel(nqb, splits, threads=threads, prelude=_RELU_PRELUDE if relu_max else None) as (bx, by):
@@ -189,13 +200,7 @@ def _factory():
                 red = T.alloc_fragment([block_k, block_q], acc)
                 out_s = T.alloc_shared([block_q, block_k], acc)
                 ks_s = T.alloc_shared([block_k], acc) if fp8 else None  # key scales of the block
-                # Last query blocks first: under a causal mask they have the most key
-                # blocks, so the long CTAs start early and the tail of the grid is short.
-                qb = nqb - 1 - bx
-                per = T.ceildiv(BlkHi[qb] - BlkLo[qb], splits)
-                lo = BlkLo[qb] + by * per
-                # (never past the buffer: a window outside the bound the caller gave is cut, not written out of bounds)
-                hi = T.min(T.min(BlkHi[qb], lo + per), BlkLo[qb] + width // block_k)
+                qb, lo, hi = cta_key_blocks(BlkLo, BlkHi, nqb, splits, width, block_k, bx, by)
                 T.copy(Q[qb * block_q * heads : (qb + 1) * block_q * heads, :], q_s)
                 T.copy(W[qb * block_q : (qb + 1) * block_q, :], w_f)
                 for i in T.Pipelined(T.max(hi - lo, 0), num_stages=num_stages):
@@ -308,10 +313,7 @@ def _factory():
                 red0 = T.alloc_fragment([block_k, block_q], acc)
                 red1 = T.alloc_fragment([block_k, block_q], acc)
                 tx = T.get_thread_binding()
-                qb = nqb - 1 - bx  # last query blocks (the longest causal rows) first, as indexer_scores
-                per = T.ceildiv(BlkHi[qb] - BlkLo[qb], splits)
-                lo = BlkLo[qb] + by * per
-                hi = T.min(T.min(BlkHi[qb], lo + per), BlkLo[qb] + width // block_k)
+                qb, lo, hi = cta_key_blocks(BlkLo, BlkHi, nqb, splits, width, block_k, bx, by)
                 n = T.max(hi - lo, 0)
                 if tx >= 256:
                     T.set_max_nreg(producer_regs, 0)
@@ -795,15 +797,17 @@ class _Plan:
             lohi = torch.stack([self.blk_lo, self.blk_hi]).cpu().numpy()  # the one host sync
             self.chunks = _plan_chunks(lohi[0], lohi[1], bq, bk, max_chunk_bytes)
 
-    def chunk_scores(self, chunk):
-        """Run the score kernel for one chunk; returns (row0, row1, scores or None)."""
+    def chunk_scores(self, chunk, scores=None):
+        """Run the score kernel for one chunk; returns (row0, row1, scores or None). ``scores``: the
+        [rows, width * block_k] fp32 buffer to write (default: a new one)."""
         import torch
 
         qb0, qb1, wblocks = chunk
         r0, r1 = qb0 * self.bq, min(qb1 * self.bq, self.Tq)
         if wblocks <= 0:
             return r0, r1, None
-        scores = torch.empty(r1 - r0, wblocks * self.bk, dtype=torch.float32, device=self.device)
+        if scores is None:
+            scores = torch.empty(r1 - r0, wblocks * self.bk, dtype=torch.float32, device=self.device)
         kern = build_indexer(self.cfg)
         kern(self.q[r0 * self.Hi : r1 * self.Hi], self.k, self.w[r0:r1], self.k_scale, self.blk_lo[qb0:qb1],
              self.blk_hi[qb0:qb1], _splits(qb1 - qb0, wblocks, self.device), scores)
