@@ -101,3 +101,22 @@ def test_indexer_overlap_tool_cuts_equal_work_chunks():
     assert len(chunks) == 4 and max(work) - min(work) <= 100
     assert all(w == b for a, b, w in chunks)  # the widest block of a causal chunk is its last
     assert tool.equal_work_chunks(plan, 1) == [(0, 100, 100)]
+
+
+def test_backward_ab_patches_apply_to_the_backward_source():
+    """The backward's A/B tool (a text-patched copy of the kernel module beside the shipped one) still finds each
+    patch's anchor exactly once, and the patched source is still Python."""
+    import dsa_plugins.kernels.sparse_attention_bwd as shipped
+
+    sys.path.insert(0, str(KERNELS))
+    try:
+        tool = _load("ab_bwd_patch")
+    finally:
+        sys.path.remove(str(KERNELS))
+    src = Path(shipped.__file__).read_text()
+    for name, edits in tool.PATCHES.items():
+        patched = src
+        for old, new, count in edits:
+            patched = tool.replace_exact(patched, old, new, count)
+        assert patched != src, name
+        compile(patched, f"ab_bwd_{name}.py", "exec")

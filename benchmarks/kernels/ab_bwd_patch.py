@@ -1,0 +1,94 @@
+"""A/B of the sparse attention backward against a text-patched copy of its kernel module, in one process.
+
+    python benchmarks/kernels/ab_bwd_patch.py PATCH [--shapes mla_h64,v4_h128_sink] [--det] [--rounds 6]
+
+The patched copy (``source_patch.import_patched``) runs beside the shipped module on the same inputs
+(``bench_sparse_attention_bwd.make_inputs``); both are captured in CUDA graphs and timed in interleaved rounds
+(``bench.runner.interleaved_graph_ms``). Before timing, dq and dkv of the two are compared bit for bit (the patches
+here change how the same values are computed or stored, never the values). ``--det``: the deterministic mode (its
+default ``det_mode``), else the atomic default.
+
+Patches (the 16-bit exponent stores of the rows with permuted columns, MLA and unpaired V4, were measured with this
+tool and are shipped: 1.06x at V4 H64, 1.01x at 576/512, deterministic):
+  exps_u16_pair  the int16 contribution rows' exponent bytes (``contrib_i16``) of the pair's half tiles (V4 H128)
+                 in 16-bit stores: lanes q and q ^ 2 swap one byte and each stores one row's two adjacent bytes.
+                 H100, --det: 1.005x (the exchange costs what the second store did); not shipped
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from source_patch import import_patched, replace_exact  # noqa: E402
+
+_OLD_EXPS_AB = """      if (row_a >= 0) exps[(row0 + slot) * (ld / kBlock) + blk] = static_cast<unsigned char>(__float_as_uint(sa.y) >> 23);
+      if (row_b >= 0) exps[(row0 + slot + 1) * (ld / kBlock) + blk] = static_cast<unsigned char>(__float_as_uint(sb.y) >> 23);"""
+_NEW_EXPS_AB = """      // lanes q and q ^ 2 hold adjacent bytes of rows a and b: one exchange, then each stores one row's pair
+      const unsigned ea = __float_as_uint(sa.y) >> 23, eb = __float_as_uint(sb.y) >> 23;
+      const bool hi = (q >> 1) != 0;
+      const unsigned other = __shfl_xor_sync(0xffffffffu, hi ? ea : eb, 2);
+      const unsigned both = hi ? (other | (eb << 8)) : (ea | (other << 8));
+      const int row_s = hi ? row_b : row_a;
+      if (row_s >= 0)
+        *reinterpret_cast<unsigned short*>(exps + (row0 + slot + (hi ? 1 : 0)) * (ld / kBlock) + (blk & ~1)) =
+            static_cast<unsigned short>(both);"""
+
+PATCHES = {"exps_u16_pair": [(_OLD_EXPS_AB, _NEW_EXPS_AB, 1)]}
+
+
+def patched_module(name: str):
+    import dsa_plugins.kernels.sparse_attention_bwd as shipped
+
+    src = Path(shipped.__file__).read_text()
+    for old, new, count in PATCHES[name]:
+        src = replace_exact(src, old, new, count)
+    return import_patched(src, f"ab_bwd_{name}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("patch", choices=sorted(PATCHES))
+    ap.add_argument("--shapes", default="mla_h64,mla_h128,v4_h128_sink,v4_h64_sink")
+    ap.add_argument("--det", action="store_true")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--replays", type=int, default=5)
+    args = ap.parse_args(argv)
+
+    import dsa_plugins.kernels.sparse_attention_bwd as shipped
+    from bench_sparse_attention_bwd import LONG_SHAPES, SHAPES, make_inputs
+
+    from dsa_plugins.bench.runner import capture_graph, interleaved_graph_ms, ratio_text
+
+    variant = patched_module(args.patch)
+    known = {s[0]: s for s in SHAPES + LONG_SHAPES}
+    print(f"{torch.cuda.get_device_name()}: patch {args.patch}, deterministic {args.det}", flush=True)
+    for sname in args.shapes.split(","):
+        _, B, S, Skv, H, Dqk, Dv, K, sink = known[sname]
+        q, kv, idx, out, lse, dout, z, scale = make_inputs(B, S, Skv, H, Dqk, Dv, K, sink, causal="causal" in sname)
+
+        def call(m):
+            return lambda: m.sparse_attention_bwd(q, kv, idx, out, lse, dout, scale, sink=z, dv=Dv,
+                                                  deterministic=args.det)
+
+        a, b = call(shipped)(), call(variant)()
+        torch.cuda.synchronize()
+        same = all(torch.equal(x, y) for x, y in zip(a[:2], b[:2], strict=True))
+        graphs = [capture_graph(call(shipped)), capture_graph(call(variant))]
+        times = interleaved_graph_ms(graphs, args.rounds, args.replays)
+        med = [statistics.median(t) for t in times]
+        print(f"{sname}: shipped {med[0]:.3f} ms, {args.patch} {med[1]:.3f} ms, shipped / patched "
+              f"{ratio_text(times[0], times[1])}; dq and dkv bit for bit the same: {same}", flush=True)
+        del graphs
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
