@@ -104,8 +104,9 @@ def test_indexer_overlap_tool_cuts_equal_work_chunks():
 
 
 def test_backward_ab_patches_apply_to_the_backward_source():
-    """The backward's A/B tool (a text-patched copy of the kernel module beside the shipped one) still finds each
-    patch's anchor exactly once, and the patched source is still Python."""
+    """The backward's A/B tool (a text-patched copy of the kernel module, and of the contribution reduce where a
+    patch changes both, beside the shipped ones) still finds each patch's anchor exactly once, and the patched
+    sources are still Python."""
     import dsa_plugins.kernels.sparse_attention_bwd as shipped
 
     sys.path.insert(0, str(KERNELS))
@@ -113,10 +114,11 @@ def test_backward_ab_patches_apply_to_the_backward_source():
         tool = _load("ab_bwd_patch")
     finally:
         sys.path.remove(str(KERNELS))
-    src = Path(shipped.__file__).read_text()
-    for name, edits in tool.PATCHES.items():
-        patched = src
-        for old, new, count in edits:
-            patched = tool.replace_exact(patched, old, new, count)
-        assert patched != src, name
-        compile(patched, f"ab_bwd_{name}.py", "exec")
+    assert tool._OLD_IMPORT in Path(shipped.__file__).read_text()  # where a patch of the reduce is swapped in
+    for name, parts in tool.PATCHES.items():
+        src = tool.patched_sources(name)
+        assert src["bwd"] != Path(shipped.__file__).read_text(), name
+        assert (src["reduce"] is None) == ("reduce" not in parts), name
+        for part, text in src.items():
+            if text is not None:
+                compile(text, f"ab_{part}_{name}.py", "exec")

@@ -8,8 +8,11 @@ The patched copy (``source_patch.import_patched``) runs beside the shipped modul
 here change how the same values are computed or stored, never the values). ``--det``: the deterministic mode (its
 default ``det_mode``), else the atomic default.
 
-Patches (the 16-bit exponent stores of the rows with permuted columns, MLA and unpaired V4, were measured with this
-tool and are shipped: 1.06x at V4 H64, 1.01x at 576/512, deterministic):
+Two changes to the deterministic rows with permuted columns (MLA, unpaired V4) were measured with this tool and
+are shipped: the exponent bytes in 16-bit stores (1.06x at V4 H64, 1.01x at 576/512) and each lane's 8 values of a
+block side by side in one 16-byte store (``contrib_st16``, with the reduce's maps patched alike: 1.057x MLA H64, 1.043x
+MLA H128, 1.012x V4 H64). A patch may edit the contribution reduce too ("reduce": the patched backward then imports
+the patched reduce). Patches:
   exps_u16_pair  the int16 contribution rows' exponent bytes (``contrib_i16``) of the pair's half tiles (V4 H128)
                  in 16-bit stores: lanes q and q ^ 2 swap one byte and each stores one row's two adjacent bytes.
                  H100, --det: 1.005x (the exchange costs what the second store did); not shipped
@@ -40,16 +43,37 @@ _NEW_EXPS_AB = """      // lanes q and q ^ 2 hold adjacent bytes of rows a and b
         *reinterpret_cast<unsigned short*>(exps + (row0 + slot + (hi ? 1 : 0)) * (ld / kBlock) + (blk & ~1)) =
             static_cast<unsigned short>(both);"""
 
-PATCHES = {"exps_u16_pair": [(_OLD_EXPS_AB, _NEW_EXPS_AB, 1)]}
+# the backward's import of the reduce, redirected to the patched copy where a patch edits the reduce
+_OLD_IMPORT = "from .contrib_reduce import DET_BUDGET_BYTES"
+
+#: name -> {"bwd": edits of sparse_attention_bwd.py, "reduce": edits of contrib_reduce.py (the patched backward then
+#: imports the patched reduce)}; an edit is (old, new, count)
+PATCHES = {
+    "exps_u16_pair": {"bwd": [(_OLD_EXPS_AB, _NEW_EXPS_AB, 1)]},
+}
+
+
+def patched_sources(name: str) -> dict:
+    """{"bwd": source, "reduce": source or None} of patch ``name``."""
+    import dsa_plugins.kernels.contrib_reduce as reduce_mod
+    import dsa_plugins.kernels.sparse_attention_bwd as shipped
+
+    out = {"bwd": Path(shipped.__file__).read_text(), "reduce": None}
+    for part, edits in PATCHES[name].items():
+        src = Path((shipped if part == "bwd" else reduce_mod).__file__).read_text()
+        for old, new, count in edits:
+            src = replace_exact(src, old, new, count)
+        out[part] = src
+    if out["reduce"] is not None:
+        out["bwd"] = replace_exact(out["bwd"], _OLD_IMPORT, f"from ._ab_reduce_{name} import DET_BUDGET_BYTES")
+    return out
 
 
 def patched_module(name: str):
-    import dsa_plugins.kernels.sparse_attention_bwd as shipped
-
-    src = Path(shipped.__file__).read_text()
-    for old, new, count in PATCHES[name]:
-        src = replace_exact(src, old, new, count)
-    return import_patched(src, f"ab_bwd_{name}")
+    src = patched_sources(name)
+    if src["reduce"] is not None:
+        import_patched(src["reduce"], f"ab_reduce_{name}")
+    return import_patched(src["bwd"], f"ab_bwd_{name}")
 
 
 def main(argv=None) -> int:

@@ -89,10 +89,10 @@ def reduce_body(dqk, nhb, contrib_dtype="float32", block=8, perm=False, warps=4)
     "contrib_i16", each value times the power of two whose exponent field is its block's byte in Exps:
     exact); the sums are fp32. ``block``: values per exponent byte, 8 (columns x..x+3 and x+32..x+35 of each
     64-column chunk, x a multiple of 4 below 32) or 4 (columns x..x+3: the rows of the ws program's pairs).
-    ``perm`` (block 8): the rows' columns are permuted within each group of 16 (real column 8 h + 2 q + e stored at
-    4 q + 2 h + e: the ws program's ``dkv_perm`` rows, each lane's values as they come from its accumulator), a
-    block is columns x..x+3 and x+16..x+19 (x = 32 p + 4 q in each 64-column chunk), and each sum goes to its real
-    column.
+    ``perm`` (block 8): the ws program's ``dkv_perm`` rows, each lane's values as they come from its accumulator:
+    within each group of 32 columns, real column 16 j + 8 h + 2 q + e (j, h, e < 2, q < 4) is stored at
+    8 q + 4 j + 2 h + e, so a block is 8 consecutive stored columns (32 p + 8 q .. + 7 of each 64-column chunk,
+    byte 8 chunk + 2 q + p), and each sum goes to its real column.
 
     One CTA per kv row. Warp w sums the row's sorted slots w, w + warps, ... in turn (its lanes read
     each contribution row as coalesced runs of 8 bytes a lane: 64 fp32 or 128 bf16 columns, so
@@ -141,7 +141,7 @@ def reduce_body(dqk, nhb, contrib_dtype="float32", block=8, perm=False, warps=4)
                         for r in T.unroll(runs):
                             if scaled:  # the lane's 4 columns lie in one block: 64-column chunk, 4-column group
                                 col = r * width + lane * vec
-                                blk = (T.min(col // 64 * 8 + col % 16 // 4 * 2 + col % 64 // 32, dqk // 8 - 1) if perm
+                                blk = (T.min(col // 64 * 8 + col % 32 // 8 * 2 + col % 64 // 32, dqk // 8 - 1) if perm
                                        else T.min(col // 64 * 8 + col % 32 // 4, dqk // 8 - 1) if block == 8
                                        else T.min(col // 4, dqk // 4 - 1))
                                 # exponent byte 255 (a block that held a value that is not finite): NaN, so
@@ -170,8 +170,8 @@ def reduce_body(dqk, nhb, contrib_dtype="float32", block=8, perm=False, warps=4)
                     total = T.alloc_var(f32, init=0.0)
                     for ww in T.unroll(warps):
                         total += part[ww, col]
-                    if perm:  # stored column 4 q + 2 h + e of a group of 16 is real column 8 h + 2 q + e
-                        dKV[n, col // 16 * 16 + col % 4 // 2 * 8 + col % 16 // 4 * 2 + col % 2] += total
+                    if perm:  # stored column 8 q + 4 j + 2 h + e of a group of 32 is real column 16 j + 8 h + 2 q + e
+                        dKV[n, col // 32 * 32 + col % 8 // 4 * 16 + col % 4 // 2 * 8 + col % 32 // 8 * 2 + col % 2] += total
                     else:
                         dKV[n, col] += total
 

@@ -787,6 +787,29 @@ __device__ __forceinline__ void dsa_store_row4(void* dst, float4 v, float scale,
   }
 }
 
+// a contribution row's 8 values (two float4 of one block, v0 first) at dst where ok, as dsa_store_row4 stores 4:
+// one 16-byte store of 16-bit values (fp32: two)
+template <int kMode, bool kPred>
+__device__ __forceinline__ void dsa_store_row8(void* dst, float4 v0, float4 v1, float scale, bool ok) {
+  if (kMode == 3) {
+    dsa_store_row4<kMode, kPred>(dst, v0, scale, ok);
+    dsa_store_row4<kMode, kPred>(static_cast<char*>(dst) + 16, v1, scale, ok);
+    return;
+  }
+  uint4 w = kMode == 4 ? make_uint4(dsa_bf16x2(v0.x, v0.y), dsa_bf16x2(v0.z, v0.w), dsa_bf16x2(v1.x, v1.y),
+                                    dsa_bf16x2(v1.z, v1.w))
+                       : make_uint4(dsa_i16x2(v0.x, v0.y, scale), dsa_i16x2(v0.z, v0.w, scale),
+                                    dsa_i16x2(v1.x, v1.y, scale), dsa_i16x2(v1.z, v1.w, scale));
+  if (kPred) {
+    asm volatile("{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %5, 0;\n\t"
+                 "@q st.global.cs.v4.b32 [%0], {%1, %2, %3, %4};\n\t}"
+                 :: "l"(dst), "r"(w.x), "r"(w.y), "r"(w.z), "r"(w.w), "r"(static_cast<int>(ok)) : "memory");
+  } else if (ok) {
+    if (kMode == 5 && scale == 0.0f) w = make_uint4(0u, 0u, 0u, 0u);
+    __stcs(reinterpret_cast<uint4*>(dst), w);
+  }
+}
+
 // kMode 5: the power of two for a block of values (8, or 4 in a pair's half tiles) whose largest magnitude has the bits m (0 where it is not
 // finite) and its inverse (NaN there); e is clamped to [-112, 128] so both are normal floats.
 __device__ __forceinline__ float2 dsa_i16_scale(unsigned int m) {
@@ -805,9 +828,10 @@ __device__ __forceinline__ float2 dsa_i16_scale(unsigned int m) {
 // column 8 h + 2 q + e at 4 q + 2 h + e, see _dkv_cols_permuted): the 4 values a lane holds of a row and group
 // (real columns 2 q, 2 q + 1, 2 q + 8, 2 q + 9) are then 4 consecutive floats, so the first register exchange
 // (lanes q and q ^ 1) is not needed; the second still makes 8 lanes cover a row's 128-byte line. The contribution
-// modes need no exchange at all: each lane stores its own 4 values of each group (32 bytes of a row per quad and
-// store), and in kMode 5 a block is a lane's 8 values of groups 2 p and 2 p + 1 of a row, exps[row, col0 / 8 +
-// 2 q + p] (the reduce maps the columns back, reduce_body's ``perm``).
+// modes need no exchange at all: each lane stores its own 8 values of groups 2 p and 2 p + 1 of a row side by side,
+// at stored columns col0 + 32 p + 8 q (group 2 p + j at + 4 j: one 16-byte store of 16-bit values, a quad's 64
+// bytes contiguous; one 8-byte store per group took 1.04-1.06x longer at 576/512, H100), and in kMode 5 those 8
+// values are one block, exps[row, col0 / 8 + 2 q + p] (the reduce maps the columns back, reduce_body's ``perm``).
 template <int kMode, int kGroups = 4, bool kPredStores = false, bool kPermCols = false>
 __device__ __forceinline__ void dsa_red_tile(const float* acc, void* dkv_raw, const int* row_slots, int slot0, int ld,
                                              int col0, int64_t* sums, void* scales_raw, long long row0) {
@@ -850,10 +874,10 @@ __device__ __forceinline__ void dsa_red_tile(const float* acc, void* dkv_raw, co
           *reinterpret_cast<unsigned short*>(exps + (row0 + slot) * (ld / 8) + col0 / 8 + 2 * q) =
               static_cast<unsigned short>(both);
       }
-      char* st = contrib + ((row0 + slot) * ld + col0 + 4 * q) * kBytes;
+      char* st = contrib + ((row0 + slot) * ld + col0 + 8 * q) * kBytes;
       #pragma unroll
-      for (int m = 0; m < 4; ++m)
-        dsa_store_row4<kMode, kPredStores>(st + 16 * m * kBytes, v[m], sc[m >> 1].x, row >= 0);
+      for (int p = 0; p < 2; ++p)
+        dsa_store_row8<kMode, kPredStores>(st + 32 * p * kBytes, v[2 * p], v[2 * p + 1], sc[p].x, row >= 0);
     }
     return;
   }

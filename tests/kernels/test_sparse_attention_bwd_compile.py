@@ -621,30 +621,38 @@ def test_int16_blocks_written_by_the_ws_program_are_the_ones_the_reduce_reads(pa
 
 
 def test_permuted_int16_blocks_written_are_the_ones_the_reduce_reads():
-    """With ws_dkv_perm the ws program's lane q stores its values of group m of a row at columns col0 + 16 m + 4 q
-    + 0..3 (real columns col0 + 16 m + 2 q + (0, 1, 8, 9)) and writes the byte col0 / 8 + 2 q + p for groups 2 p and
-    2 p + 1; the reduce reads col // 64 * 8 + col % 16 // 4 * 2 + col % 64 // 32 and sends the sum of stored column
-    col to real column col // 16 * 16 + col % 4 // 2 * 8 + col % 16 // 4 * 2 + col % 2: every column once."""
+    """With ws_dkv_perm the ws program's lane q stores its 8 values of groups 2 p and 2 p + 1 of a contribution row
+    side by side at columns col0 + 32 p + 8 q + 0..7 (group 2 p + j at + 4 j: real columns col0 + 16 (2 p + j) + 2 q +
+    (0, 1, 8, 9)) and the exponent bytes of its two blocks as one 16-bit word at byte col0 / 8 + 2 q (block p at + p);
+    the reduce reads col // 64 * 8 + col % 32 // 8 * 2 + col % 64 // 32 and sends the sum of stored column col to
+    real column col // 32 * 32 + col % 8 // 4 * 16 + col % 4 // 2 * 8 + col % 32 // 8 * 2 + col % 2: every column
+    once. (The atomic reductions keep their own order, groups of 16: ``_dkv_cols_permuted``.)"""
     import inspect
 
-    assert "col0 / 8 + 2 * q + p] = byte" in bwd._WS_PRELUDE
+    assert "exps + (row0 + slot) * (ld / 8) + col0 / 8 + 2 * q) =" in bwd._WS_PRELUDE
+    assert "both |= (__float_as_uint(sc[p].y) >> 23) << (8 * p);" in bwd._WS_PRELUDE
+    assert "st + 32 * p * kBytes, v[2 * p], v[2 * p + 1], sc[p].x" in bwd._WS_PRELUDE
+    assert "contrib + ((row0 + slot) * ld + col0 + 8 * q) * kBytes" in bwd._WS_PRELUDE
     reduce_src = inspect.getsource(contrib_reduce.reduce_body)
-    assert "col // 64 * 8 + col % 16 // 4 * 2 + col % 64 // 32" in reduce_src
-    assert "col // 16 * 16 + col % 4 // 2 * 8 + col % 16 // 4 * 2 + col % 2" in reduce_src
+    assert "col // 64 * 8 + col % 32 // 8 * 2 + col % 64 // 32" in reduce_src
+    assert "col // 32 * 32 + col % 8 // 4 * 16 + col % 4 // 2 * 8 + col % 32 // 8 * 2 + col % 2" in reduce_src
     for dqk in (512, 576):
         written, real = {}, {}
         for col0 in range(0, dqk, 64):
             for q in range(4):
-                for m in range(4):
-                    for c in range(4):
-                        col = col0 + 16 * m + 4 * q + c
-                        assert written.setdefault(col, col0 // 8 + 2 * q + m // 2) == col0 // 8 + 2 * q + m // 2
-                        real[col] = col0 + 16 * m + 2 * q + (0, 1, 8, 9)[c]  # the accumulator's column
+                for p in range(2):
+                    for j in range(2):
+                        for c in range(4):
+                            col = col0 + 32 * p + 8 * q + 4 * j + c
+                            assert written.setdefault(col, col0 // 8 + 2 * q + p) == col0 // 8 + 2 * q + p
+                            real[col] = col0 + 16 * (2 * p + j) + 2 * q + (0, 1, 8, 9)[c]  # the accumulator's
         assert sorted(written) == list(range(dqk)) and sorted(real.values()) == list(range(dqk))
-        assert all(written[col] == col // 64 * 8 + col % 16 // 4 * 2 + col % 64 // 32 for col in range(dqk))
-        assert all(real[col] == col // 16 * 16 + col % 4 // 2 * 8 + col % 16 // 4 * 2 + col % 2 for col in range(dqk))
+        assert all(written[col] == col // 64 * 8 + col % 32 // 8 * 2 + col % 64 // 32 for col in range(dqk))
+        assert all(real[col] == col // 32 * 32 + col % 8 // 4 * 16 + col % 4 // 2 * 8 + col % 32 // 8 * 2 + col % 2
+                   for col in range(dqk))
+        # the atomic reductions' columns: within each group of 16, real column 8 h + 2 q + e at 4 q + 2 h + e
         perm = bwd._dkv_cols_permuted(torch.arange(dqk).float().view(1, dqk))[0].long().tolist()
-        assert all(perm[col] == real[col] for col in range(dqk))  # the wrapper's permutation: the same map
+        assert all(perm[col] == col // 16 * 16 + col % 4 // 2 * 8 + col % 16 // 4 * 2 + col % 2 for col in range(dqk))
 
 
 @pytest.mark.parametrize("nhb", [1, 2])
