@@ -16,6 +16,10 @@ the patched reduce). Patches:
   exps_u16_pair  the int16 contribution rows' exponent bytes (``contrib_i16``) of the pair's half tiles (V4 H128)
                  in 16-bit stores: lanes q and q ^ 2 swap one byte and each stores one row's two adjacent bytes.
                  H100, --det: 1.005x (the exchange costs what the second store did); not shipped
+  reduce_v8      the reduce reads permuted int16 rows (the default rows of MLA and unpaired V4) 16 bytes a lane:
+                 8 columns, one whole block and its one exponent byte per load, 3 loads a 576-wide row instead of 5;
+                 each column is still summed by one warp over its slots in order, so the sums keep their bits.
+                 Built and compiled (CPU), not yet measured
 """
 
 from __future__ import annotations
@@ -43,6 +47,10 @@ _NEW_EXPS_AB = """      // lanes q and q ^ 2 hold adjacent bytes of rows a and b
         *reinterpret_cast<unsigned short*>(exps + (row0 + slot + (hi ? 1 : 0)) * (ld / kBlock) + (blk & ~1)) =
             static_cast<unsigned short>(both);"""
 
+# reduce_v8: permuted int16 rows read 16 bytes a lane (8 columns: one whole block, one exponent byte per load)
+_OLD_VEC = """    vec = 2 if contrib_dtype == "float32" else 4  # columns per lane and run: 8 bytes"""
+_NEW_VEC = """    vec = 2 if contrib_dtype == "float32" else 8 if (scaled and perm) else 4  # columns per lane and run"""
+
 # the backward's import of the reduce, redirected to the patched copy where a patch edits the reduce
 _OLD_IMPORT = "from .contrib_reduce import DET_BUDGET_BYTES"
 
@@ -50,6 +58,7 @@ _OLD_IMPORT = "from .contrib_reduce import DET_BUDGET_BYTES"
 #: imports the patched reduce)}; an edit is (old, new, count)
 PATCHES = {
     "exps_u16_pair": {"bwd": [(_OLD_EXPS_AB, _NEW_EXPS_AB, 1)]},
+    "reduce_v8": {"reduce": [(_OLD_VEC, _NEW_VEC, 1)]},
 }
 
 
