@@ -189,9 +189,9 @@ def build_reduce(dqk: int, nhb: int, contrib_dtype: str = "float32", block: int 
     (int16) and ``perm`` (rows with permuted columns); cached per process."""
     import tilelang
 
-    if block not in (4, 8) or (perm and (block != 8 or dqk % 16)):
+    if block not in (4, 8) or (perm and (block != 8 or dqk % 32)):
         raise ValueError(f"block must be 4 or 8 values per exponent byte (8 with permuted columns, dqk a multiple of "
-                         f"16), got block {block}, perm {perm}, dqk {dqk}")
+                         f"32), got block {block}, perm {perm}, dqk {dqk}")
     key = (target_key(target), int(dqk), int(nhb), str(contrib_dtype), int(block), bool(perm))
 
     def build():

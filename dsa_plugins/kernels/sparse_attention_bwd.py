@@ -99,7 +99,7 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
 _TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep",
                 "schedule", "ws_prefetch", "ws_dq_rs", "ws_pair", "ws_wg0_chunks", "ws_auto_sync", "det_mode",
                 "fast_exp2", "det_store_pred", "det_pair", "ws_tma_q", "ws_fused_pre", "ws_dkv_perm",
-                "ws_stage_dq", "ws_row_regs", "ws_tma_dq")
+                "ws_stage_dq", "ws_row_regs", "ws_tma_dq", "det_pair_perm")
 _DET_MODES = ("contrib", "contrib_ws", "contrib_bf16", "contrib_i16", "fixed")
 # the modes whose contribution rows the ws program stores
 _CONTRIB_WS_MODES = ("contrib_ws", "contrib_bf16", "contrib_i16")
@@ -265,6 +265,11 @@ def _normalise_config(config: dict) -> dict:
     dp = cfg.get("det_pair")
     cfg["det_pair"] = (bool(True if dp is None else dp) and cfg["schedule"] == "ws"
                        and ws_pair_supported(cfg["heads"], cfg["dqk"], cfg["dv"]))
+    # det_pair_perm (opt-in, with det_pair and ws_dkv_perm): the pair's contribution rows in the unpaired rows'
+    # permuted layout, each CTA storing block p = its rank of every 64-column chunk: no register exchanges before
+    # the stores, one 16-byte store of a lane's 8 values and int16 blocks of 8 values (one exponent byte per 8
+    # values instead of per 4). Built 2026-11-27 without device time left: not yet measured, so off
+    cfg["det_pair_perm"] = bool(cfg.get("det_pair_perm") or False) and cfg["det_pair"] and cfg["ws_dkv_perm"]
     # ws_auto_sync: TileLang's automatic thread-storage syncs in the ws program. False (the default) drops warpgroup
     # 0's ten barriers per block (its own named barriers already order them; the head-summed P and the pair keep
     # them): the same bits (GPU test). Measured 0.3-2.5% faster when first built, inside that day's noise; with
@@ -837,7 +842,8 @@ __device__ __forceinline__ void dsa_red_tile(const float* acc, void* dkv_raw, co
                                              int col0, int64_t* sums, void* scales_raw, long long row0) {
   const int* rows = row_slots + slot0;  // the tile's first slot (an offset, not an indexed address: no bounds test)
   static_assert(kGroups == 4 || (kGroups == 2 && kMode != 2), "half tiles: not the fixed-point mode");
-  static_assert(!kPermCols || (kGroups == 4 && kMode != 2), "permuted columns: whole tiles, not fixed point");
+  static_assert(!kPermCols || (kMode != 2 && (kGroups == 4 || kMode >= 3)),
+                "permuted columns: whole tiles, or a pair's half tiles of contribution rows; not fixed point");
   float* dkv = static_cast<float*>(dkv_raw);
   const float* scales = static_cast<const float*>(scales_raw);  // kMode 2: the power of two and the limit
   unsigned char* exps = static_cast<unsigned char*>(scales_raw);  // kMode 5: the blocks' exponent bytes
@@ -851,13 +857,17 @@ __device__ __forceinline__ void dsa_red_tile(const float* acc, void* dkv_raw, co
   constexpr int kBytes = kMode == 3 ? 4 : 2;  // bytes per stored value of the contribution modes
   char* contrib = static_cast<char*>(dkv_raw);
   if (kPermCols && kMode >= 3) {
+    // a pair's half tile (kGroups 2, det_pair_perm) is columns 32 p0 .. 32 p0 + 31 of its 64-column chunk: block p0
+    // of the whole tile's layout, so both CTAs' rows read back as one unpaired row would
+    constexpr int kBlocks = kGroups / 2;  // blocks of 8 values per lane and row
+    const int chunk0 = kGroups == 4 ? col0 : (col0 & ~63), p0 = kGroups == 4 ? 0 : ((col0 >> 5) & 1);
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int slot = 16 * (tid >> 5) + 8 * half + g;
       const int row = rows[slot];
-      float4 v[4];
+      float4 v[kGroups];
       #pragma unroll
-      for (int m = 0; m < 4; ++m)
+      for (int m = 0; m < kGroups; ++m)
         v[m] = make_float4(acc[8 * m + 2 * half], acc[8 * m + 2 * half + 1], acc[8 * m + 4 + 2 * half],
                            acc[8 * m + 4 + 2 * half + 1]);
       float2 sc[2] = {make_float2(1.0f, 1.0f), make_float2(1.0f, 1.0f)};
@@ -866,17 +876,22 @@ __device__ __forceinline__ void dsa_red_tile(const float* acc, void* dkv_raw, co
         // 6% longer at V4 H64, 1% at 576/512; H100, ab_bwd_patch.py)
         unsigned int both = 0;
         #pragma unroll
-        for (int p = 0; p < 2; ++p) {
+        for (int p = 0; p < kBlocks; ++p) {
           sc[p] = dsa_i16_scale(max(dsa_absmax4_bits(v[2 * p]), dsa_absmax4_bits(v[2 * p + 1])));
           both |= (__float_as_uint(sc[p].y) >> 23) << (8 * p);
         }
-        if (row >= 0)
-          *reinterpret_cast<unsigned short*>(exps + (row0 + slot) * (ld / 8) + col0 / 8 + 2 * q) =
-              static_cast<unsigned short>(both);
+        if (row >= 0) {
+          unsigned char* e = exps + (row0 + slot) * (ld / 8) + chunk0 / 8 + 2 * q + p0;
+          if (kBlocks == 2) {
+            *reinterpret_cast<unsigned short*>(e) = static_cast<unsigned short>(both);
+          } else {
+            *e = static_cast<unsigned char>(both);
+          }
+        }
       }
       char* st = contrib + ((row0 + slot) * ld + col0 + 8 * q) * kBytes;
       #pragma unroll
-      for (int p = 0; p < 2; ++p)
+      for (int p = 0; p < kBlocks; ++p)
         dsa_store_row8<kMode, kPredStores>(st + 32 * p * kBytes, v[2 * p], v[2 * p + 1], sc[p].x, row >= 0);
     }
     return;
@@ -1018,7 +1033,7 @@ __device__ __forceinline__ void dsa_pair_send(const float* acc, float* keep, voi
 // keep + the peer's half of chunk `chunk` (columns col0 + 32 rank ..), reduced into the dkv rows named by the
 // slots row_slots[slot0 ..]; in the contribution modes stored in the contribution rows row0 .. (one per slot of the
 // pair: the sum of both head blocks, added in either order: the same fp32 value), exps their blocks' bytes
-template <int kMode, bool kPredStores = false>
+template <int kMode, bool kPredStores = false, bool kPermCols = false>
 __device__ __forceinline__ void dsa_pair_finish(float* keep, void* dkv, const int* row_slots, int slot0, int ld, int col0,
                                                 void* recv, void* bars, int chunk, int rank, void* exps = nullptr,
                                                 long long row0 = 0) {
@@ -1044,7 +1059,8 @@ __device__ __forceinline__ void dsa_pair_finish(float* keep, void* dkv, const in
   if ((tid & 31) == 0)
     asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" :: "r"(dsa_peer_saddr(empty, rank ^ 1)) : "memory");
   if (tid == 0) dsa_mbar_arm(full, 8192);  // the slot's next phase (its bytes cannot come before the arrivals above)
-  dsa_red_tile<kMode, 2, kPredStores>(keep, dkv, row_slots, slot0, ld, col0 + 32 * rank, nullptr, exps, row0);
+  dsa_red_tile<kMode, 2, kPredStores, kPermCols>(keep, dkv, row_slots, slot0, ld, col0 + 32 * rank, nullptr, exps,
+                                                 row0);
 }
 """
 
@@ -1152,9 +1168,10 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     first P and dS, loads the heads' rows of O into registers (half of them at the start, beside q and dout) and
     forms Delta = rowsum(out * dout) with dout in shared memory; warpgroup 0 waits for it before its first dS.
     Lse2 and Delta are then outputs (the sink's gradient reads them), written by the CTA of each head block.
-    ``dkv_perm`` (not with ``pair`` or "fixed"): dKV's columns permuted within each group of 16 (see ``dsa_red_tile``'s
-    kPermCols): half the register exchanges before the reductions, none before the contribution stores; the wrapper
-    (atomic modes) or the reduce (contribution rows) puts them back in order.
+    ``dkv_perm`` (not "fixed"; with ``pair`` only for contribution rows, ``det_pair_perm``): dKV's columns permuted
+    within each group of 16, the contribution rows' within each group of 32 (see ``dsa_red_tile``'s kPermCols): half
+    the register exchanges before the reductions, none before the contribution stores; the wrapper (atomic modes) or
+    the reduce (contribution rows) puts them back in order.
     ``stage_dq`` (the default): dq leaves through shared memory (q's tiles, free once both warpgroups are past their last MMA) in
     16-byte stores, instead of the MMA fragments' 4-byte pieces (two to each 32-byte sector: twice the L2 writes).
     ``row_regs``: how warpgroup 0 keeps invalid slots at exactly 0 in P and dS (the same bits each way). 0: a
@@ -1228,11 +1245,11 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     contrib_dt = getattr(T, _CONTRIB_DTYPES.get(det_out, "float32"))
     red_mode = contrib_modes[det_out] if contrib else 2 if fixed_point else 1 if l2_keep else 0
     pred = contrib and det_store_pred
-    assert not dkv_perm or (red_mode != 2 and not pair), (red_mode, pair)
+    assert not dkv_perm or (red_mode != 2 and (contrib or not pair)), (red_mode, pair)
     red_fn = (f"dsa_red_tile<{red_mode}, 4, {str(pred).lower()}, true>" if dkv_perm
               else f"dsa_red_tile<{red_mode}, 4, true>" if pred else f"dsa_red_tile<{red_mode}>")
     assert not pair or (det_out != "fixed" and NHB % 2 == 0 and DT == 0), (det_out, NHB, DT)
-    pair_fn = f"dsa_pair_finish<{red_mode}, true>" if pred else f"dsa_pair_finish<{red_mode}>"
+    pair_fn = f"dsa_pair_finish<{red_mode}, {str(pred).lower()}, {str(dkv_perm).lower()}>"
     assert 0 <= wg0_chunks < NCH and not (pair and wg0_chunks), (wg0_chunks, NCH, pair)
     NCH1 = NCH - wg0_chunks  # warpgroup 1's chunks: chunks[:NCH1]; warpgroup 0's: chunks[NCH1:]
     chunk_ids1 = chunk_ids[:NCH1]
@@ -1288,7 +1305,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
         # "fixed": the power of two the values are scaled by and the limit; "contrib_i16": each contribution
         # row's exponent bytes, one per block of 8 values (see dsa_red_tile; per 4 values with ``pair``: each CTA
         # of the pair stores half of every chunk)
-        Scales: T.Tensor([ND, dqk // (4 if pair else 8)], T.uint8) if det_out == "contrib_i16" else T.Tensor([2], f32),
+        Scales: (T.Tensor([ND, dqk // (4 if pair and not dkv_perm else 8)], T.uint8) if det_out == "contrib_i16"
+                 else T.Tensor([2], f32)),
         # fused_pre: the forward's output, its lse (natural log, sink excluded) and the sink logits
         O: T.Tensor([Tq, heads, dv] if fused_pre else [1], dt),
         Lse: T.Tensor([Tq, heads] if fused_pre else [1], f32),
@@ -1650,8 +1668,9 @@ def _fused_pre(cfg: dict, deterministic: bool) -> bool:
 
 def _dkv_perm(cfg: dict, deterministic: bool, pair: bool) -> bool:
     """Whether the ws program adds into dkv, or stores its contribution rows, with the columns permuted
-    (``ws_dkv_perm``: unpaired, not "fixed")."""
-    return (cfg["ws_dkv_perm"] and _uses_ws(cfg, deterministic) and not pair
+    (``ws_dkv_perm``: unpaired, or the deterministic pair's contribution rows with ``det_pair_perm``; not "fixed")."""
+    return (cfg["ws_dkv_perm"] and _uses_ws(cfg, deterministic)
+            and (not pair or (deterministic and cfg["det_pair_perm"]))
             and not (deterministic and cfg["det_mode"] == "fixed"))
 
 
@@ -1707,7 +1726,8 @@ def _program_key(cfg: dict, name: str) -> tuple:
         return "preprocess", _preprocess_args(cfg, name == "preprocess_det")
     if name == "reduce":  # with det_pair one contribution row per pair of head blocks, int16 blocks of 4 values
         nhb, pair = (cfg["heads"] + _BLOCK_H - 1) // _BLOCK_H, _det_pair(cfg, True)
-        block = 4 if pair and _contrib_dtype(cfg) == "int16" else 8  # (no exponent bytes in the other dtypes)
+        # (no exponent bytes in the other dtypes; the pair's permuted rows have the unpaired rows' blocks of 8)
+        block = 4 if pair and _contrib_dtype(cfg) == "int16" and not _dkv_perm(cfg, True, pair) else 8
         perm = (True,) if _dkv_perm(cfg, True, pair) else ()  # rows with permuted columns (the key grows only then)
         return "reduce", (cfg["dqk"], nhb // 2 if pair else nhb, _contrib_dtype(cfg), block) + perm
     if name not in BWD_PROGRAMS:

@@ -432,6 +432,53 @@ def test_pair_halves_cover_the_tile_once():
     assert np.array_equal(o0 + o1, tile)
 
 
+def _contrib_perm_model(tile, groups=4, rank=0):
+    """What dsa_red_tile<kMode >= 3, groups, pred, kPermCols> stores in the contribution rows, modelled lane by lane
+    (the accumulator layout of ``_red_tile_model``; ``groups`` 2: the half tile of pair rank ``rank``, its
+    accumulator from element 16 rank, columns from 32 rank), then sent to real columns by the reduce's map. Returns
+    (sum, hit count) per tile element, in real columns."""
+    import numpy as np
+
+    full = np.zeros((128, 32))
+    for t in range(128):
+        w, lane = t >> 5, t & 31
+        for i in range(32):
+            full[t, i] = tile[16 * w + (lane >> 2) + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * (lane & 3) + (i & 1)]
+    acc = full[:, 16 * rank:] if groups == 2 else full
+    col0 = 32 * rank if groups == 2 else 0
+    out, hits = np.zeros((64, 64)), np.zeros((64, 64), dtype=int)
+    for t in range(128):
+        q, g = t & 3, (t & 31) >> 2
+        for half in range(2):
+            slot = 16 * (t >> 5) + 8 * half + g
+            v = [acc[t, [8 * m + 2 * half, 8 * m + 2 * half + 1, 8 * m + 4 + 2 * half, 8 * m + 5 + 2 * half]]
+                 for m in range(groups)]
+            for p in range(groups // 2):  # dsa_store_row8: v[2 p] then v[2 p + 1] at col0 + 8 q + 32 p
+                for j in range(2):
+                    for c in range(4):
+                        col = col0 + 8 * q + 32 * p + 4 * j + c
+                        real = col // 32 * 32 + col % 8 // 4 * 16 + col % 4 // 2 * 8 + col % 32 // 8 * 2 + col % 2
+                        out[slot, real] += v[2 * p + j][c]
+                        hits[slot, real] += 1
+    return out, hits
+
+
+@pytest.mark.parametrize("groups", [4, 2], ids=["whole", "pair"])
+def test_permuted_contribution_rows_reach_each_real_column_once(groups):
+    """The permuted contribution rows (unpaired; the pair's halves with det_pair_perm) read back through the reduce's
+    column map: every accumulator element lands in its own real column once; a pair's two halves make the tile."""
+    import numpy as np
+
+    tile = np.random.default_rng(3).standard_normal((64, 64))
+    if groups == 4:
+        out, hits = _contrib_perm_model(tile)
+        assert (hits == 1).all() and np.array_equal(out, tile)
+    else:
+        (o0, h0), (o1, h1) = _contrib_perm_model(tile, 2, 0), _contrib_perm_model(tile, 2, 1)
+        assert (h0[:, :32] == 1).all() and (h0[:, 32:] == 0).all() and (h1[:, 32:] == 1).all()
+        assert (h1[:, :32] == 0).all() and np.array_equal(o0 + o1, tile)
+
+
 def _slot_values(q, kv, idx, dout, scale, dv):
     """float64 dkv values of the deterministic mode: [head blocks, T, K, Dqk] (0 on invalid slots), and the
     out the forward would give."""
@@ -629,7 +676,7 @@ def test_permuted_int16_blocks_written_are_the_ones_the_reduce_reads():
     once. (The atomic reductions keep their own order, groups of 16: ``_dkv_cols_permuted``.)"""
     import inspect
 
-    assert "exps + (row0 + slot) * (ld / 8) + col0 / 8 + 2 * q) =" in bwd._WS_PRELUDE
+    assert "exps + (row0 + slot) * (ld / 8) + chunk0 / 8 + 2 * q + p0;" in bwd._WS_PRELUDE  # p0: a pair's half
     assert "both |= (__float_as_uint(sc[p].y) >> 23) << (8 * p);" in bwd._WS_PRELUDE
     assert "st + 32 * p * kBytes, v[2 * p], v[2 * p + 1], sc[p].x" in bwd._WS_PRELUDE
     assert "contrib + ((row0 + slot) * ld + col0 + 8 * q) * kBytes" in bwd._WS_PRELUDE
@@ -653,6 +700,24 @@ def test_permuted_int16_blocks_written_are_the_ones_the_reduce_reads():
         # the atomic reductions' columns: within each group of 16, real column 8 h + 2 q + e at 4 q + 2 h + e
         perm = bwd._dkv_cols_permuted(torch.arange(dqk).float().view(1, dqk))[0].long().tolist()
         assert all(perm[col] == col // 16 * 16 + col % 4 // 2 * 8 + col % 16 // 4 * 2 + col % 2 for col in range(dqk))
+
+
+def test_det_pair_perm_stores_the_pairs_rows_in_the_unpaired_layout():
+    """det_pair_perm (opt-in): the pair's CTAs store their halves of each chunk as block p = rank of the permuted
+    layout, so the reduce reads the pair's rows with the unpaired rows' maps and int16 blocks of 8; off by default,
+    where the pair keeps its real column order and blocks of 4."""
+    v4 = {"heads": 128, "dqk": 512, "dv": 512, "has_sink": True, "dtype": "bfloat16"}
+    off, on = bwd._normalise_config(v4), bwd._normalise_config({**v4, "det_pair_perm": True})
+    assert not off["det_pair_perm"] and on["det_pair_perm"] and on["det_pair"]
+    assert bwd._program_key(off, "reduce") == ("reduce", (512, 1, "int16", 4))
+    assert bwd._program_key(on, "reduce") == ("reduce", (512, 1, "int16", 8, True))
+    # not where the pair cannot run (MLA's 576-wide rows), nor without ws_dkv_perm
+    assert not bwd._normalise_config({**v4, "dqk": 576, "det_pair_perm": True})["det_pair_perm"]
+    assert not bwd._normalise_config({**v4, "ws_dkv_perm": False, "det_pair_perm": True})["det_pair_perm"]
+    pytest.importorskip("tilelang")
+    src = bwd.build_bwd_program({**v4, "det_pair_perm": True}, "main_det", target=SM90A).get_kernel_source()
+    assert "dsa_pair_finish<5, true, true>" in src
+    assert "const int chunk0 = kGroups == 4 ? col0 : (col0 & ~63), p0 = kGroups == 4 ? 0 : ((col0 >> 5) & 1);" in src
 
 
 @pytest.mark.parametrize("nhb", [1, 2])

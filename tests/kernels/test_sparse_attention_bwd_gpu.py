@@ -718,6 +718,42 @@ def test_det_pair_stores_one_contribution_row_per_head_block_pair(det_mode, cfg,
         assert torch.equal(again[1], pair[1]) and torch.equal(again[0], pair[0])
 
 
+@pytest.mark.parametrize("det_mode", ["contrib_i16", "contrib_bf16", "contrib_ws"])
+@pytest.mark.parametrize("cfg", [CONFIGS[1], (100, 512, 512, True, torch.bfloat16), (256, 512, 512, False, torch.bfloat16),
+                                 (128, 512, 512, True, torch.float16)],
+                         ids=lambda c: f"H{c[0]}-D{c[1]}-{str(c[4])[6:]}")
+@pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[5], BIG_CASES[0]], ids=lambda c: f"S{c[1]}K{c[3]}-{c[4]}")
+def test_det_pair_perm_stores_the_pairs_rows_in_the_permuted_layout(det_mode, cfg, case):
+    """``det_pair_perm`` (opt-in): the pair's contribution rows in the unpaired rows' permuted layout. dq and the
+    head-summed probabilities bitwise those of the paired program in its real column order; dkv too for bf16 and
+    fp32 rows (the same values summed in the same order), and for int16 rows within 1e-4 of it (blocks of 8 values
+    instead of 4) and within the float64 tolerance; bitwise reproducible; never NaN."""
+    from dsa_plugins.kernels.sparse_attention_bwd import _normalise_config, sparse_attention_bwd
+
+    H, Dqk, Dv, has_sink, dtype = cfg
+    assert _normalise_config({"heads": H, "dqk": Dqk, "dv": Dv, "det_pair_perm": True})["det_pair_perm"]
+    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=67)
+    out64, lse64, dq_ref, dkv_ref, _ = _reference(q, kv, idx, dout, sink, scale, Dv)
+    out, lse = out64.to(dtype), lse64.float()
+    args = (q, kv, idx, out, lse, dout, scale)
+
+    def run(perm):
+        return sparse_attention_bwd(*args, sink=sink, dv=Dv, deterministic=True, return_probs=True,
+                                    config={"det_mode": det_mode, "det_pair_perm": perm})
+
+    perm, real = run(True), run(False)
+    assert not perm[1].isnan().any()
+    assert torch.equal(perm[0], real[0]) and torch.equal(perm[3], real[3])
+    if det_mode == "contrib_i16":
+        g_dq, g_dkv, _ = _given_inputs_grads(q, kv, idx, out, lse, dout, scale, sink, Dv)
+        assert _rel(perm[1], real[1]) < 1e-4 and _err(perm[1], dkv_ref, g_dkv) < TOL
+    else:
+        assert torch.equal(perm[1], real[1])
+    for _ in range(3):
+        again = run(True)
+        assert torch.equal(again[1], perm[1]) and torch.equal(again[0], perm[0])
+
+
 @pytest.mark.parametrize("det_mode", ["contrib_i16", "contrib_ws"])
 @pytest.mark.parametrize("case", [CASES[4], CASES[5], BIG_CASES[0]], ids=lambda c: f"S{c[1]}K{c[3]}-{c[4]}")
 def test_det_pair_stores_the_same_bits_without_predicated_stores(det_mode, case):
