@@ -74,8 +74,8 @@ def traced_source(fine: bool = False) -> str:
     each dkv chunk)."""
     s = SOURCE.read_text()
     s = _replace(s, "# named barriers of the ws program", _PRELUDE + "\n# named barriers of the ws program")
-    scales = ('Scales: T.Tensor([ND, dqk // (4 if pair else 8)], T.uint8) if det_out == "contrib_i16" '
-              'else T.Tensor([2], f32),\n')
+    scales = ("        Scales: (T.Tensor([ND, dqk // (4 if pair and not dkv_perm else 8)], T.uint8) if det_out == "
+              '"contrib_i16"\n                 else T.Tensor([2], f32)),\n')
     s = _replace(s, scales, scales + "        Trace: T.Tensor([NHB * Tq, 16], T.int64),\n")
     s = _replace(s, "prelude=_WS_PRELUDE, cluster_dims", "prelude=_WS_PRELUDE + _TRACE_PRELUDE, cluster_dims")
     keep = "keep = T.alloc_local([16], f32) if pair else None  # this CTA's half of the chunk in flight\n"

@@ -1249,7 +1249,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     red_fn = (f"dsa_red_tile<{red_mode}, 4, {str(pred).lower()}, true>" if dkv_perm
               else f"dsa_red_tile<{red_mode}, 4, true>" if pred else f"dsa_red_tile<{red_mode}>")
     assert not pair or (det_out != "fixed" and NHB % 2 == 0 and DT == 0), (det_out, NHB, DT)
-    pair_fn = f"dsa_pair_finish<{red_mode}, {str(pred).lower()}, {str(dkv_perm).lower()}>"
+    pair_fn = (f"dsa_pair_finish<{red_mode}, {str(pred).lower()}, true>" if dkv_perm
+               else f"dsa_pair_finish<{red_mode}, true>" if pred else f"dsa_pair_finish<{red_mode}>")
     assert 0 <= wg0_chunks < NCH and not (pair and wg0_chunks), (wg0_chunks, NCH, pair)
     NCH1 = NCH - wg0_chunks  # warpgroup 1's chunks: chunks[:NCH1]; warpgroup 0's: chunks[NCH1:]
     chunk_ids1 = chunk_ids[:NCH1]
