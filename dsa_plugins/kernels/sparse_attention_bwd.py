@@ -856,18 +856,14 @@ __device__ __forceinline__ void dsa_red_tile(const float* acc, void* dkv_raw, co
   const int odd = q & 1, gb = g & 1;
   constexpr int kBytes = kMode == 3 ? 4 : 2;  // bytes per stored value of the contribution modes
   char* contrib = static_cast<char*>(dkv_raw);
-  if (kPermCols && kMode >= 3) {
-    // a pair's half tile (kGroups 2, det_pair_perm) is columns 32 p0 .. 32 p0 + 31 of its 64-column chunk: block p0
-    // of the whole tile's layout, so both CTAs' rows read back as one unpaired row would
-    constexpr int kBlocks = kGroups / 2;  // blocks of 8 values per lane and row
-    const int chunk0 = kGroups == 4 ? col0 : (col0 & ~63), p0 = kGroups == 4 ? 0 : ((col0 >> 5) & 1);
+  if (kPermCols && kMode >= 3 && kGroups == 4) {
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int slot = 16 * (tid >> 5) + 8 * half + g;
       const int row = rows[slot];
-      float4 v[kGroups];
+      float4 v[4];
       #pragma unroll
-      for (int m = 0; m < kGroups; ++m)
+      for (int m = 0; m < 4; ++m)
         v[m] = make_float4(acc[8 * m + 2 * half], acc[8 * m + 2 * half + 1], acc[8 * m + 4 + 2 * half],
                            acc[8 * m + 4 + 2 * half + 1]);
       float2 sc[2] = {make_float2(1.0f, 1.0f), make_float2(1.0f, 1.0f)};
@@ -876,23 +872,40 @@ __device__ __forceinline__ void dsa_red_tile(const float* acc, void* dkv_raw, co
         // 6% longer at V4 H64, 1% at 576/512; H100, ab_bwd_patch.py)
         unsigned int both = 0;
         #pragma unroll
-        for (int p = 0; p < kBlocks; ++p) {
+        for (int p = 0; p < 2; ++p) {
           sc[p] = dsa_i16_scale(max(dsa_absmax4_bits(v[2 * p]), dsa_absmax4_bits(v[2 * p + 1])));
           both |= (__float_as_uint(sc[p].y) >> 23) << (8 * p);
         }
-        if (row >= 0) {
-          unsigned char* e = exps + (row0 + slot) * (ld / 8) + chunk0 / 8 + 2 * q + p0;
-          if (kBlocks == 2) {
-            *reinterpret_cast<unsigned short*>(e) = static_cast<unsigned short>(both);
-          } else {
-            *e = static_cast<unsigned char>(both);
-          }
-        }
+        if (row >= 0)
+          *reinterpret_cast<unsigned short*>(exps + (row0 + slot) * (ld / 8) + col0 / 8 + 2 * q) =
+              static_cast<unsigned short>(both);
       }
       char* st = contrib + ((row0 + slot) * ld + col0 + 8 * q) * kBytes;
       #pragma unroll
-      for (int p = 0; p < kBlocks; ++p)
+      for (int p = 0; p < 2; ++p)
         dsa_store_row8<kMode, kPredStores>(st + 32 * p * kBytes, v[2 * p], v[2 * p + 1], sc[p].x, row >= 0);
+    }
+    return;
+  }
+  if (kPermCols && kMode >= 3 && kGroups == 2) {
+    // a pair's half tile (det_pair_perm) is columns 32 p0 .. 32 p0 + 31 of its 64-column chunk: block p0 of the
+    // whole tile's layout above, so both CTAs' rows read back as one unpaired row would
+    const int chunk0 = col0 & ~63, p0 = (col0 >> 5) & 1;
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int slot = 16 * (tid >> 5) + 8 * half + g;
+      const int row = rows[slot];
+      const float4 v0 = make_float4(acc[2 * half], acc[2 * half + 1], acc[4 + 2 * half], acc[4 + 2 * half + 1]);
+      const float4 v1 = make_float4(acc[8 + 2 * half], acc[8 + 2 * half + 1], acc[12 + 2 * half], acc[12 + 2 * half + 1]);
+      float2 sc = make_float2(1.0f, 1.0f);
+      if (kMode == 5) {
+        sc = dsa_i16_scale(max(dsa_absmax4_bits(v0), dsa_absmax4_bits(v1)));
+        if (row >= 0)
+          exps[(row0 + slot) * (ld / 8) + chunk0 / 8 + 2 * q + p0] =
+              static_cast<unsigned char>(__float_as_uint(sc.y) >> 23);
+      }
+      dsa_store_row8<kMode, kPredStores>(contrib + ((row0 + slot) * ld + col0 + 8 * q) * kBytes, v0, v1, sc.x,
+                                         row >= 0);
     }
     return;
   }

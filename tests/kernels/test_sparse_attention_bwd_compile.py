@@ -676,7 +676,9 @@ def test_permuted_int16_blocks_written_are_the_ones_the_reduce_reads():
     once. (The atomic reductions keep their own order, groups of 16: ``_dkv_cols_permuted``.)"""
     import inspect
 
-    assert "exps + (row0 + slot) * (ld / 8) + chunk0 / 8 + 2 * q + p0;" in bwd._WS_PRELUDE  # p0: a pair's half
+    assert "exps + (row0 + slot) * (ld / 8) + col0 / 8 + 2 * q) =" in bwd._WS_PRELUDE
+    # a pair's half tile (det_pair_perm): block p0 = its rank of the same layout, one byte
+    assert "exps[(row0 + slot) * (ld / 8) + chunk0 / 8 + 2 * q + p0] =" in bwd._WS_PRELUDE
     assert "both |= (__float_as_uint(sc[p].y) >> 23) << (8 * p);" in bwd._WS_PRELUDE
     assert "st + 32 * p * kBytes, v[2 * p], v[2 * p + 1], sc[p].x" in bwd._WS_PRELUDE
     assert "contrib + ((row0 + slot) * ld + col0 + 8 * q) * kBytes" in bwd._WS_PRELUDE
@@ -717,7 +719,7 @@ def test_det_pair_perm_stores_the_pairs_rows_in_the_unpaired_layout():
     pytest.importorskip("tilelang")
     src = bwd.build_bwd_program({**v4, "det_pair_perm": True}, "main_det", target=SM90A).get_kernel_source()
     assert "dsa_pair_finish<5, true, true>" in src
-    assert "const int chunk0 = kGroups == 4 ? col0 : (col0 & ~63), p0 = kGroups == 4 ? 0 : ((col0 >> 5) & 1);" in src
+    assert "const int chunk0 = col0 & ~63, p0 = (col0 >> 5) & 1;" in src
 
 
 @pytest.mark.parametrize("nhb", [1, 2])
