@@ -1740,10 +1740,10 @@ def _program_key(cfg: dict, name: str) -> tuple:
         return "preprocess", _preprocess_args(cfg, name == "preprocess_det")
     if name == "reduce":  # with det_pair one contribution row per pair of head blocks, int16 blocks of 4 values
         nhb, pair = (cfg["heads"] + _BLOCK_H - 1) // _BLOCK_H, _det_pair(cfg, True)
+        perm = _dkv_perm(cfg, True, pair)  # rows with permuted columns (the key grows only then)
         # (no exponent bytes in the other dtypes; the pair's permuted rows have the unpaired rows' blocks of 8)
-        block = 4 if pair and _contrib_dtype(cfg) == "int16" and not _dkv_perm(cfg, True, pair) else 8
-        perm = (True,) if _dkv_perm(cfg, True, pair) else ()  # rows with permuted columns (the key grows only then)
-        return "reduce", (cfg["dqk"], nhb // 2 if pair else nhb, _contrib_dtype(cfg), block) + perm
+        block = 4 if pair and _contrib_dtype(cfg) == "int16" and not perm else 8
+        return "reduce", (cfg["dqk"], nhb // 2 if pair else nhb, _contrib_dtype(cfg), block) + ((True,) if perm else ())
     if name not in BWD_PROGRAMS:
         raise ValueError(f"unknown backward program {name!r}; known: {BWD_PROGRAMS}")
     return _main_kernel(cfg, "_det" in name, name.endswith("_probs"))

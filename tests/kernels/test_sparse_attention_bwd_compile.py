@@ -335,6 +335,21 @@ def test_fixed_point_deterministic_path_compiles():
         assert "dsa_red_tile<2>(" in det and "dsa_red_tile<0" not in det and "FixedSums" in det
 
 
+def _acc_layout(tile, groups=4, rank=0):
+    """(acc [128 threads, 32 or 16 registers], first column) of a [64, 64] tile in one warpgroup's m64n64 wgmma
+    accumulator: thread t's register i holds row 16 w + lane / 4 + 8 ((i >> 1) & 1), column 8 (i >> 2) + 2 (lane & 3)
+    + (i & 1). ``groups`` 2: the half a pair's CTA of rank ``rank`` keeps (registers from 16 rank, columns from 32
+    rank)."""
+    import numpy as np
+
+    full = np.zeros((128, 32))
+    for t in range(128):
+        w, lane = t >> 5, t & 31
+        for i in range(32):
+            full[t, i] = tile[16 * w + (lane >> 2) + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * (lane & 3) + (i & 1)]
+    return (full[:, 16 * rank:], 32 * rank) if groups == 2 else (full, 0)
+
+
 def _red_tile_model(tile, groups=4, rank=0, perm=False):
     """What dsa_red_tile<kMode, groups> adds, modelled lane by lane: the m64n64 accumulator layout of one
     warpgroup, the two shuffles (each lane reads what its partner sends), then each lane's (row, column,
@@ -343,13 +358,7 @@ def _red_tile_model(tile, groups=4, rank=0, perm=False):
     float4 at column 4 q of its 16-column group (dkv's columns permuted). Returns (sum, hit count) per tile element."""
     import numpy as np
 
-    full = np.zeros((128, 32))
-    for t in range(128):
-        w, lane = t >> 5, t & 31
-        for i in range(32):
-            full[t, i] = tile[16 * w + (lane >> 2) + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * (lane & 3) + (i & 1)]
-    acc = full[:, 16 * rank:] if groups == 2 else full
-    col0 = 32 * rank if groups == 2 else 0
+    acc, col0 = _acc_layout(tile, groups, rank)
     out, hits = np.zeros((64, 64)), np.zeros((64, 64), dtype=int)
     for half in range(2):
         a = {(t, m): acc[t, 8 * m + 2 * half: 8 * m + 2 * half + 2] for t in range(128) for m in range(groups)}
@@ -439,13 +448,7 @@ def _contrib_perm_model(tile, groups=4, rank=0):
     (sum, hit count) per tile element, in real columns."""
     import numpy as np
 
-    full = np.zeros((128, 32))
-    for t in range(128):
-        w, lane = t >> 5, t & 31
-        for i in range(32):
-            full[t, i] = tile[16 * w + (lane >> 2) + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * (lane & 3) + (i & 1)]
-    acc = full[:, 16 * rank:] if groups == 2 else full
-    col0 = 32 * rank if groups == 2 else 0
+    acc, col0 = _acc_layout(tile, groups, rank)
     out, hits = np.zeros((64, 64)), np.zeros((64, 64), dtype=int)
     for t in range(128):
         q, g = t & 3, (t & 31) >> 2

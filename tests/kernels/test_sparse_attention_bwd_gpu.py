@@ -682,10 +682,13 @@ def test_ws_dkv_perm_adds_into_permuted_columns_and_restores_them(cfg, case):
             assert torch.equal(det[0][1], det[1][1]), mode
 
 
+# shapes where the head blocks pair (dqk == dv, an even number of blocks): padded heads, two pairs a row, fp16
+PAIR_CONFIGS = [CONFIGS[1], (100, 512, 512, True, torch.bfloat16), (256, 512, 512, False, torch.bfloat16),
+                (128, 512, 512, True, torch.float16)]
+
+
 @pytest.mark.parametrize("det_mode", ["contrib_i16", "contrib_bf16", "contrib_ws"])
-@pytest.mark.parametrize("cfg", [CONFIGS[1], (100, 512, 512, True, torch.bfloat16), (256, 512, 512, False, torch.bfloat16),
-                                 (128, 512, 512, True, torch.float16)],
-                         ids=lambda c: f"H{c[0]}-D{c[1]}-{str(c[4])[6:]}")
+@pytest.mark.parametrize("cfg", PAIR_CONFIGS, ids=lambda c: f"H{c[0]}-D{c[1]}-{str(c[4])[6:]}")
 @pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[4], CASES[5], BIG_CASES[0]],
                          ids=lambda c: f"S{c[1]}K{c[3]}-{c[4]}")
 def test_det_pair_stores_one_contribution_row_per_head_block_pair(det_mode, cfg, case):
@@ -719,9 +722,7 @@ def test_det_pair_stores_one_contribution_row_per_head_block_pair(det_mode, cfg,
 
 
 @pytest.mark.parametrize("det_mode", ["contrib_i16", "contrib_bf16", "contrib_ws"])
-@pytest.mark.parametrize("cfg", [CONFIGS[1], (100, 512, 512, True, torch.bfloat16), (256, 512, 512, False, torch.bfloat16),
-                                 (128, 512, 512, True, torch.float16)],
-                         ids=lambda c: f"H{c[0]}-D{c[1]}-{str(c[4])[6:]}")
+@pytest.mark.parametrize("cfg", PAIR_CONFIGS, ids=lambda c: f"H{c[0]}-D{c[1]}-{str(c[4])[6:]}")
 @pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[5], BIG_CASES[0]], ids=lambda c: f"S{c[1]}K{c[3]}-{c[4]}")
 def test_det_pair_perm_stores_the_pairs_rows_in_the_permuted_layout(det_mode, cfg, case):
     """``det_pair_perm`` (opt-in): the pair's contribution rows in the unpaired rows' permuted layout. dq and the
