@@ -15,11 +15,14 @@ MLA H128, 1.012x V4 H64). A patch may edit the contribution reduce too ("reduce"
 the patched reduce). Patches:
   exps_u16_pair  the int16 contribution rows' exponent bytes (``contrib_i16``) of the pair's half tiles (V4 H128)
                  in 16-bit stores: lanes q and q ^ 2 swap one byte and each stores one row's two adjacent bytes.
-                 H100, --det: 1.005x (the exchange costs what the second store did); not shipped
+                 H100, --det: 1.005x (the exchange costs what the second store did); not shipped. It patches the
+                 pair's rows in their real column order, which det_pair_perm (the default since 2026-11-27, 1.17x
+                 at V4 H128) no longer runs: pass it only with that default turned off
   reduce_v8      the reduce reads permuted int16 rows (the default rows of MLA and unpaired V4) 16 bytes a lane:
                  8 columns, one whole block and its one exponent byte per load, 3 loads a 576-wide row instead of 5;
                  each column is still summed by one warp over its slots in order, so the sums keep their bits.
-                 Built and compiled (CPU), not yet measured
+                 H100, --det, same bits: MLA H64 0.995x [0.991, 1.007], MLA H128 1.013x [1.009, 1.036], V4 H64
+                 1.000x [0.995, 1.004]; not shipped (the reduce's loads were not what limits it)
 """
 
 from __future__ import annotations

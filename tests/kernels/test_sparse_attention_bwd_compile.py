@@ -90,14 +90,14 @@ def test_shipped_config_compiles_for_sm90a(config, caplog):
     for name in ("main_det", "main_det_probs"):
         # deterministic: each slot's contribution stored as int16 rows (mode 5), no reduction of any kind; at
         # D512 each store predicated inside its asm (det_store_pred), and with an even number of head blocks
-        # one row per slot of a pair, summed in a cluster (det_pair, columns in their real order), else with the
-        # columns permuted (ws_dkv_perm)
+        # one row per slot of a pair, summed in a cluster (det_pair), each CTA storing its half of every chunk in
+        # the permuted column order (det_pair_perm); else the whole tile, columns permuted (ws_dkv_perm)
         det = progs[name].get_kernel_source()
         body = det.split("dsa_bwd_ws_kernel(", 1)[1]
         assert "wgmma" in det and "AtomicAdd" not in det
         assert "dsa_red_tile<0" not in body and "dsa_red_tile<2>(" not in body
         if pair:
-            assert "dsa_pair_finish<5, true>(" in body and "dsa_pair_send(" in body
+            assert "dsa_pair_finish<5, true, true>(" in body and "dsa_pair_send(" in body
             assert "dsa_red_tile<5" not in body
         else:
             assert f"dsa_red_tile<5, 4, {str(d512).lower()}, true>(" in body
@@ -170,16 +170,20 @@ def test_ws_pair_variant_exchanges_halves_in_a_cluster():
 
 def test_det_pair_defaults_and_its_reduce():
     """``det_pair`` (one contribution row per slot of a head-block pair): on where ws_pair can run (an even number of
-    head blocks, dqk == dv, the ws schedule) and off elsewhere; its reduce sums ncr = NHB / 2 rows per slot with
-    int16 blocks of 4 values (the other dtypes have no exponent bytes: the same program as unpaired, block 8)."""
+    head blocks, dqk == dv, the ws schedule) and off elsewhere; its reduce sums ncr = NHB / 2 rows per slot, by
+    default (det_pair_perm) in the unpaired rows' permuted layout with int16 blocks of 8 values; without it in the real
+    column order with int16 blocks of 4 (the other dtypes have no exponent bytes: the same program as unpaired)."""
     v4 = {"heads": 128, "dqk": 512, "dv": 512, "has_sink": True, "dtype": "bfloat16"}
     assert bwd._normalise_config(v4)["det_pair"] and bwd._normalise_config({**v4, "heads": 256})["det_pair"]
     for other in ({"heads": 64}, {"heads": 192}, {"dqk": 576}, {"schedule": "plain"}, {"det_pair": False}):
         assert not bwd._normalise_config({**v4, **other})["det_pair"], other
     key = bwd._program_key
-    assert key(bwd._normalise_config(v4), "reduce") == ("reduce", (512, 1, "int16", 4))
-    assert key(bwd._normalise_config({**v4, "heads": 256}), "reduce") == ("reduce", (512, 2, "int16", 4))
-    assert key(bwd._normalise_config({**v4, "det_mode": "contrib_bf16"}), "reduce") == ("reduce", (512, 1, "bfloat16", 8))
+    assert key(bwd._normalise_config(v4), "reduce") == ("reduce", (512, 1, "int16", 8, True))
+    assert key(bwd._normalise_config({**v4, "heads": 256}), "reduce") == ("reduce", (512, 2, "int16", 8, True))
+    real = {**v4, "det_pair_perm": False}
+    assert key(bwd._normalise_config(real), "reduce") == ("reduce", (512, 1, "int16", 4))
+    assert key(bwd._normalise_config({**real, "heads": 256}), "reduce") == ("reduce", (512, 2, "int16", 4))
+    assert key(bwd._normalise_config({**real, "det_mode": "contrib_bf16"}), "reduce") == ("reduce", (512, 1, "bfloat16", 8))
     # unpaired rows come with their columns permuted (ws_dkv_perm): the reduce's key says so
     assert key(bwd._normalise_config({**v4, "det_pair": False}), "reduce") == ("reduce", (512, 2, "int16", 8, True))
     assert key(bwd._normalise_config({**v4, "heads": 64}), "reduce") == ("reduce", (512, 1, "int16", 8, True))
@@ -193,10 +197,10 @@ def test_det_pair_defaults_and_its_reduce():
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
 def test_pair_reduce_reads_one_exponent_byte_per_4_columns():
-    """The det_pair reduce (int16 blocks of 4 values): a lane's 4 columns r * 128 + 4 lane .. + 3 take byte
-    r * 32 + lane of its row's dqk / 4 = 128 bytes."""
-    red = bwd.build_bwd_program({"heads": 128, "dqk": 512, "dv": 512, "has_sink": True, "dtype": "bfloat16"}, "reduce",
-                                target=SM90A).get_kernel_source()
+    """The det_pair reduce in the real column order (det_pair_perm off; int16 blocks of 4 values): a lane's 4 columns
+    r * 128 + 4 lane .. + 3 take byte r * 32 + lane of its row's dqk / 4 = 128 bytes."""
+    red = bwd.build_bwd_program({"heads": 128, "dqk": 512, "dv": 512, "has_sink": True, "dtype": "bfloat16",
+                                 "det_pair_perm": False}, "reduce", target=SM90A).get_kernel_source()
     assert "Exps[(((((int64_t)base) * (int64_t)128) + (((int64_t)r_1) * (int64_t)32)) + " \
            "(((int64_t)((int)threadIdx.x)) & (int64_t)31))]" in red
 
@@ -275,9 +279,13 @@ def test_ws_dkv_perm_variant_sends_one_exchange_reductions():
     bwd.build_bwd_program(cfg, "reduce", target=SM90A)  # compiles
     pair = bwd._normalise_config({**cfg, "heads": 128, "dqk": 512, "ws_pair": True})
     assert not bwd._main_kernel(pair, False)[1][bwd._WS_PERM_AT]
-    det_pair = bwd._normalise_config({**cfg, "heads": 128, "dqk": 512})  # det_pair: the reduce of pairs, unpermuted
-    assert not bwd._main_kernel(det_pair, True)[1][bwd._WS_PERM_AT]
-    assert len(bwd._program_key(det_pair, "reduce")[1]) == 4
+    # det_pair: by default (det_pair_perm) the pair's rows permuted as well; without it in the real column order
+    det_pair = bwd._normalise_config({**cfg, "heads": 128, "dqk": 512})
+    assert bwd._main_kernel(det_pair, True)[1][bwd._WS_PERM_AT]
+    assert bwd._program_key(det_pair, "reduce")[1][-1] is True
+    det_pair_real = bwd._normalise_config({**cfg, "heads": 128, "dqk": 512, "det_pair_perm": False})
+    assert not bwd._main_kernel(det_pair_real, True)[1][bwd._WS_PERM_AT]
+    assert len(bwd._program_key(det_pair_real, "reduce")[1]) == 4
     assert not bwd._main_kernel({**norm, "det_mode": "fixed"}, True)[1][bwd._WS_PERM_AT]
     assert not bwd._normalise_config({**cfg, "schedule": "plain"})["ws_dkv_perm"]
 
@@ -708,11 +716,11 @@ def test_permuted_int16_blocks_written_are_the_ones_the_reduce_reads():
 
 
 def test_det_pair_perm_stores_the_pairs_rows_in_the_unpaired_layout():
-    """det_pair_perm (opt-in): the pair's CTAs store their halves of each chunk as block p = rank of the permuted
-    layout, so the reduce reads the pair's rows with the unpaired rows' maps and int16 blocks of 8; off by default,
-    where the pair keeps its real column order and blocks of 4."""
+    """det_pair_perm (the default): the pair's CTAs store their halves of each chunk as block p = rank of the permuted
+    layout, so the reduce reads the pair's rows with the unpaired rows' maps and int16 blocks of 8; turned off, the
+    pair keeps its real column order and blocks of 4."""
     v4 = {"heads": 128, "dqk": 512, "dv": 512, "has_sink": True, "dtype": "bfloat16"}
-    off, on = bwd._normalise_config(v4), bwd._normalise_config({**v4, "det_pair_perm": True})
+    off, on = bwd._normalise_config({**v4, "det_pair_perm": False}), bwd._normalise_config(v4)
     assert not off["det_pair_perm"] and on["det_pair_perm"] and on["det_pair"]
     assert bwd._program_key(off, "reduce") == ("reduce", (512, 1, "int16", 4))
     assert bwd._program_key(on, "reduce") == ("reduce", (512, 1, "int16", 8, True))
@@ -720,7 +728,7 @@ def test_det_pair_perm_stores_the_pairs_rows_in_the_unpaired_layout():
     assert not bwd._normalise_config({**v4, "dqk": 576, "det_pair_perm": True})["det_pair_perm"]
     assert not bwd._normalise_config({**v4, "ws_dkv_perm": False, "det_pair_perm": True})["det_pair_perm"]
     pytest.importorskip("tilelang")
-    src = bwd.build_bwd_program({**v4, "det_pair_perm": True}, "main_det", target=SM90A).get_kernel_source()
+    src = bwd.build_bwd_program(v4, "main_det", target=SM90A).get_kernel_source()
     assert "dsa_pair_finish<5, true, true>" in src
     assert "const int chunk0 = col0 & ~63, p0 = (col0 >> 5) & 1;" in src
 

@@ -725,14 +725,14 @@ def test_det_pair_stores_one_contribution_row_per_head_block_pair(det_mode, cfg,
 @pytest.mark.parametrize("cfg", PAIR_CONFIGS, ids=lambda c: f"H{c[0]}-D{c[1]}-{str(c[4])[6:]}")
 @pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[5], BIG_CASES[0]], ids=lambda c: f"S{c[1]}K{c[3]}-{c[4]}")
 def test_det_pair_perm_stores_the_pairs_rows_in_the_permuted_layout(det_mode, cfg, case):
-    """``det_pair_perm`` (opt-in): the pair's contribution rows in the unpaired rows' permuted layout. dq and the
+    """``det_pair_perm`` (the default where the pair runs): the pair's contribution rows in the unpaired rows' permuted layout. dq and the
     head-summed probabilities bitwise those of the paired program in its real column order; dkv too for bf16 and
     fp32 rows (the same values summed in the same order), and for int16 rows within 1e-4 of it (blocks of 8 values
     instead of 4) and within the float64 tolerance; bitwise reproducible; never NaN."""
     from dsa_plugins.kernels.sparse_attention_bwd import _normalise_config, sparse_attention_bwd
 
     H, Dqk, Dv, has_sink, dtype = cfg
-    assert _normalise_config({"heads": H, "dqk": Dqk, "dv": Dv, "det_pair_perm": True})["det_pair_perm"]
+    assert _normalise_config({"heads": H, "dqk": Dqk, "dv": Dv})["det_pair_perm"]
     q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=67)
     out64, lse64, dq_ref, dkv_ref, _ = _reference(q, kv, idx, dout, sink, scale, Dv)
     out, lse = out64.to(dtype), lse64.float()
