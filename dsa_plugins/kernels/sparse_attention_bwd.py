@@ -19,10 +19,10 @@ Programs (all compiled per configuration by :func:`build_bwd_kernels`):
   reductions, whose sums do not depend on the order of the additions (see :func:`_fixed_point_scale`);
   measured 4.3-4.8x the atomic time on an H100 (L2 adds 64-bit integers ~7x slower per value than
   fp32 red.v4), so the deterministic mode stores per-slot contribution rows instead, for the reduce
-  to sum: by default (``det_mode`` "contrib_i16") as int16 with a power of two per 8 values (1.86x the
-  atomic time at MLA H64, dkv within 5e-5 of the fp32 sums); "contrib_ws" stores fp32 (the same sums:
-  2.0x), "contrib_bf16" bf16 (1.51x, within 1.7e-3: about a bf16 rounding) and "contrib" has the plain
-  program write fp32 rows (2.35x). H100, B1 S4096 Skv8192 (``bwd_ws_h100.md``).
+  to sum: by default (``det_mode`` "contrib_i16") as int16 with a power of two per 8 values (1.66x the
+  atomic time at MLA H64, 1.46x at V4 H128; dkv within 5e-5 of the fp32 sums); "contrib_ws" stores fp32 (the
+  same sums: 2.0x), "contrib_bf16" bf16 (1.55x / 1.29x, within 1.7e-3: about a bf16 rounding) and "contrib"
+  has the plain program write fp32 rows (2.35x). H100, B1 S4096 Skv8192 (``bwd_ws_h100.md``).
 * ``main`` (the plain program: other head dims, the "contrib" deterministic mode, tuning experiments): one CTA of
   256 threads per (query row, block of 64 heads); heads beyond H are padded inside the CTA (zero q / dout, lse = +inf: they contribute
   nothing). The CTA walks the top-k slots in blocks of 64: gathers the selected kv rows with
@@ -283,7 +283,9 @@ def _normalise_config(config: dict) -> dict:
     if cfg["schedule"] == "ws" and not ws_ok:
         raise ValueError(f"schedule 'ws' needs dv a multiple of 128, dqk - dv in (0, 64) and block_k 64, got "
                          f"dqk={cfg['dqk']} dv={cfg['dv']} block_k={cfg['block_k']}")
-    # deterministic mode (times against the atomic mode, H100, MLA H64 / H128, V4 H128 / H64):
+    # deterministic mode (times against the atomic mode, H100, MLA H64 / H128, V4 H128 / H64; first measured
+    # at 028b05d, the stores since made faster: i16 now 1.66 / 1.66, 1.46 / 1.54x and bf16 1.55 / 1.51,
+    # 1.29 / 1.40x, 97a044d):
     # "contrib" (the plain program writes per-slot fp32 contributions, sorted and summed: 2.35 / 2.35,
     # 2.06 / 1.88x), "contrib_ws" (the same contributions stored by the ws program: 2.01 / 2.05, 1.83 /
     # 1.72x), "contrib_i16" (int16 with a power of two per 8 values: half the bytes; dkv within 5e-5 of
