@@ -9,8 +9,6 @@ the same rows gathered into the slots' sorted order, so each kv row's sum is for
 same order: the probe checks the two sums bit for bit before it times them. Printed per contribution dtype: ms per
 reduce in each layout (CUDA graphs, interleaved rounds), GB/s on the rows' bytes, and a plain streaming read of the
 buffer (``torch.amax``) as the HBM reference. ``--warps``: the shipped layout's reduce with other CTA sizes.
-``--inline``: int16 rows with their exponent bytes at the end of each row (``reduce_body``'s ``inline_ld``; a row
-padded to 16 bytes) instead of in a tensor of their own, the shipped scattered order, the sums checked bit for bit.
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--warps", default="", help="also time the shipped layout's reduce with these warps per CTA (4 ships)")
-    ap.add_argument("--inline", action="store_true", help="also time int16 rows with their exponent bytes inline")
     args = ap.parse_args(argv)
 
     from dsa_plugins.bench.runner import capture_graph, interleaved_graph_ms, ratio_text
@@ -82,20 +79,6 @@ def main(argv=None) -> int:
             block, perm = (8, d % 16 == 0) if dt == torch.int16 else (8, False)
             other = tilelang.jit(target=target)(reduce_body)(d, nhb, name, block, perm, warps=w)
             graphs.append(capture_graph(lambda other=other: other(contrib, exps, rows, rowptr, dkv_a, kp)))
-        inline_same = None
-        if args.inline and dt == torch.int16:
-            ld = -(-(d + d // 8 // 2) // 8) * 8  # d values and d / 8 bytes, rounded up to 16 bytes
-            buf = torch.zeros(m, ld, device=dev, dtype=torch.int16)
-            buf[:, :d] = contrib
-            buf.view(torch.uint8)[:, 2 * d:2 * d + d // 8] = exps
-            inl = tilelang.jit(target=target)(reduce_body)(d, nhb, name, 8, d % 16 == 0, inline_ld=ld)
-            # both from zero: the graphs' captures above have added into dkv_a again
-            dkv_c, dkv_ref = (torch.zeros(n, d, device=dev, dtype=torch.float32) for _ in range(2))
-            red(contrib, exps, rows, rowptr, dkv_ref, kp)
-            inl(buf, buf.view(torch.uint8), rows, rowptr, dkv_c, kp)
-            torch.cuda.synchronize()
-            inline_same = torch.equal(dkv_ref, dkv_c)
-            graphs.append(capture_graph(lambda: inl(buf, buf.view(torch.uint8), rows, rowptr, dkv_c, kp)))
         times = interleaved_graph_ms(graphs, args.rounds, args.replays)
         nbytes = contrib.numel() * contrib.element_size() + (exps.numel() if dt == torch.int16 else 0)
         med = [statistics.median(t) for t in times]
@@ -106,10 +89,6 @@ def main(argv=None) -> int:
             print(f"{name:9s} shipped layout, {w} warps per CTA: {statistics.median(t):.3f} ms "
                   f"({nbytes / statistics.median(t) / 1e6:.0f} GB/s); 4 warps / {w} warps {ratio_text(times[0], t)}",
                   flush=True)
-        if inline_same is not None:
-            t = times[-1]
-            print(f"{name:9s} exponent bytes inline ({m} rows of {ld * 2} bytes), same bits {inline_same}: "
-                  f"{statistics.median(t):.3f} ms; separate / inline {ratio_text(times[0], t)}", flush=True)
         del contrib, contrib_sorted, graphs
         torch.cuda.empty_cache()
     return 0

@@ -81,7 +81,7 @@ def slot_order_async(idx: Tensor, n_rows: int, kp: int, nhb: int):
     return ready
 
 
-def reduce_body(dqk, nhb, contrib_dtype="float32", block=8, perm=False, warps=4, inline_ld=0):
+def reduce_body(dqk, nhb, contrib_dtype="float32", block=8, perm=False, warps=4):
     """dKV[n] += sum of the contribution rows of kv row n, in a fixed order: Rows[RowPtr[n]:RowPtr[n + 1]]
     are the rows (of group 0 of the ``nhb`` contribution groups of a query row, head blocks or their pairs; group g
     is g * kp rows further) of the slots naming n, sorted.
@@ -93,8 +93,6 @@ def reduce_body(dqk, nhb, contrib_dtype="float32", block=8, perm=False, warps=4,
     within each group of 32 columns, real column 16 j + 8 h + 2 q + e (j, h, e < 2, q < 4) is stored at
     8 q + 4 j + 2 h + e, so a block is 8 consecutive stored columns (32 p + 8 q .. + 7 of each 64-column chunk,
     byte 8 chunk + 2 q + p), and each sum goes to its real column.
-    ``inline_ld`` (int16, probes only): each row ``inline_ld`` int16 long with its exponent bytes after its dqk values,
-    Exps then the same buffer seen as [M, 2 inline_ld] uint8 (one memory range a row instead of two).
 
     One CTA per kv row. Warp w sums the row's sorted slots w, w + warps, ... in turn (its lanes read
     each contribution row as coalesced runs of 8 bytes a lane: 64 fp32 or 128 bf16 columns, so
@@ -119,8 +117,8 @@ def reduce_body(dqk, nhb, contrib_dtype="float32", block=8, perm=False, warps=4,
 
     @T.prim_func
     def dsa_bwd_reduce(
-        Contrib: T.Tensor([M, inline_ld or dqk], getattr(T, contrib_dtype)),
-        Exps: T.Tensor([M, 2 * inline_ld if inline_ld else dqk // block] if scaled else [1], T.uint8),
+        Contrib: T.Tensor([M, dqk], getattr(T, contrib_dtype)),
+        Exps: T.Tensor([M, dqk // block] if scaled else [1], T.uint8),
         Rows: T.Tensor([L], i32),
         RowPtr: T.Tensor([N1], i32),
         dKV: T.Tensor([N, dqk], f32),
@@ -148,8 +146,7 @@ def reduce_body(dqk, nhb, contrib_dtype="float32", block=8, perm=False, warps=4,
                                        else T.min(col // 4, dqk // 4 - 1))
                                 # exponent byte 255 (a block that held a value that is not finite): NaN, so
                                 # that its sum is NaN whatever the block's stored values
-                                ex = T.alloc_var(T.uint32, init=T.cast(
-                                    Exps[base + hb * kp, (2 * dqk if inline_ld else 0) + blk], T.uint32))
+                                ex = T.alloc_var(T.uint32, init=T.cast(Exps[base + hb * kp, blk], T.uint32))
                                 sc = T.alloc_var(f32, init=T.reinterpret(T.bitwise_or(
                                     T.shift_left(ex, T.uint32(23)),
                                     T.if_then_else(ex == T.uint32(255), T.uint32(0x400000), T.uint32(0))), f32))
