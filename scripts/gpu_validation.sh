@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU validation on the lent Hopper machine: install, doctor, every GPU test, benchmarks.
 # Usage (device): source .devbundle/setup.sh && bash scripts/gpu_validation.sh tests|bench|all|bwd|hf
-# (bwd: the backward's GPU tests and its deterministic modes timed beside the default, in one call;
+# (bwd: the backward's GPU tests and its deterministic modes timed beside the default, in one call (BWD_PART=1|2: half
+#  the tests each);
 #  hf: the HF and ops GPU tests, then generation steps per layer, eager and compiled, and the eager host profile)
 # Logs and results go to $OUT (or ./gpu_out).
 set -uo pipefail
@@ -30,8 +31,18 @@ if [ "$what" = bwd ]; then
   timeout 240 python benchmarks/kernels/bench_sparse_attention_bwd.py --warmup --jobs 16 --variants "$det" \
     >"$OUT/bwd_warmup.log" 2>&1
   tail -n 1 "$OUT/bwd_warmup.log"
+  # the file outlasts one call (about 800 s on an H100 with 8-12 workers): BWD_PART=1 or 2 runs the first or second
+  # half of its tests in collection order (two calls back to back keep the compiled programs), unset runs all
+  bwd_file=tests/kernels/test_sparse_attention_bwd_gpu.py
+  bwd_tests=("$bwd_file")
+  if [ -n "${BWD_PART:-}" ]; then
+    mapfile -t bwd_ids < <(python -m pytest -q -p no:cacheprovider --collect-only "$bwd_file" 2>/dev/null | grep '::')
+    half=$(( (${#bwd_ids[@]} + 1) / 2 ))
+    if [ "$BWD_PART" = 1 ]; then bwd_tests=("${bwd_ids[@]:0:half}"); else bwd_tests=("${bwd_ids[@]:half}"); fi
+    echo "backward GPU tests, part $BWD_PART: ${#bwd_tests[@]} of ${#bwd_ids[@]}"
+  fi
   timeout "${TEST_TIMEOUT:-300}" python -m pytest -q -p no:cacheprovider -n "${WORKERS:-6}" --dist load -rfE \
-    tests/kernels/test_sparse_attention_bwd_gpu.py 2>&1 | tee "$OUT/bwd_tests.log" | tail -n 30
+    "${bwd_tests[@]}" 2>&1 | tee "$OUT/bwd_tests${BWD_PART:+_part$BWD_PART}.log" | tail -n 30
   timeout "${BENCH_TIMEOUT:-240}" python benchmarks/kernels/bench_sparse_attention_bwd.py --det \
     --shapes mla_h64,mla_h128,v4_h128_sink,mla_h64_causal --variants "$det" --csv "$OUT/bwd_det.csv" \
     2>&1 | tee "$OUT/bwd_det.log" | grep "|"
