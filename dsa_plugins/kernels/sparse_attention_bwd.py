@@ -1162,7 +1162,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     are stored in its own row (full-line stores from the same layout), for the reduce to sum in a fixed
     order; "contrib_bf16": the same with dKV a bf16 buffer (each value rounded to bf16: half the bytes);
     "contrib_i16": dKV an int16 buffer in block floating point, Scales [ND, dqk / 8] uint8 the exponent of
-    each block of 8 values ([ND, dqk / 4], blocks of 4, with ``pair``; see ``dsa_red_tile``). ``pair`` (any
+    each block of 8 values ([ND, dqk / 4], blocks of 4, with ``pair`` and not ``dkv_perm``; see
+    ``dsa_red_tile``). ``pair`` (any
     mode but "fixed", an even number of head blocks, dqk == dv: the 16 KB it needs fit beside the D512
     tiles, not the 576-wide ones): CTAs run in clusters of two, the two head blocks of one query row, which
     sum each dkv chunk through distributed shared memory and reduce (or, in the contribution modes, store)
@@ -1321,8 +1322,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
         Probs: T.Tensor([NHB, Tq, Kp] if emit_probs else [1], f32),
         FixedSums: T.Tensor([N, dqk] if fixed_point else [1], T.int64),
         # "fixed": the power of two the values are scaled by and the limit; "contrib_i16": each contribution
-        # row's exponent bytes, one per block of 8 values (see dsa_red_tile; per 4 values with ``pair``: each CTA
-        # of the pair stores half of every chunk)
+        # row's exponent bytes, one per block of 8 values (see dsa_red_tile; per 4 values with ``pair`` in the
+        # real column order: each CTA of the pair stores half of every chunk)
         Scales: (T.Tensor([ND, dqk // (4 if pair and not dkv_perm else 8)], T.uint8) if det_out == "contrib_i16"
                  else T.Tensor([2], f32)),
         # fused_pre: the forward's output, its lse (natural log, sink excluded) and the sink logits
@@ -1742,7 +1743,7 @@ def _program_key(cfg: dict, name: str) -> tuple:
     or deterministic ``_det``, with the head-summed P output ``_probs`` or not) or the contribution reduce."""
     if name in ("preprocess", "preprocess_det"):
         return "preprocess", _preprocess_args(cfg, name == "preprocess_det")
-    if name == "reduce":  # with det_pair one contribution row per pair of head blocks, int16 blocks of 4 values
+    if name == "reduce":  # with det_pair one contribution row per pair of head blocks
         nhb, pair = (cfg["heads"] + _BLOCK_H - 1) // _BLOCK_H, _det_pair(cfg, True)
         perm = _dkv_perm(cfg, True, pair)  # rows with permuted columns (the key grows only then)
         # (no exponent bytes in the other dtypes; the pair's permuted rows have the unpaired rows' blocks of 8)
@@ -1853,8 +1854,8 @@ def sparse_attention_bwd(q, kv, indices, out, lse, dout, scale: float, sink=None
     15.0 ms) or bf16 ("contrib_bf16": 12.7 / 25.3 / 11.6 ms, each contribution rounded to bf16:
     within 1.7e-3 of the fp32 sums). Where two head blocks of a row can pair (dqk == dv, an even number
     of them: DeepSeek-V4 H128) they sum each chunk in a 2-CTA cluster first and store one row per slot of
-    the pair (``det_pair``, int16 blocks of 4 values): half the rows to reduce, 1.56x the default's time
-    (H100). dq and dsink are deterministic in every mode (no atomics).
+    the pair (``det_pair``; by default in the unpaired rows' permuted layout, ``det_pair_perm``): half the rows
+    to reduce, 1.44x the default's time (H100, V4 H128 k1024). dq and dsink are deterministic in every mode (no atomics).
 
     return_probs=True adds a fourth result, probs [B,S,K] fp32: sum over heads of the attention
     probabilities P[h, j] = exp(scale * s_hj - lse'_h) of each slot (lse' with the sink), 0 for
