@@ -66,7 +66,7 @@ from . import aligned_operand, aligned_output, compiled_once, target_key, zeros_
 from .cluster import CLUSTER_PRELUDE
 from . import fast_exp2 as _ex2
 from .row_scan import ROW_SCAN_PRELUDE
-from .contrib_reduce import DET_BUDGET_BYTES, build_reduce, keys_last_invalid, slot_order_async
+from .contrib_reduce import DET_BUDGET_BYTES, build_reduce, chunk_rows, keys_last_invalid, slot_order_async
 
 __all__ = ["BWD_PROGRAMS", "SHIPPED_CONFIGS", "build_bwd_kernels", "build_bwd_program", "bwd_flops", "bwd_program_names",
            "sparse_attention_bwd"]
@@ -99,7 +99,7 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
 _TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep",
                 "schedule", "ws_prefetch", "ws_dq_rs", "ws_pair", "ws_wg0_chunks", "ws_auto_sync", "det_mode",
                 "fast_exp2", "det_store_pred", "det_pair", "ws_tma_q", "ws_fused_pre", "ws_dkv_perm",
-                "ws_stage_dq", "ws_row_regs", "ws_tma_dq", "det_pair_perm")
+                "ws_stage_dq", "ws_row_regs", "ws_tma_dq", "det_pair_perm", "det_whole_waves")
 _DET_MODES = ("contrib", "contrib_ws", "contrib_bf16", "contrib_i16", "fixed")
 # the modes whose contribution rows the ws program stores
 _CONTRIB_WS_MODES = ("contrib_ws", "contrib_bf16", "contrib_i16")
@@ -270,6 +270,10 @@ def _normalise_config(config: dict) -> dict:
     # the stores, one 16-byte store of a lane's 8 values and int16 blocks of 8 values (one exponent byte per 8
     # values instead of per 4). H100, V4 H128 sink B1 S4096 Skv8192 K1024, deterministic (contrib_i16), one
     # process: 9.66 ms against 11.34 ms off (1.17x); the GPU tests keep both within the same float64 bounds
+    # det_whole_waves (opt-in): the deterministic mode's query chunks a whole number of main-program waves
+    # (contrib_reduce.chunk_rows). Built 2026-11-28 without device time left, not yet measured: a larger budget,
+    # which also leaves fewer partial waves, measured 2-5% faster (DET_BUDGET_BYTES)
+    cfg["det_whole_waves"] = bool(cfg.get("det_whole_waves") or False)
     dpp = cfg.get("det_pair_perm")
     cfg["det_pair_perm"] = bool(True if dpp is None else dpp) and cfg["det_pair"] and cfg["ws_dkv_perm"]
     # ws_auto_sync: TileLang's automatic thread-storage syncs in the ws program. False (the default) drops warpgroup
@@ -2039,7 +2043,7 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
         ncr, block = red_args[1], red_args[3]  # contribution rows per slot, values per exponent byte
         cdt = getattr(torch, _contrib_dtype(cfg))
         per_row = ncr * Kp * (Dqk * cdt.itemsize + (Dqk // block if cdt == torch.int16 else 0))  # with the exponents
-        chunk = max(1, min(T_, _DET_BUDGET_BYTES // per_row))
+        chunk = chunk_rows(T_, per_row, _DET_BUDGET_BYTES, nhb, cfg["det_whole_waves"])
         contrib = torch.empty(chunk * ncr * Kp, Dqk, device=dev, dtype=cdt)
         # contrib_i16: each contribution row's exponent byte per block of values (the ws program's Scales)
         scales = (torch.empty(chunk * ncr * Kp, Dqk // block, device=dev, dtype=torch.uint8)
