@@ -52,7 +52,7 @@ import torch
 from ..common.settings import logger
 from ..common.indices import as_int32
 from . import aligned_operand, announce_compile, target_key, zeros_arg
-from .contrib_reduce import DET_BUDGET_BYTES, build_reduce, slot_order_async
+from .contrib_reduce import DET_BUDGET_BYTES, build_reduce, chunk_rows, slot_order_async
 
 __all__ = [
     "SHIPPED_CONFIGS",
@@ -1122,7 +1122,7 @@ def _run_deterministic(iq, ik, w, idx, probs, g, logits_ws, lse, psum, lse_given
     red = build_reduce(di, 1, "float32", target=target)
     per_row = kp * di
     # int32 offsets inside the program: a chunk's contribution elements stay below 2**31
-    chunk = max(1, min(t, _DET_BUDGET_BYTES // (4 * per_row), (2**31 - 1) // per_row))
+    chunk = chunk_rows(min(t, (2**31 - 1) // per_row), 4 * per_row, _DET_BUDGET_BYTES)
     contrib = torch.empty(chunk * kp, di, dtype=torch.float32, device=dev)
     no_exps = zeros_arg(1, torch.uint8, dev)
     for t0 in range(0, t, chunk):
