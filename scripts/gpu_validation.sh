@@ -32,20 +32,27 @@ if [ "$what" = bwd ]; then
     >"$OUT/bwd_warmup.log" 2>&1
   tail -n 1 "$OUT/bwd_warmup.log"
   # the file outlasts one call (about 800 s on an H100 with 8-12 workers): BWD_PART=1 or 2 runs the first or second
-  # half of its tests in collection order (two calls back to back keep the compiled programs), unset runs all
+  # half of its tests in collection order with 12 workers and no timing (two calls back to back keep the compiled
+  # programs); unset runs all of them, then times the deterministic modes
   bwd_file=tests/kernels/test_sparse_attention_bwd_gpu.py
-  bwd_tests=("$bwd_file")
+  bwd_tests=("$bwd_file") bwd_timeout=${TEST_TIMEOUT:-300} bwd_workers=${WORKERS:-6}
   if [ -n "${BWD_PART:-}" ]; then
-    mapfile -t bwd_ids < <(python -m pytest -q -p no:cacheprovider --collect-only "$bwd_file" 2>/dev/null | grep '::')
+    bwd_timeout=${TEST_TIMEOUT:-480} bwd_workers=${WORKERS:-12}
+    case $BWD_PART in 1|2) ;; *) echo "BWD_PART must be 1 or 2, got $BWD_PART" >&2; exit 2 ;; esac
+    mapfile -t bwd_ids < <(python -m pytest -q -p no:cacheprovider --collect-only "$bwd_file" \
+      2>"$OUT/bwd_collect.log" | grep '::')
+    [ ${#bwd_ids[@]} -gt 0 ] || { echo "collecting $bwd_file failed:" >&2; tail -n 20 "$OUT/bwd_collect.log" >&2; exit 1; }
     half=$(( (${#bwd_ids[@]} + 1) / 2 ))
     if [ "$BWD_PART" = 1 ]; then bwd_tests=("${bwd_ids[@]:0:half}"); else bwd_tests=("${bwd_ids[@]:half}"); fi
     echo "backward GPU tests, part $BWD_PART: ${#bwd_tests[@]} of ${#bwd_ids[@]}"
   fi
-  timeout "${TEST_TIMEOUT:-300}" python -m pytest -q -p no:cacheprovider -n "${WORKERS:-6}" --dist load -rfE \
+  timeout "$bwd_timeout" python -m pytest -q -p no:cacheprovider -n "$bwd_workers" --dist load -rfE \
     "${bwd_tests[@]}" 2>&1 | tee "$OUT/bwd_tests${BWD_PART:+_part$BWD_PART}.log" | tail -n 30
-  timeout "${BENCH_TIMEOUT:-240}" python benchmarks/kernels/bench_sparse_attention_bwd.py --det \
-    --shapes mla_h64,mla_h128,v4_h128_sink,mla_h64_causal --variants "$det" --csv "$OUT/bwd_det.csv" \
-    2>&1 | tee "$OUT/bwd_det.log" | grep "|"
+  if [ -z "${BWD_PART:-}" ]; then
+    timeout "${BENCH_TIMEOUT:-240}" python benchmarks/kernels/bench_sparse_attention_bwd.py --det \
+      --shapes mla_h64,mla_h128,v4_h128_sink,mla_h64_causal --variants "$det" --csv "$OUT/bwd_det.csv" \
+      2>&1 | tee "$OUT/bwd_det.log" | grep "|"
+  fi
 fi
 if [ "$what" = hf ]; then
   timeout "${TEST_TIMEOUT:-300}" python -m pytest -q -p no:cacheprovider -n "${WORKERS:-10}" -rfE \

@@ -17,7 +17,8 @@ the patched reduce). Patches:
                  in 16-bit stores: lanes q and q ^ 2 swap one byte and each stores one row's two adjacent bytes.
                  H100, --det: 1.005x (the exchange costs what the second store did); not shipped. It patches the
                  pair's rows in their real column order, which det_pair_perm (the default since 2026-11-27, 1.17x
-                 at V4 H128) no longer runs: pass it only with that default turned off
+                 at V4 H128) no longer runs: pass it only with that default turned off, through
+                 DSA_PLUGINS_BWD_TUNING='{"det_pair_perm": false}' (else it times two identical programs)
   reduce_v8      the reduce reads permuted int16 rows (the default rows of MLA and unpaired V4) 16 bytes a lane:
                  8 columns, one whole block and its one exponent byte per load, 3 loads a 576-wide row instead of 5;
                  each column is still summed by one warp over its slots in order, so the sums keep their bits.

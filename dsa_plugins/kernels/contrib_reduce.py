@@ -36,7 +36,8 @@ logger = logging.getLogger("dsa_plugins")
 #: ``bwd_ws_h100.md``), not worth that much transient memory by default.
 DET_BUDGET_BYTES = int(os.environ.get("DSA_PLUGINS_BWD_DET_BUDGET_MB", "2048")) * (1 << 20)
 
-#: CTAs a wave of the attention backward's main program holds on an H100 / H200 SXM (132 SMs, one CTA each). A
+#: CTAs a wave of the attention backward's ws program holds on an H100 / H200 SXM (132 SMs, one CTA each: its
+#: shared memory fills an SM; the plain program's smaller CTAs share SMs, so there the rounding is nominal). A
 #: constant, not the GPU's SM count, so that chunk boundaries (and with them the sums' bits) do not change with the
 #: machine.
 WAVE_CTAS = 132
@@ -44,7 +45,7 @@ WAVE_CTAS = 132
 
 def chunk_rows(rows: int, per_row: int, budget: int, ctas_per_row: int = 1, whole_waves: bool = False) -> int:
     """Query rows per chunk of a contribution buffer of at most ``budget`` bytes, ``per_row`` bytes a row (at
-    least 1, at most ``rows``). ``whole_waves``: where more than one chunk is needed and the budget holds a wave,
+    least 1; at most ``rows`` where there are any). ``whole_waves``: where more than one chunk is needed and the budget holds a wave,
     the rows rounded down to a multiple of a wave's (:data:`WAVE_CTAS` CTAs, ``ctas_per_row`` a row), so that every
     chunk but the last ends on a full wave instead of a nearly empty one (at MLA H64, S4096, k2048 and the 2 GiB
     budget: 5 chunks of 7, 7, 7, 7, 6 waves become 6 chunks of 6, 6, 6, 6, 6, 2 for the same work)."""

@@ -227,7 +227,7 @@ def _normalise_config(config: dict) -> dict:
     # H128 15.16 / 15.22 against 15.47 / 15.37, V4 H128 7.21 / 7.24 against 7.41 / 7.40, V4 H64 2.165 / 2.171 against
     # 2.150 / 2.165 (its program 2.05 against 2.08-2.12 ms; the order's restore costs 0.02 ms); deterministic
     # ("contrib_i16") MLA H64 12.71 / 12.74 against 13.80 / 14.10, H128 25.57 / 25.53 against 27.42 / 27.56, V4 H64
-    # 3.33 / 3.36 against 3.39 / 3.43 (V4 H128's det_pair keeps the real order)
+    # 3.33 / 3.36 against 3.39 / 3.43 (V4 H128's det_pair then kept the real order; det_pair_perm permutes it too)
     perm = cfg.get("ws_dkv_perm")
     cfg["ws_dkv_perm"] = bool(True if perm is None else perm) and cfg["schedule"] == "ws"
     # ws_stage_dq: dq stored through shared memory in 16-byte pieces (see _ws_body; Nsight Compute had ours writing
