@@ -45,10 +45,11 @@ WAVE_CTAS = 132
 
 def chunk_rows(rows: int, per_row: int, budget: int, ctas_per_row: int = 1, whole_waves: bool = False) -> int:
     """Query rows per chunk of a contribution buffer of at most ``budget`` bytes, ``per_row`` bytes a row (at
-    least 1; at most ``rows`` where there are any). ``whole_waves``: where more than one chunk is needed and the budget holds a wave,
-    the rows rounded down to a multiple of a wave's (:data:`WAVE_CTAS` CTAs, ``ctas_per_row`` a row), so that every
-    chunk but the last ends on a full wave instead of a nearly empty one (at MLA H64, S4096, k2048 and the 2 GiB
-    budget: 5 chunks of 7, 7, 7, 7, 6 waves become 6 chunks of 6, 6, 6, 6, 6, 2 for the same work)."""
+    least 1; at most ``rows`` where there are any). ``whole_waves``: where more than one chunk is needed and the
+    budget holds a wave, the rows rounded down to a multiple of a wave's (:data:`WAVE_CTAS` CTAs, ``ctas_per_row`` a
+    row), so that every chunk but the last ends on a full wave instead of a nearly empty one (at MLA H64, S4096,
+    k2048 and the 2 GiB budget: 5 chunks of 7, 7, 7, 7, 6 waves become 6 chunks of 6, 6, 6, 6, 6, 2 for the same
+    work)."""
     most = max(1, min(rows, budget // per_row))
     if not whole_waves or most == rows:
         return most

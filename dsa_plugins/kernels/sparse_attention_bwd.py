@@ -270,12 +270,12 @@ def _normalise_config(config: dict) -> dict:
     # the stores, one 16-byte store of a lane's 8 values and int16 blocks of 8 values (one exponent byte per 8
     # values instead of per 4). H100, V4 H128 sink B1 S4096 Skv8192 K1024, deterministic (contrib_i16), one
     # process: 9.66 ms against 11.34 ms off (1.17x); the GPU tests keep both within the same float64 bounds
+    dpp = cfg.get("det_pair_perm")
+    cfg["det_pair_perm"] = bool(True if dpp is None else dpp) and cfg["det_pair"] and cfg["ws_dkv_perm"]
     # det_whole_waves (opt-in): the deterministic mode's query chunks a whole number of main-program waves
     # (contrib_reduce.chunk_rows). Built 2026-11-28 without device time left, not yet measured: a larger budget,
     # which also leaves fewer partial waves, measured 2-5% faster (DET_BUDGET_BYTES)
     cfg["det_whole_waves"] = bool(cfg.get("det_whole_waves") or False)
-    dpp = cfg.get("det_pair_perm")
-    cfg["det_pair_perm"] = bool(True if dpp is None else dpp) and cfg["det_pair"] and cfg["ws_dkv_perm"]
     # ws_auto_sync: TileLang's automatic thread-storage syncs in the ws program. False (the default) drops warpgroup
     # 0's ten barriers per block (its own named barriers already order them; the head-summed P and the pair keep
     # them): the same bits (GPU test). Measured 0.3-2.5% faster when first built, inside that day's noise; with
@@ -1167,10 +1167,10 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
     order; "contrib_bf16": the same with dKV a bf16 buffer (each value rounded to bf16: half the bytes);
     "contrib_i16": dKV an int16 buffer in block floating point, Scales [ND, dqk / 8] uint8 the exponent of
     each block of 8 values ([ND, dqk / 4], blocks of 4, with ``pair`` and not ``dkv_perm``; see
-    ``dsa_red_tile``). ``pair`` (any
-    mode but "fixed", an even number of head blocks, dqk == dv: the 16 KB it needs fit beside the D512
-    tiles, not the 576-wide ones): CTAs run in clusters of two, the two head blocks of one query row, which
-    sum each dkv chunk through distributed shared memory and reduce (or, in the contribution modes, store)
+    ``dsa_red_tile``). ``pair`` (any mode but "fixed", an even number of head blocks, dqk == dv: the 16 KB it
+    needs fit beside the D512 tiles, not the 576-wide ones): CTAs run in clusters of two, the two head blocks of
+    one query row, which sum each dkv chunk through distributed shared memory and reduce (or, in the contribution
+    modes, store)
     half of it each (``dsa_pair_send``, ``dsa_pair_finish``: pipelined by one chunk). ``skip_tail``: each query row walks
     its slot blocks only up to its last valid slot, which the CTA finds itself (``dsa_row_last_scan``): the
     blocks after it hold only -1 and add nothing (causal rows, the first tokens of packed sequences).

@@ -712,6 +712,30 @@ def test_ws_dkv_perm_adds_into_permuted_columns_and_restores_them(cfg, case):
             assert torch.equal(det[0][1], det[1][1]), mode
 
 
+def _det_runs_of(cfg, case, seed, det_mode, key):
+    """The deterministic backward (``det_mode``, return_probs) of ``cfg`` on ``case`` as a function of config ``key``
+    (on / off): (run, the arguments of ``_given_inputs_grads``, float64 dq and dkv)."""
+    from dsa_plugins.kernels.sparse_attention_bwd import sparse_attention_bwd
+
+    Dv, dtype = cfg[2], cfg[4]
+    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=seed)
+    out64, lse64, dq_ref, dkv_ref, _ = _reference(q, kv, idx, dout, sink, scale, Dv)
+    args = (q, kv, idx, out64.to(dtype), lse64.float(), dout, scale)
+
+    def run(on):
+        return sparse_attention_bwd(*args, sink=sink, dv=Dv, deterministic=True, return_probs=True,
+                                    config={"det_mode": det_mode, key: on})
+
+    return run, (*args, sink, Dv), dq_ref, dkv_ref
+
+
+def _assert_reruns_give_the_same_bits(run, first, times=3):
+    """``run(True)`` again ``times`` times: dq and dkv bit for bit ``first``'s."""
+    for _ in range(times):
+        again = run(True)
+        assert torch.equal(again[1], first[1]) and torch.equal(again[0], first[0])
+
+
 # shapes where the head blocks pair (dqk == dv, an even number of blocks): padded heads, two pairs a row, fp16
 PAIR_CONFIGS = [CONFIGS[1], (100, 512, 512, True, torch.bfloat16), (256, 512, 512, False, torch.bfloat16),
                 (128, 512, 512, True, torch.float16)]
@@ -725,64 +749,45 @@ def test_det_pair_stores_one_contribution_row_per_head_block_pair(det_mode, cfg,
     """``det_pair`` (the default where ws_pair can run): the two head blocks of a query row sum each dkv chunk in a
     2-CTA cluster and store one contribution row per slot of the pair. Bitwise reproducible; dq and the head-summed
     probabilities bitwise those of the unpaired deterministic program; dkv within the float64 tolerance and close
-    to the unpaired sums (int16 blocks of 4 values instead of 8 where det_pair_perm is off); padded heads (H 100), two pairs per row (H 256),
-    dups, -1, out of range, empty rows, K not a multiple of the block; never NaN."""
-    from dsa_plugins.kernels.sparse_attention_bwd import _normalise_config, sparse_attention_bwd
+    to the unpaired sums (int16 blocks of 4 values instead of 8 where det_pair_perm is off); padded heads (H 100),
+    two pairs per row (H 256), dups, -1, out of range, empty rows, K not a multiple of the block; never NaN."""
+    from dsa_plugins.kernels.sparse_attention_bwd import _normalise_config
 
     H, Dqk, Dv, has_sink, dtype = cfg
     assert _normalise_config({"heads": H, "dqk": Dqk, "dv": Dv})["det_pair"]
-    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=61)
-    out64, lse64, dq_ref, dkv_ref, _ = _reference(q, kv, idx, dout, sink, scale, Dv)
-    out, lse = out64.to(dtype), lse64.float()
-    args = (q, kv, idx, out, lse, dout, scale)
-
-    def run(pair):
-        return sparse_attention_bwd(*args, sink=sink, dv=Dv, deterministic=True, return_probs=True,
-                                    config={"det_mode": det_mode, "det_pair": pair})
-
+    run, given, dq_ref, dkv_ref = _det_runs_of(cfg, case, 61, det_mode, "det_pair")
     pair, solo = run(True), run(False)
     assert not pair[1].isnan().any()
-    g_dq, g_dkv, _ = _given_inputs_grads(q, kv, idx, out, lse, dout, scale, sink, Dv)
+    g_dq, g_dkv, _ = _given_inputs_grads(*given)
     assert _err(pair[0], dq_ref, g_dq) < TOL and _err(pair[1], dkv_ref, g_dkv) < TOL
     assert torch.equal(pair[0], solo[0]) and torch.equal(pair[3], solo[3])
     assert _rel(pair[1], solo[1]) < (3e-3 if det_mode == "contrib_bf16" else 1e-4)
-    for _ in range(3):
-        again = run(True)
-        assert torch.equal(again[1], pair[1]) and torch.equal(again[0], pair[0])
+    _assert_reruns_give_the_same_bits(run, pair)
 
 
 @pytest.mark.parametrize("det_mode", ["contrib_i16", "contrib_bf16", "contrib_ws"])
 @pytest.mark.parametrize("cfg", PAIR_CONFIGS, ids=lambda c: f"H{c[0]}-D{c[1]}-{str(c[4])[6:]}")
 @pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[5], BIG_CASES[0]], ids=lambda c: f"S{c[1]}K{c[3]}-{c[4]}")
 def test_det_pair_perm_stores_the_pairs_rows_in_the_permuted_layout(det_mode, cfg, case):
-    """``det_pair_perm`` (the default where the pair runs): the pair's contribution rows in the unpaired rows' permuted layout. dq and the
-    head-summed probabilities bitwise those of the paired program in its real column order; dkv too for bf16 and
+    """``det_pair_perm`` (the default where the pair runs): the pair's contribution rows in the unpaired rows'
+    permuted layout. dq and the head-summed probabilities bitwise those of the paired program in its real column
+    order; dkv too for bf16 and
     fp32 rows (the same values summed in the same order), and for int16 rows within 1e-4 of it (blocks of 8 values
     instead of 4) and within the float64 tolerance; bitwise reproducible; never NaN."""
-    from dsa_plugins.kernels.sparse_attention_bwd import _normalise_config, sparse_attention_bwd
+    from dsa_plugins.kernels.sparse_attention_bwd import _normalise_config
 
     H, Dqk, Dv, has_sink, dtype = cfg
     assert _normalise_config({"heads": H, "dqk": Dqk, "dv": Dv})["det_pair_perm"]
-    q, kv, idx, dout, sink, scale = _inputs(cfg, case, seed=67)
-    out64, lse64, dq_ref, dkv_ref, _ = _reference(q, kv, idx, dout, sink, scale, Dv)
-    out, lse = out64.to(dtype), lse64.float()
-    args = (q, kv, idx, out, lse, dout, scale)
-
-    def run(perm):
-        return sparse_attention_bwd(*args, sink=sink, dv=Dv, deterministic=True, return_probs=True,
-                                    config={"det_mode": det_mode, "det_pair_perm": perm})
-
+    run, given, _, dkv_ref = _det_runs_of(cfg, case, 67, det_mode, "det_pair_perm")
     perm, real = run(True), run(False)
     assert not perm[1].isnan().any()
     assert torch.equal(perm[0], real[0]) and torch.equal(perm[3], real[3])
     if det_mode == "contrib_i16":
-        g_dq, g_dkv, _ = _given_inputs_grads(q, kv, idx, out, lse, dout, scale, sink, Dv)
+        g_dq, g_dkv, _ = _given_inputs_grads(*given)
         assert _rel(perm[1], real[1]) < 1e-4 and _err(perm[1], dkv_ref, g_dkv) < TOL
     else:
         assert torch.equal(perm[1], real[1])
-    for _ in range(3):
-        again = run(True)
-        assert torch.equal(again[1], perm[1]) and torch.equal(again[0], perm[0])
+    _assert_reruns_give_the_same_bits(run, perm)
 
 
 @pytest.mark.parametrize("det_mode", ["contrib_i16", "contrib_ws"])
