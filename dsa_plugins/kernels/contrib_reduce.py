@@ -17,7 +17,6 @@ TileLang is imported lazily: the module imports without TileLang or a GPU.
 # no "from __future__ import annotations": TileLang evaluates the prim_func annotations
 
 import logging
-import math
 import os
 import threading
 
@@ -26,7 +25,7 @@ from torch import Tensor
 
 from . import compiled_once, target_key
 
-__all__ = ["DET_BUDGET_BYTES", "WAVE_CTAS", "build_reduce", "chunk_rows", "keys_last_invalid", "reduce_body",
+__all__ = ["DET_BUDGET_BYTES", "build_reduce", "chunk_rows", "keys_last_invalid", "reduce_body",
            "slot_order", "slot_order_async"]
 
 logger = logging.getLogger("dsa_plugins")
@@ -36,25 +35,12 @@ logger = logging.getLogger("dsa_plugins")
 #: ``bwd_ws_h100.md``), not worth that much transient memory by default.
 DET_BUDGET_BYTES = int(os.environ.get("DSA_PLUGINS_BWD_DET_BUDGET_MB", "2048")) * (1 << 20)
 
-#: CTAs a wave of the attention backward's ws program holds on an H100 / H200 SXM (132 SMs, one CTA each: its
-#: shared memory fills an SM; the plain program's smaller CTAs share SMs, so there the rounding is nominal). A
-#: constant, not the GPU's SM count, so that chunk boundaries (and with them the sums' bits) do not change with the
-#: machine.
-WAVE_CTAS = 132
-
-
-def chunk_rows(rows: int, per_row: int, budget: int, ctas_per_row: int = 1, whole_waves: bool = False) -> int:
+def chunk_rows(rows: int, per_row: int, budget: int) -> int:
     """Query rows per chunk of a contribution buffer of at most ``budget`` bytes, ``per_row`` bytes a row (at
-    least 1; at most ``rows`` where there are any). ``whole_waves``: where more than one chunk is needed and the
-    budget holds a wave, the rows rounded down to a multiple of a wave's (:data:`WAVE_CTAS` CTAs, ``ctas_per_row`` a
-    row), so that every chunk but the last ends on a full wave instead of a nearly empty one (at MLA H64, S4096,
-    k2048 and the 2 GiB budget: 5 chunks of 7, 7, 7, 7, 6 waves become 6 chunks of 6, 6, 6, 6, 6, 2 for the same
-    work)."""
-    most = max(1, min(rows, budget // per_row))
-    if not whole_waves or most == rows:
-        return most
-    wave_rows = WAVE_CTAS // math.gcd(WAVE_CTAS, ctas_per_row)
-    return most // wave_rows * wave_rows if most >= wave_rows else most
+    least 1; at most ``rows`` where there are any). Fewer, larger chunks are faster: each chunk costs a main
+    program's ramp and a reduce's launch (chunks rounded down to whole 132-CTA waves, one more chunk at MLA H64,
+    measured 1.4-2.6% slower; ``bwd_ws_h100.md``)."""
+    return max(1, min(rows, budget // per_row))
 
 
 def keys_last_invalid(idx: Tensor, n_rows: int) -> Tensor:

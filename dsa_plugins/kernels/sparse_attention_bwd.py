@@ -99,7 +99,7 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
 _TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep",
                 "schedule", "ws_prefetch", "ws_dq_rs", "ws_pair", "ws_wg0_chunks", "ws_auto_sync", "det_mode",
                 "fast_exp2", "det_store_pred", "det_pair", "ws_tma_q", "ws_fused_pre", "ws_dkv_perm",
-                "ws_stage_dq", "ws_row_regs", "ws_tma_dq", "det_pair_perm", "det_whole_waves")
+                "ws_stage_dq", "ws_row_regs", "ws_tma_dq", "det_pair_perm")
 _DET_MODES = ("contrib", "contrib_ws", "contrib_bf16", "contrib_i16", "fixed")
 # the modes whose contribution rows the ws program stores
 _CONTRIB_WS_MODES = ("contrib_ws", "contrib_bf16", "contrib_i16")
@@ -272,10 +272,6 @@ def _normalise_config(config: dict) -> dict:
     # process: 9.66 ms against 11.34 ms off (1.17x); the GPU tests keep both within the same float64 bounds
     dpp = cfg.get("det_pair_perm")
     cfg["det_pair_perm"] = bool(True if dpp is None else dpp) and cfg["det_pair"] and cfg["ws_dkv_perm"]
-    # det_whole_waves (opt-in): the deterministic mode's query chunks a whole number of main-program waves
-    # (contrib_reduce.chunk_rows). Built 2026-11-28 without device time left, not yet measured: a larger budget,
-    # which also leaves fewer partial waves, measured 2-5% faster (DET_BUDGET_BYTES)
-    cfg["det_whole_waves"] = bool(cfg.get("det_whole_waves") or False)
     # ws_auto_sync: TileLang's automatic thread-storage syncs in the ws program. False (the default) drops warpgroup
     # 0's ten barriers per block (its own named barriers already order them; the head-summed P and the pair keep
     # them): the same bits (GPU test). Measured 0.3-2.5% faster when first built, inside that day's noise; with
@@ -2043,7 +2039,7 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
         ncr, block = red_args[1], red_args[3]  # contribution rows per slot, values per exponent byte
         cdt = getattr(torch, _contrib_dtype(cfg))
         per_row = ncr * Kp * (Dqk * cdt.itemsize + (Dqk // block if cdt == torch.int16 else 0))  # with the exponents
-        chunk = chunk_rows(T_, per_row, _DET_BUDGET_BYTES, nhb, cfg["det_whole_waves"])
+        chunk = chunk_rows(T_, per_row, _DET_BUDGET_BYTES)
         contrib = torch.empty(chunk * ncr * Kp, Dqk, device=dev, dtype=cdt)
         # contrib_i16: each contribution row's exponent byte per block of values (the ws program's Scales)
         scales = (torch.empty(chunk * ncr * Kp, Dqk // block, device=dev, dtype=torch.uint8)

@@ -752,32 +752,16 @@ def test_slot_order_gives_each_kv_row_its_slots_in_order(nhb):
     assert rowptr[-1].item() == int((idx >= 0).sum())
 
 
-def test_chunk_rows_ends_every_chunk_but_the_last_on_a_whole_wave():
-    """contrib_reduce.chunk_rows: the budget's rows (at least 1, at most all) by default; with whole_waves a
-    multiple of the rows of a 132-CTA wave wherever more than one chunk is needed and the budget holds a wave.
-    The chunks of the model shapes at the 2 GiB default, and the waves they take."""
+def test_chunk_rows_fills_the_budget_with_whole_rows():
+    """contrib_reduce.chunk_rows: as many query rows as the budget holds, at least 1, at most all; the chunks of
+    the model shapes at the 2 GiB default (int16 rows with an exponent byte per 8 values)."""
     gib2 = 2 << 30
-
-    def waves(rows, chunk, ctas):
-        return sum(-(-min(chunk, rows - t0) * ctas // contrib_reduce.WAVE_CTAS) for t0 in range(0, rows, chunk))
-
-    # (query rows, bytes a row, CTAs a row, chunk without / with whole waves, waves without / with)
-    mla_h64 = (4096, 2048 * (576 * 2 + 72), 1, 856, 792, 34, 32)
-    mla_h128 = (4096, 2 * 2048 * (576 * 2 + 72), 2, 428, 396, 67, 63)
-    v4_h128 = (4096, 1024 * (512 * 2 + 64), 2, 1927, 1914, 64, 63)  # the pair: one row a slot, two CTAs a row
-    for rows, per_row, ctas, plain, whole, w_plain, w_whole in (mla_h64, mla_h128, v4_h128):
-        assert contrib_reduce.chunk_rows(rows, per_row, gib2, ctas) == plain
-        assert contrib_reduce.chunk_rows(rows, per_row, gib2, ctas, whole_waves=True) == whole
-        assert (waves(rows, plain, ctas), waves(rows, whole, ctas)) == (w_plain, w_whole)
-        assert whole * ctas % contrib_reduce.WAVE_CTAS == 0
-    # one chunk holds every row: unchanged; a budget below one wave: unchanged; never below one row
-    assert contrib_reduce.chunk_rows(500, 1000, gib2, 1, whole_waves=True) == 500
-    assert contrib_reduce.chunk_rows(4096, 10_000, 1_000_000, 1, whole_waves=True) == 100
-    assert contrib_reduce.chunk_rows(4096, 10_000, 10, 1, whole_waves=True) == 1
-    # three CTAs a row (heads 129-192): 44 rows a wave
-    assert contrib_reduce.chunk_rows(4096, 1000, 100_000, 3, whole_waves=True) == 88
-    assert not bwd._normalise_config({"heads": 64, "dqk": 576, "dv": 512})["det_whole_waves"]
-    assert bwd._normalise_config({"heads": 64, "dqk": 576, "dv": 512, "det_whole_waves": True})["det_whole_waves"]
+    assert contrib_reduce.chunk_rows(4096, 2048 * (576 * 2 + 72), gib2) == 856  # MLA H64: 5 chunks
+    assert contrib_reduce.chunk_rows(4096, 2 * 2048 * (576 * 2 + 72), gib2) == 428  # MLA H128: two rows a slot
+    assert contrib_reduce.chunk_rows(4096, 1024 * (512 * 2 + 64), gib2) == 1927  # V4 H128, the pair: one a slot
+    assert contrib_reduce.chunk_rows(500, 1000, gib2) == 500  # one chunk holds every row
+    assert contrib_reduce.chunk_rows(4096, 10_000, 10) == 1  # never below one row
+    assert contrib_reduce.chunk_rows(0, 10_000, gib2) == 1
 
 
 def test_deterministic_env_names_the_mode(monkeypatch, caplog):
