@@ -66,7 +66,7 @@ from . import aligned_operand, aligned_output, compiled_once, target_key, zeros_
 from .cluster import CLUSTER_PRELUDE
 from . import fast_exp2 as _ex2
 from .row_scan import ROW_SCAN_PRELUDE
-from .contrib_reduce import DET_BUDGET_BYTES, build_reduce, chunk_rows, keys_last_invalid, slot_order, slot_order_async
+from .contrib_reduce import DET_BUDGET_BYTES, build_reduce, chunk_rows, keys_last_invalid, slot_order_async
 
 __all__ = ["BWD_PROGRAMS", "SHIPPED_CONFIGS", "build_bwd_kernels", "build_bwd_program", "bwd_flops", "bwd_program_names",
            "sparse_attention_bwd"]
@@ -99,7 +99,7 @@ def bwd_flops(num_queries: int, heads: int, topk: int, dqk: int, dv: int) -> flo
 _TUNING_KEYS = ("block_k", "num_stages", "threads", "dkv_chunk", "stage_atomics", "overlap", "skip_tail", "l2_keep",
                 "schedule", "ws_prefetch", "ws_dq_rs", "ws_pair", "ws_wg0_chunks", "ws_auto_sync", "det_mode",
                 "fast_exp2", "det_store_pred", "det_pair", "ws_tma_q", "ws_fused_pre", "ws_dkv_perm",
-                "ws_stage_dq", "ws_row_regs", "ws_tma_dq", "det_pair_perm", "det_overlap")
+                "ws_stage_dq", "ws_row_regs", "ws_tma_dq", "det_pair_perm")
 _DET_MODES = ("contrib", "contrib_ws", "contrib_bf16", "contrib_i16", "fixed")
 # the modes whose contribution rows the ws program stores
 _CONTRIB_WS_MODES = ("contrib_ws", "contrib_bf16", "contrib_i16")
@@ -272,16 +272,6 @@ def _normalise_config(config: dict) -> dict:
     # process: 9.66 ms against 11.34 ms off (1.17x); the GPU tests keep both within the same float64 bounds
     dpp = cfg.get("det_pair_perm")
     cfg["det_pair_perm"] = bool(True if dpp is None else dpp) and cfg["det_pair"] and cfg["ws_dkv_perm"]
-    # det_overlap (opt-in; the contribution modes, where the rows need more than one chunk): two contribution buffers
-    # of half the budget each; chunk i's main program runs on one of two streams and the reduces, in chunk order,
-    # on a third, so that the next chunk's main program fills the SMs that a chunk's last CTAs and its reduce leave
-    # idle. The bits of the sequential loop at half the budget. "on", or "high" (the reduces' stream at high
-    # priority: their CTAs take SMs as the main program's free them)
-    ov = cfg.get("det_overlap")
-    ov = "off" if ov in (None, False) else "on" if ov is True else ov
-    if ov not in ("off", "on", "high"):
-        raise ValueError(f"det_overlap must be 'off', 'on' or 'high', got {cfg.get('det_overlap')!r}")
-    cfg["det_overlap"] = ov
     # ws_auto_sync: TileLang's automatic thread-storage syncs in the ws program. False (the default) drops warpgroup
     # 0's ten barriers per block (its own named barriers already order them; the head-summed P and the pair keep
     # them): the same bits (GPU test). Measured 0.3-2.5% faster when first built, inside that day's noise; with
@@ -1992,58 +1982,6 @@ def _fixed_point_scale(maxima, kv2, idx, n_rows, heads, dv, scale):
     return torch.stack([torch.exp2(exp), limit]).float(), torch.exp2(-exp).view(1)
 
 
-_OVERLAP_STREAMS: dict = {}
-
-
-def _overlap_streams(dev: torch.device, high: bool):
-    """Per device: two streams for the main programs, one for the reduces (at high priority with ``high``) and
-    one for the slot sorts (det_overlap)."""
-    key = (dev, high)
-    if key not in _OVERLAP_STREAMS:
-        _OVERLAP_STREAMS[key] = (torch.cuda.Stream(dev), torch.cuda.Stream(dev),
-                                 torch.cuda.Stream(dev, priority=-1 if high else 0), torch.cuda.Stream(dev))
-    return _OVERLAP_STREAMS[key]
-
-
-def _run_chunks_overlapped(bounds, buffers, run_main, red, idx, dkv, n_rows: int, kp: int, ncr: int,
-                           high: bool) -> None:
-    """det_overlap: chunk i's main program on main stream i % 2 into buffer i % 2 (so it waits for chunk i - 2's
-    reduce only), every reduce on one stream in chunk order (as the sequential loop adds them: the same bits), so
-    that the next chunk's main program takes the SMs that a chunk's last CTAs and its reduce leave idle. Every
-    chunk's slot order is sorted up front on a fourth stream. The tensors are allocated on the current stream
-    before the fork, which joins every stream before returning (also on an exception): a plain fork and join
-    for CUDA-graph capture."""
-    dev = idx.device
-    cur = torch.cuda.current_stream(dev)
-    main0, main1, reduces, sorts = _overlap_streams(dev, high)
-    mains = (main0, main1)
-    orders = [(torch.empty((t1 - t0) * kp, device=dev, dtype=torch.int32),
-               torch.empty(n_rows + 1, device=dev, dtype=torch.int32)) for t0, t1 in bounds]
-    for stream in (*mains, reduces, sorts):
-        stream.wait_stream(cur)
-    try:
-        sorted_at = []
-        with torch.cuda.stream(sorts):
-            for (t0, t1), (rows, rowptr) in zip(bounds, orders):
-                slot_order(idx[t0:t1], n_rows, kp, ncr, rows, rowptr)
-                sorted_at.append(sorts.record_event())
-        freed = [None, None]  # each buffer's last reduce
-        for i, (t0, t1) in enumerate(bounds):
-            stream = mains[i % 2]
-            if freed[i % 2] is not None:
-                stream.wait_event(freed[i % 2])
-            with torch.cuda.stream(stream):
-                run_main(t0, t1, *buffers(i % 2, t0, t1))
-            reduces.wait_event(stream.record_event())
-            reduces.wait_event(sorted_at[i])
-            with torch.cuda.stream(reduces):
-                red(*buffers(i % 2, t0, t1), *orders[i], dkv, kp)
-            freed[i % 2] = reduces.record_event()
-    finally:
-        for stream in (*mains, reduces, sorts):
-            cur.wait_stream(stream)
-
-
 def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, deterministic, B, S, Skv,
             return_probs, dq, dkv, dkv_zero=False):
     """Run the programs: (results, whether dkv's columns are left permuted). ``dq`` [T, H, Dqk] is written, ``dkv``
@@ -2102,50 +2040,36 @@ def _launch(q2, kv2, o2, do2, lse2_in, idx, sink, cfg, target, scale, determinis
         cdt = getattr(torch, _contrib_dtype(cfg))
         per_row = ncr * Kp * (Dqk * cdt.itemsize + (Dqk // block if cdt == torch.int16 else 0))  # with the exponents
         chunk = chunk_rows(T_, per_row, _DET_BUDGET_BYTES)
-        overlap = cfg["det_overlap"] != "off" and chunk < T_ and dev.type == "cuda"
-        if overlap:  # two buffers of half the budget each: the same memory
-            chunk = chunk_rows(T_, per_row, _DET_BUDGET_BYTES // 2)
+        contrib = torch.empty(chunk * ncr * Kp, Dqk, device=dev, dtype=cdt)
         # contrib_i16: each contribution row's exponent byte per block of values (the ws program's Scales)
-        contrib = [torch.empty(chunk * ncr * Kp, Dqk, device=dev, dtype=cdt) for _ in range(2 if overlap else 1)]
-        scales = [torch.empty(chunk * ncr * Kp, Dqk // block, device=dev, dtype=torch.uint8)
-                  if cdt == torch.int16 else zeros_arg(1, torch.uint8, dev) for _ in contrib]
-
-        def buffers(i, t0, t1):
-            # buffer i's contribution rows of query rows [t0, t1) and their exponent bytes
-            n = (t1 - t0) * ncr * Kp
-            return contrib[i][:n], scales[i][:n] if cdt == torch.int16 else scales[i]
-
-        def run_main(t0, t1, cb, sb):
-            # the main program of query rows [t0, t1), its contribution rows into cb (their exponents into sb)
+        scales = (torch.empty(chunk * ncr * Kp, Dqk // block, device=dev, dtype=torch.uint8)
+                  if cdt == torch.int16 else zeros_arg(1, torch.uint8, dev))
+        for t0 in range(0, T_, chunk):
+            t1 = min(T_, t0 + chunk)
             tc = t1 - t0
+            cb = contrib[: tc * ncr * Kp]
+            sb = scales[: tc * ncr * Kp] if cdt == torch.int16 else scales
             # probs[:, t0:t1] is not contiguous with two head blocks or more: a chunk buffer of its own
             view = part = None if probs is None else probs[:, t0:t1]
             if view is not None and not view.is_contiguous():
                 part = (torch.zeros if skip else torch.empty)(nhb, tc, Kp, device=dev, dtype=torch.float32)
-            if kind == "ws":  # "contrib_ws" / "_bf16" / "_i16": the same contribution rows, from the ws program
-                sums, fix = _no_fixed_point(dev)
-                chunk_fused = (fused[0][t0:t1], fused[1][t0:t1], fused[2]) if fuse else fused
-                main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1], cb, s,
-                     s * _LOG2E, _probs_arg(part, dev), sums, sb if cdt == torch.int16 else fix, *chunk_fused)
-            else:
-                main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1],
-                     cb.view(tc, nhb, Kp, Dqk), s, s * _LOG2E, _probs_arg(part, dev),
-                     blocks[t0:t1] if skip else blocks)
-            if part is not view:
-                view.copy_(part)
-
-        bounds = [(t0, min(T_, t0 + chunk)) for t0 in range(0, T_, chunk)]
-        if overlap:
-            _run_chunks_overlapped(bounds, buffers, run_main, red, idx, dkv, N, Kp, ncr, cfg["det_overlap"] == "high")
-        else:
-            for t0, t1 in bounds:
-                # the slots' fixed order depends on the indices only: sorted on a side stream while the main program runs
-                order_ready = slot_order_async(idx[t0:t1], N, Kp, ncr)
-                try:
-                    run_main(t0, t1, *buffers(0, t0, t1))
-                finally:
-                    rows, rowptr = order_ready()  # the side stream joins even when a launch raised
-                red(*buffers(0, t0, t1), rows, rowptr, dkv, Kp)
+            # the slots' fixed order depends on the indices only: sorted on a side stream while the main program runs
+            order_ready = slot_order_async(idx[t0:t1], N, Kp, ncr)
+            try:
+                if kind == "ws":  # "contrib_ws" / "_bf16" / "_i16": the same contribution rows, from the ws program
+                    sums, fix = _no_fixed_point(dev)
+                    chunk_fused = (fused[0][t0:t1], fused[1][t0:t1], fused[2]) if fuse else fused
+                    main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1], cb, s,
+                         s * _LOG2E, _probs_arg(part, dev), sums, sb if cdt == torch.int16 else fix, *chunk_fused)
+                else:
+                    main(q2[t0:t1], kv2, do2[t0:t1], idx[t0:t1], lse2[t0:t1], delta[t0:t1], dq[t0:t1],
+                         cb.view(tc, nhb, Kp, Dqk), s, s * _LOG2E, _probs_arg(part, dev),
+                         blocks[t0:t1] if skip else blocks)
+                if part is not view:
+                    view.copy_(part)
+            finally:
+                rows, rowptr = order_ready()  # the side stream joins even when a launch raised
+            red(cb, sb, rows, rowptr, dkv, Kp)
 
     dsink = None
     if sink is not None:

@@ -764,15 +764,6 @@ def test_chunk_rows_fills_the_budget_with_whole_rows():
     assert contrib_reduce.chunk_rows(0, 10_000, gib2) == 1
 
 
-def test_det_overlap_takes_off_on_or_high():
-    """det_overlap: off by default (None / False), True is "on", "high" kept; anything else is an error naming it."""
-    shape = {"heads": 64, "dqk": 576, "dv": 512}
-    got = [bwd._normalise_config({**shape, "det_overlap": v})["det_overlap"] for v in (None, False, True, "on", "high")]
-    assert got == ["off", "off", "on", "on", "high"]
-    with pytest.raises(ValueError, match="det_overlap must be 'off', 'on' or 'high', got 'fast'"):
-        bwd._normalise_config({**shape, "det_overlap": "fast"})
-
-
 def test_deterministic_env_names_the_mode(monkeypatch, caplog):
     """DSA_PLUGINS_DETERMINISTIC=<mode> turns the deterministic backward on with that mode where the config
     names none; 1 keeps the default; an unknown name is an error naming the variable; a ws-only mode on a
