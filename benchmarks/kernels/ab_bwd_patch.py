@@ -24,6 +24,10 @@ the patched reduce). Patches:
                  each column is still summed by one warp over its slots in order, so the sums keep their bits.
                  H100, --det, same bits: MLA H64 0.995x [0.991, 1.007], MLA H128 1.013x [1.009, 1.036], V4 H64
                  1.000x [0.995, 1.004]; not shipped (the reduce's loads were not what limits it)
+  slot_keys_i16  the deterministic mode's slot sort (on a side stream beside each chunk's main program: cub's
+                 onesweep 0.3-0.85 ms per backward at 028b05d) on int16 keys where the kv rows fit, two radix
+                 passes instead of four, the same stable order; each chunk costs ~0.09 ms beyond its kernels'
+                 work (bwd_ws_h100.md, 2026-11-28), of which the sort may be part. Not measured yet
 """
 
 from __future__ import annotations
@@ -55,6 +59,13 @@ _NEW_EXPS_AB = """      // lanes q and q ^ 2 hold adjacent bytes of rows a and b
 _OLD_VEC = """    vec = 2 if contrib_dtype == "float32" else 4  # columns per lane and run: 8 bytes"""
 _NEW_VEC = """    vec = 2 if contrib_dtype == "float32" else 8 if (scaled and perm) else 4  # columns per lane and run"""
 
+# slot_keys_i16: the slot sort's keys as int16 where the kv rows allow (half of cub's radix passes, the same stable order)
+_OLD_SORT = """    sorted_keys, order = torch.sort(keys_last_invalid(idx, n_rows), stable=True)
+    torch.searchsorted(sorted_keys, torch.arange(n_rows + 1, device=idx.device, dtype=torch.int32),"""
+_NEW_SORT = """    keys = keys_last_invalid(idx, n_rows)
+    sorted_keys, order = torch.sort(keys.to(torch.int16) if n_rows < 32767 else keys, stable=True)
+    torch.searchsorted(sorted_keys, torch.arange(n_rows + 1, device=idx.device, dtype=sorted_keys.dtype),"""
+
 # the backward's import of the reduce, redirected to the patched copy where a patch edits the reduce
 _OLD_IMPORT = "from .contrib_reduce import DET_BUDGET_BYTES"
 
@@ -63,6 +74,7 @@ _OLD_IMPORT = "from .contrib_reduce import DET_BUDGET_BYTES"
 PATCHES = {
     "exps_u16_pair": {"bwd": [(_OLD_EXPS_AB, _NEW_EXPS_AB, 1)]},
     "reduce_v8": {"reduce": [(_OLD_VEC, _NEW_VEC, 1)]},
+    "slot_keys_i16": {"reduce": [(_OLD_SORT, _NEW_SORT, 1)]},
 }
 
 
