@@ -46,6 +46,8 @@ def _flatten(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor):
 def _gather(kvf: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
     """kv rows of the slots [c, K, D] in the compute dtype, zero at invalid slots (as the kernels,
     which never load them): a NaN in the placeholder row cannot reach an unrelated output."""
+    if kvf.shape[0] == 0:  # no kv rows at all (Skv 0): every slot is invalid, and there is no row 0 to index
+        return torch.zeros(*rows.shape, kvf.shape[1], dtype=cdt, device=kvf.device)
     return torch.where(valid.unsqueeze(-1), kvf[rows].to(cdt), 0.0)
 
 

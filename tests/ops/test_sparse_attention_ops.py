@@ -83,6 +83,12 @@ def test_zero_slots_and_empty_batch():
     assert torch.all(out == 0) and torch.isposinf(lse).all()
     out = ops.sparse_attention(q[:, :0], kv, torch.zeros(2, 0, 3, dtype=torch.int32), 1.0)
     assert out.shape == (2, 0, 4, 16)
+    # no kv rows at all (Skv 0): every slot is "no key", forward and backward
+    leaves = [q.clone().requires_grad_(), kv[:, :0].clone().requires_grad_()]
+    out, lse = ops.sparse_attention(*leaves, torch.full((2, 5, 3), -1, dtype=torch.int32), 1.0, return_lse=True)
+    assert torch.all(out == 0) and torch.isposinf(lse).all()
+    out.sum().backward()
+    assert torch.all(leaves[0].grad == 0) and leaves[1].grad.shape == (2, 0, 16)
 
 
 def test_int64_indices_accepted():
