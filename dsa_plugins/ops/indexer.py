@@ -103,7 +103,15 @@ def _check_windows(key_start, key_end, tq: int, tk: int, device, range_checked: 
     if check_indices_enabled() and not range_checked:
         check_index_range("key_start", key_start, tk + 1)
         check_index_range("key_end", key_end, tk + 1)
-    return key_start.to(torch.int32).contiguous(), key_end.to(torch.int32).contiguous()
+    return _windows_int32(key_start, tk), _windows_int32(key_end, tk)
+
+
+def _windows_int32(bound: Tensor, tk: int) -> Tensor:
+    """A window bound as int32: wider integers clamped to [-1, tk] first, so that 2**32 + j cannot wrap onto j
+    (the window is the same after the kernels clamp it to the keys); int32 bounds as they are (no launch)."""
+    if bound.dtype != torch.int32:
+        bound = bound.clamp(-1, tk).to(torch.int32)
+    return bound.contiguous()
 
 
 def indexer_topk(
@@ -193,8 +201,8 @@ def _batched_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, b
         start, end = key_start.reshape(s), key_end.reshape(s)
     else:
         base = torch.arange(0, b * tk, tk, device=device, dtype=torch.int32)[:, None]  # [B, 1]
-        end = key_end.to(torch.int32).clamp(0, tk).expand(b, s)
-        start = torch.minimum(key_start.to(torch.int32).clamp(0, tk).expand(b, s), end)
+        end = key_end.clamp(0, tk).to(torch.int32).expand(b, s)  # clamped before the cast: no int64 wrap
+        start = torch.minimum(key_start.clamp(0, tk).to(torch.int32).expand(b, s), end)
         start, end = (start + base).reshape(-1), (end + base).reshape(-1)
     result = _packed_indexer_topk(
         index_q.reshape(b * s, hi, di), index_k.reshape(b * tk, di), weights.reshape(b * s, hi), topk,
@@ -245,7 +253,7 @@ def topk_rows(scores: Tensor, lengths: Tensor | None, topk: int, backend: str | 
     check_tensor("scores", scores, ndim=2, dtypes=FLOAT_DTYPES)
     if lengths is not None:
         check_tensor("lengths", lengths, ndim=1, dtypes=INDEX_DTYPES, device=scores.device, shape={0: scores.shape[0]})
-        lengths = lengths.to(torch.int32).contiguous()
+        lengths = (lengths if lengths.dtype == torch.int32 else lengths.clamp(0, scores.shape[1]).to(torch.int32)).contiguous()
     topk = int(topk)
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
@@ -307,6 +315,9 @@ def indexer_kl_loss(
         if key_start is None or key_end is None:
             raise ValueError("indexer_kl_loss needs topk_indices (sparse) or key_start and key_end (dense)")
         key_start, key_end = _check_windows(key_start, key_end, t, kv.shape[0], device)
+        # each window clamped to the keys, as indexer_topk's (a start of -1 must not reach row -1, the last key)
+        key_end = key_end.clamp(0, kv.shape[0])
+        key_start = torch.minimum(key_start.clamp(0, kv.shape[0]), key_end)
     reason = kernel_shape_reason("indexer_kl_loss", num_heads=q.shape[1], dqk=q.shape[2],
                                  index_heads=index_q.shape[1], index_dim=index_q.shape[2], dtype=index_q.dtype)
     if row_weights is not None:

@@ -140,6 +140,33 @@ def test_indexer_kl_loss_op_sparse_and_dense():
         ops.indexer_kl_loss(iq, ik, w, q, kv, None, 0.4)
 
 
+def test_windows_and_lengths_out_of_range_are_clamped_to_the_keys():
+    """Window bounds and row lengths outside the keys mean the keys' own ends: int64 values past int32 do not
+    wrap (2**32 + 2 is not 2), and the dense loss clamps its windows as indexer_topk does (a start of -1 does
+    not reach the last key, an end past Tk does not fail)."""
+    t = 7
+    iq, ik, w = _indexer_inputs(t)
+    start = torch.zeros(t, dtype=torch.int64)
+    end = torch.full((t,), t, dtype=torch.int64)
+    want = ops.indexer_topk(iq, ik, w, 3, start, end)
+    for s, e in ((start, end + 2**32 - t + 2), (start - 2**32 + 1, end), (start - 5, end + 9)):
+        assert torch.equal(ops.indexer_topk(iq, ik, w, 3, s, e), want)
+        assert torch.equal(ops.indexer_topk(iq[None], ik[None], w[None], 3, s, e)[0], want)  # batched
+    scores = torch.randn(3, 20)
+    assert torch.equal(ops.topk_rows(scores, torch.full((3,), 2**32, dtype=torch.int64), 4),
+                       ops.topk_rows(scores, None, 4))
+    g = torch.Generator().manual_seed(1)
+    q, kv = torch.randn(t, 2, 6, generator=g), torch.randn(t, 6, generator=g)
+    ks, ke = ops.causal_key_windows(torch.tensor([0, t]))
+
+    def dense_loss(key_start, key_end):
+        return ops.indexer_kl_loss(iq, ik, w, q, kv, None, 0.4, key_start=key_start, key_end=key_end)
+
+    for below in (1, 3):
+        torch.testing.assert_close(dense_loss(ks - below, ke), dense_loss(ks, ke))
+    torch.testing.assert_close(dense_loss(ks, torch.full((t,), t + 5)), dense_loss(ks, torch.full((t,), t)))
+
+
 def test_indexer_topk_return_lse():
     """return_lse: the rows of the plain call and each row's logsumexp over the scores of its selected keys
     (-inf for an empty window); batched: [B, S]; the op's fake and real outputs agree (opcheck); the loss
