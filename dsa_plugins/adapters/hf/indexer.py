@@ -13,6 +13,8 @@ from collections.abc import Callable
 import torch
 
 from ... import ops
+from ...common.settings import warn_once
+from ...reference.indexer import indexer_scores, selected_lse, topk_rows_reference
 from .binding import CallBinder
 from .masks import LazyMask, as_mask, mask_indices
 
@@ -59,14 +61,47 @@ def select_topk(
     if mask.kv_length > T:  # a mask over more key columns than the cache holds
         end = end.clamp(max=T)
         start = torch.minimum(start, end)
-    local = ops.indexer_topk(q, k.to(q.dtype), weights, min(int(indexer.index_topk), T), start, end,
-                             return_lse=return_lse)
+    topk = min(int(indexer.index_topk), T)
+    compiling = torch.compiler.is_compiling()
+    # A row whose allowed keys are not one range (padding with gaps, a custom mask) takes its top-k among the
+    # allowed keys only, as the models' own indexers do: masking the window's top-k afterwards would leave it
+    # fewer keys. Asking reads a flag on the host once per mask (a sync): eager calls ask where there is padding
+    # or a custom mask; a compiled graph cannot, and masks the window's selection instead.
+    if not compiling and (mask.padding is not None or not mask.is_simple) and mask.has_holes():
+        local, lse = _topk_among_allowed(q, k.to(q.dtype), weights, topk, mask, start, end, return_lse)
+        return (local, lse) if return_lse else local
+    local = ops.indexer_topk(q, k.to(q.dtype), weights, topk, start, end, return_lse=return_lse)
     lse = None
     if return_lse:
         local, lse = local[0], local[1].reshape(-1)
-    # indexer_topk only returns keys inside each row's window; the mask is needed for holes only.
-    # Asking whether there are holes reads a flag on the host (a sync, and a break in a compiled
-    # graph): generation steps (few rows) and compiled graphs apply the mask instead.
-    if (mask.padding is not None and (S <= _ALWAYS_MASK_ROWS or torch.compiler.is_compiling())) or mask.has_holes():
+    # indexer_topk only returns keys inside each row's window, which the mask allows wherever it has no holes; a
+    # compiled graph with padding applies the mask (it cannot ask whether there are holes)
+    if mask.padding is not None and (S <= _ALWAYS_MASK_ROWS or compiling):
         local, lse = mask_indices(local, mask), None
     return (local, lse) if return_lse else local
+
+
+def _topk_among_allowed(q, k, weights, topk: int, mask: LazyMask, start, end, return_lse: bool):
+    """[B, S, topk] int32 key columns: each row's top-k among the keys its mask allows (forbidden keys scored
+    -inf before the selection), -1 where it allows fewer; with return_lse also the lse [B * S] of the selected
+    scores. Dense scores in torch, a few query rows at a time ([rows, Hi, T] at most ~64 M values): the path of
+    masks with holes, which the windowed kernel cannot express. The tie rule is indexer_topk's (lowest column)."""
+    warn_once("hf:indexer_mask_holes", "dsa_tilelang: the attention mask has gaps inside a row (padding between "
+              "tokens, or a custom mask): the indexer scores those rows densely in torch, so that each row's top-k "
+              "is taken among the keys it may see (slower than the windowed kernel, the same selection rule)")
+    B, S, Hi, _ = q.shape
+    T = k.shape[1]
+    allowed = mask.dense()[:, 0, :, :T]  # [B, S, T]
+    out = torch.full((B, S, topk), -1, dtype=torch.int32, device=q.device)
+    lse = torch.full((B, S), float("-inf"), dtype=torch.float32, device=q.device) if return_lse else None
+    rows = max(1, (1 << 26) // max(1, Hi * T))
+    for b in range(B):
+        for s0 in range(0, S, rows):
+            sl = slice(s0, min(S, s0 + rows))
+            scores = indexer_scores(q[b, sl], k[b], weights[b, sl], start[b, sl], end[b, sl])
+            scores = scores.masked_fill(~allowed[b, sl], float("-inf"))
+            cols = topk_rows_reference(scores, None, topk)
+            out[b, sl] = cols
+            if lse is not None:
+                lse[b, sl] = selected_lse(scores, cols)
+    return out, (None if lse is None else lse.reshape(-1))

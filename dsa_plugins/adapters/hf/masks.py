@@ -98,6 +98,7 @@ class LazyMask:
         self._dense: torch.Tensor | None = None
         self._windows: tuple[torch.Tensor, torch.Tensor] | None = None
         self._local_padding: torch.Tensor | None = None
+        self._holes: bool | None = None  # has_holes' answer: one host read per mask, however many layers ask
 
     # tensor-like surface used by model code
     @property
@@ -201,11 +202,14 @@ class LazyMask:
         """True when some row's allowed keys are not one contiguous range (padding with gaps)."""
         if not self.is_simple:
             return True
-        pad = self.local_padding()
-        if pad is None:
-            return False
-        after_first = pad.to(torch.int8).cummax(-1).values.bool()
-        return bool((after_first & ~pad).any())
+        if self._holes is None:
+            pad = self.local_padding()
+            if pad is None:
+                self._holes = False
+            else:
+                after_first = pad.to(torch.int8).cummax(-1).values.bool()
+                self._holes = bool((after_first & ~pad).any())
+        return self._holes
 
     def allowed(self, idx: torch.Tensor) -> torch.Tensor:
         """Whether key columns ``idx`` [B, S, k] (any integer dtype) are allowed for their query rows

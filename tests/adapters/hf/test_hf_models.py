@@ -82,6 +82,20 @@ def test_greedy_generate_matches_eager(registered, model_type, make_batch, greed
     greedy_matches_eager(model, ids, mask)
 
 
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32"])
+def test_greedy_generate_with_a_padding_gap_matches_eager(registered, model_type, greedy_matches_eager):
+    """A 2D attention mask with a gap between tokens (batch 1 and 2): every decode step and the prefill take
+    each row's top-k among the keys it may see, so the tokens and logits are eager's."""
+    _require(model_type)
+    model = tiny.tiny_model(model_type)
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(11))
+    mask = torch.ones_like(ids)
+    mask[0, 5:8] = 0
+    mask[1, :3] = 0
+    greedy_matches_eager(model, ids[:1], mask[:1])
+    greedy_matches_eager(model, ids, mask)
+
+
 def test_topk_matters_in_tiny_configs(registered, make_batch, output_of):
     """Sanity of the tests above: with the tiny index_topk, sparse attention differs from dense."""
     ids, mask = make_batch()
@@ -109,9 +123,11 @@ def test_prefill_builds_no_dense_mask(registered, model_type, make_batch, monkey
         model(ids, attention_mask=mask)
 
 
+@pytest.mark.parametrize("gap", [False, True], ids=["left_padding", "padding_gap"])
 @pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32", "axk2", "hy_v4", "mistral_large4", "dots3_note"])
-def test_indexer_selects_what_hf_selects(registered, model_type):
-    """The patched indexer (indexer_topk) picks the same key sets as transformers' own indexer."""
+def test_indexer_selects_what_hf_selects(registered, model_type, gap):
+    """The patched indexer (indexer_topk) picks the same key sets as transformers' own indexer, also where the
+    padding leaves a gap inside a row (its top-k taken among the allowed keys, not masked after)."""
     _require(model_type)
     from dsa_plugins.adapters.hf.masks import dsa_mask
     from dsa_plugins.patches import original_attribute
@@ -130,6 +146,8 @@ def test_indexer_selects_what_hf_selects(registered, model_type):
     pos_emb = (emb.cos(), emb.sin())
     padding = torch.ones(B, S, dtype=torch.bool)
     padding[1, :4] = False
+    if gap:
+        padding[0, 5:8] = False  # rows 8.. of sequence 0 see keys 0-4 and 8..
     lazy = dsa_mask(B, S, S, attention_mask=padding)
     dense = lazy.dense()[:, 0]
     params = list(__import__("inspect").signature(original).parameters)
