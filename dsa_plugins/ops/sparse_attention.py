@@ -150,6 +150,15 @@ def _v4_inputs(q, kv, attn_sink, topk_idxs, sm_scale):
     return q, kv, idx, sink, scale, dv
 
 
+def _v4_backward(ctx, dout):
+    """_chunked_backward for the V4 functions, its gradients in the shapes the caller passed (packed q [T, H, D],
+    kv [B, Skv, 1, D] and the like)."""
+    q_shape, kv_shape = ctx.shapes
+    q_in = ctx.saved_tensors[0]
+    dq, dkv, dsink = _chunked_backward(ctx, dout.reshape(q_in.shape))
+    return dq.view(q_shape), dkv.view(kv_shape), dsink
+
+
 class DeepSeekV4SparseAttention(torch.autograd.Function):
     """``apply(q [B,S,H,D] bf16, kv [B,Skv,D], attn_sink [H] fp32 | None, topk_idxs [B,S,k] int32,
     sm_scale=None) -> [B,S,H,D]`` (Dqk = Dv = D; sm_scale defaults to D**-0.5, DeepSeek-V4's scale)."""
@@ -157,11 +166,12 @@ class DeepSeekV4SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, attn_sink, topk_idxs, sm_scale=None):
         q_, kv_, idx, sink, scale, dv = _v4_inputs(q, kv, attn_sink, topk_idxs, sm_scale)
-        return _chunked_forward(ctx, q_, kv_, idx, sink, scale, dv, None, resolve_backend(None))
+        ctx.shapes = q.shape, kv.shape
+        return _chunked_forward(ctx, q_, kv_, idx, sink, scale, dv, None, resolve_backend(None)).view(q.shape)
 
     @staticmethod
     def backward(ctx, dout):
-        dq, dkv, dsink = _chunked_backward(ctx, dout)
+        dq, dkv, dsink = _v4_backward(ctx, dout)
         return dq, dkv, dsink, None, None
 
 
@@ -173,11 +183,13 @@ class DeepSeekV4SparseAttentionHeadChunked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, attn_sink, topk_idxs, max_heads_per_kernel, sm_scale=None):
         q_, kv_, idx, sink, scale, dv = _v4_inputs(q, kv, attn_sink, topk_idxs, sm_scale)
-        return _chunked_forward(ctx, q_, kv_, idx, sink, scale, dv, max_heads_per_kernel, resolve_backend(None))
+        ctx.shapes = q.shape, kv.shape
+        out = _chunked_forward(ctx, q_, kv_, idx, sink, scale, dv, max_heads_per_kernel, resolve_backend(None))
+        return out.view(q.shape)
 
     @staticmethod
     def backward(ctx, dout):
-        dq, dkv, dsink = _chunked_backward(ctx, dout)
+        dq, dkv, dsink = _v4_backward(ctx, dout)
         return dq, dkv, dsink, None, None, None
 
 

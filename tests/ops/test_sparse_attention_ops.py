@@ -40,6 +40,29 @@ def test_seed_api_names_compute_reference_math():
     torch.testing.assert_close(dsa_plugins.DeepSeekV4SparseAttentionHeadChunked.apply(q, kv, sink, idx, 1, scale), ref)
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "head_chunked"])
+def test_v4_functions_hand_back_gradients_in_the_callers_shapes(chunked):
+    """DeepSeekV4SparseAttention(.HeadChunked).apply with kv [B, Skv, 1, D] or a packed q [T, H, D]: the output in q's
+    shape and each gradient in its input's shape, equal to those of the plain layout."""
+    q, kv, idx, sink = _batched(d=8)
+    q, kv = q.double(), kv.double()
+
+    def run(q_in, kv_in, idx_in):
+        leaves = [q_in.clone().requires_grad_(), kv_in.clone().requires_grad_()]
+        fn = dsa_plugins.DeepSeekV4SparseAttentionHeadChunked if chunked else dsa_plugins.DeepSeekV4SparseAttention
+        out = fn.apply(leaves[0], leaves[1], sink, idx_in, *((3,) if chunked else ()))
+        assert out.shape == q_in.shape
+        out.pow(2).sum().backward()
+        assert leaves[0].grad.shape == q_in.shape and leaves[1].grad.shape == kv_in.shape
+        return out, leaves[0].grad, leaves[1].grad
+
+    out, dq, dkv = run(q, kv, idx)
+    out4, dq4, dkv4 = run(q, kv.unsqueeze(2), idx)
+    torch.testing.assert_close((out4, dq4, dkv4.squeeze(2)), (out, dq, dkv))
+    out_p, dq_p, dkv_p = run(q[0], kv[0], idx[0])  # packed: batch entry 0 alone
+    torch.testing.assert_close((out_p, dq_p), (out[0], dq[0]))
+
+
 @pytest.mark.parametrize("max_heads", [1, 3, 4, 64])
 def test_head_chunked_gradients_match_unchunked(max_heads):
     q, kv, idx, sink = _batched(seed=4)
