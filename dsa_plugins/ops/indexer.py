@@ -124,7 +124,7 @@ def indexer_topk(
     with the softmax scale folded in (weights_proj(x) * Hi**-0.5 * Di**-0.5); key_start/key_end [T] int32
     (windows of global rows of index_k). Batched: index_q [B, S, Hi, Di], index_k [B, Tk, Di], weights
     [B, S, Hi], key_start/key_end [B, S] (or [S], shared by the batch) windows of each batch entry's own
-    key columns; returns [B, S, topk] key columns of the row's batch entry.
+    key columns (index_k_scale [B, Tk]); returns [B, S, topk] key columns of the row's batch entry.
     Score I[t, s] = sum_h relu(<index_q[t,h], index_k[s]>) * weights[t,h].
     fp8 (inference): index_q and index_k float8_e4m3fn, index_k_scale [Tk] float32 positive per-key scales
     (required; the score of key s is multiplied by it; per-query scales go into weights); see
@@ -193,9 +193,17 @@ def _batched_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, b
         check_tensor(name, t, ndim=(1, 2), dtypes=INDEX_DTYPES, device=device, shape={-1: s}, unit_stride=False)
         if t.dim() == 2:
             check_tensor(name, t, shape={0: b})
+    if index_k_scale is not None:
+        check_tensor("index_k_scale", index_k_scale, ndim=2, dtypes=FLOAT_DTYPES, device=device, shape={0: b, 1: tk},
+                     unit_stride=False)
     if check_indices_enabled():  # the opt-in strict mode: windows outside the entry's keys are an error, any batch
         for name, t in (("key_start", key_start), ("key_end", key_end)):
             check_index_range(name, t, tk + 1)
+    if b * s == 0 or (tk == 0 and b > 1):  # no row, or no key in any entry: nothing to score
+        if int(topk) < 1:
+            raise ValueError(f"topk must be >= 1, got {topk}")
+        rows = torch.full((b, s, int(topk)), -1, dtype=torch.int32, device=device)
+        return (rows, torch.full((b, s), float("-inf"), device=device)) if return_lse else rows
     if b == 1:  # one entry: its windows are already rows of the packed keys (clamped by the callee)
         base = None
         start, end = key_start.reshape(s), key_end.reshape(s)

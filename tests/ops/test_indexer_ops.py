@@ -167,6 +167,23 @@ def test_windows_and_lengths_out_of_range_are_clamped_to_the_keys():
     torch.testing.assert_close(dense_loss(ks, torch.full((t,), t + 5)), dense_loss(ks, torch.full((t,), t)))
 
 
+def test_batched_layout_without_rows_or_keys_and_a_wrong_scale_shape():
+    """The batched layout with no query row (B or S 0) or no key in any entry (Tk 0): every slot -1 (lse -inf); a
+    per-key scale of the wrong shape is an error naming it."""
+    iq, ik, w = _indexer_inputs(4)
+    iq2, ik2, w2 = iq[None].expand(2, -1, -1, -1), ik[None].expand(2, -1, -1), w[None].expand(2, -1, -1)
+    ks, ke = torch.zeros(4, dtype=torch.int32), torch.full((4,), 4, dtype=torch.int32)
+    for qq, kk, ww, shape in ((iq2[:, :0], ik2, w2[:, :0], (2, 0, 3)), (iq2[:0], ik2[:0], w2[:0], (0, 4, 3)),
+                              (iq2, ik2[:, :0], w2, (2, 4, 3))):
+        wins = (ks[: shape[1]], ke[: shape[1]].clamp(max=kk.shape[1]))
+        rows, lse = ops.indexer_topk(qq, kk, ww, 3, *wins, return_lse=True)
+        assert rows.shape == shape and (rows == -1).all() and torch.isneginf(lse).all()
+    q8, k8, k_scale, w8 = ops.quantize_indexer_fp8(iq, ik, w)
+    with pytest.raises(ValueError, match="index_k_scale must have"):
+        ops.indexer_topk(q8[None].expand(2, -1, -1, -1), k8[None].expand(2, -1, -1), w8[None].expand(2, -1, -1), 2,
+                         ks, ke, index_k_scale=k_scale[:3])
+
+
 def test_indexer_topk_return_lse():
     """return_lse: the rows of the plain call and each row's logsumexp over the scores of its selected keys
     (-inf for an empty window); batched: [B, S]; the op's fake and real outputs agree (opcheck); the loss
