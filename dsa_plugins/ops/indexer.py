@@ -313,7 +313,7 @@ def indexer_kl_loss(
     scale = check_scale(scale)
     if topk_indices is not None:
         check_tensor("topk_indices", topk_indices, ndim=(2, 3), dtypes=INDEX_DTYPES, device=device, shape={0: t})
-        topk_indices = topk_indices.reshape(t, -1)
+        topk_indices = topk_indices.reshape(t, topk_indices.shape[-1])  # (t, -1) is ambiguous for T 0
         if check_indices_enabled():
             check_index_range("topk_indices", topk_indices, kv.shape[0])
         # out-of-range rows are "no key", as everywhere (clamped before the int32 cast)

@@ -33,6 +33,10 @@ def causal_key_windows(
     Padding positions (p >= real_end) see the whole real sequence; a position outside every
     sequence sees no key.
     """
+    for name, t in (("cu_seqlens", cu_seqlens), ("cu_seqlens_padded", cu_seqlens_padded)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() == 0):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 1-D tensor of N + 1 cumulative offsets (N >= 0), got {got}")
     cu = cu_seqlens.to(torch.int64)
     offsets = cu if cu_seqlens_padded is None else cu_seqlens_padded.to(device=cu.device, dtype=torch.int64)
     if offsets.shape != cu.shape:

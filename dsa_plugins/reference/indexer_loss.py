@@ -54,8 +54,11 @@ def _chunk_terms(iq, ik_rows, w, q, kv_rows, valid, lse, sink, scale, probs=None
 
 
 def _gather(x: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
-    """Rows of ``x`` [c, n, D] in the compute dtype, zero at invalid slots (no NaN leaks through them)."""
-    return torch.where(valid.unsqueeze(-1), x[rows].to(cdt), 0.0)
+    """Rows of ``x`` [c, n, D] in the compute dtype, zero at invalid slots (no NaN leaks through them; their row
+    numbers may lie past the keys, e.g. an empty window at the end, and there may be no key at all)."""
+    if x.shape[0] == 0:
+        return torch.zeros(*rows.shape, x.shape[-1], dtype=cdt, device=x.device)
+    return torch.where(valid.unsqueeze(-1), x[rows.clamp(0, x.shape[0] - 1)].to(cdt), 0.0)
 
 
 def _attention_chunk(q, kv, attn_lse, probs, rows, valid, t0, t1, cdt):

@@ -184,6 +184,28 @@ def test_batched_layout_without_rows_or_keys_and_a_wrong_scale_shape():
                          ks, ke, index_k_scale=k_scale[:3])
 
 
+def test_loss_without_rows_or_keys_and_window_checks():
+    """indexer_kl_loss with no query row (sparse and dense), no key, or empty windows at the keys' end: a finite
+    loss (0 where nothing is selected), no indexing error; causal_key_windows names a bad cu_seqlens."""
+    t, g = 5, torch.Generator().manual_seed(2)
+    iq, ik, w = _indexer_inputs(t)
+    q, kv = torch.randn(t, 2, 6, generator=g), torch.randn(t, 6, generator=g)
+    idx = torch.randint(-1, t, (t, 3), generator=g, dtype=torch.int32)
+    none, at_end = torch.zeros(t, dtype=torch.int32), torch.full((t,), t, dtype=torch.int32)
+    cases = [dict(args=(iq[:0], ik, w[:0], q[:0], kv), topk_indices=idx[:0]),
+             dict(args=(iq[:0], ik, w[:0], q[:0], kv), key_start=none[:0], key_end=none[:0]),
+             dict(args=(iq, ik[:0], w, q, kv[:0]), topk_indices=torch.full((t, 3), -1, dtype=torch.int32)),
+             dict(args=(iq, ik[:0], w, q, kv[:0]), key_start=none, key_end=none),
+             dict(args=(iq, ik, w, q, kv), key_start=at_end, key_end=at_end)]
+    for case in cases:
+        args = case.pop("args")
+        loss = ops.indexer_kl_loss(*args, None, 0.4, **case)
+        assert torch.isfinite(loss) and loss == 0, case
+    for bad in (torch.tensor([], dtype=torch.int32), torch.tensor([[0, 3]]), [0, 3]):
+        with pytest.raises(ValueError, match="cu_seqlens must be a 1-D tensor"):
+            ops.causal_key_windows(bad)
+
+
 def test_indexer_topk_return_lse():
     """return_lse: the rows of the plain call and each row's logsumexp over the scores of its selected keys
     (-inf for an empty window); batched: [B, S]; the op's fake and real outputs agree (opcheck); the loss
