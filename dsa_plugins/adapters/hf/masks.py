@@ -239,7 +239,15 @@ class DenseMask(LazyMask):
         B, _, S, T = mask.shape
         super().__init__(B, S, T, q_offset=(T - S) if q_offset is None else q_offset, device=mask.device)
         if mask.dtype != torch.bool:
-            mask = mask > torch.finfo(mask.dtype).min / 2
+            allowed = mask > torch.finfo(mask.dtype).min / 2
+            # the sparse path adds no bias: an additive mask may only say "allowed" (0) or "not" (its dtype's
+            # minimum, -inf); other values would be dropped silently (checked eagerly: one host read)
+            if not torch.compiler.is_compiling() and bool((allowed & (mask != 0)).any()):
+                raise ValueError(
+                    "dsa_tilelang: the additive attention mask holds values other than 0 and the dtype's minimum "
+                    "(a bias), which the sparse attention cannot add; pass a boolean mask or a 0 / -inf one, or run "
+                    "this call with attn_implementation='eager'")
+            mask = allowed
         self._dense = mask[:, :1].expand(B, 1, S, T)
 
     @property

@@ -158,6 +158,22 @@ def test_v4_refuses_prebuilt_4d_mask(registered):
         model(ids, attention_mask=mask)
 
 
+def test_additive_mask_with_a_bias_is_refused_and_zero_min_masks_run(registered):
+    """A 4D additive mask: 0 / the dtype's minimum runs (as the boolean mask does); a finite bias elsewhere, which
+    the sparse path cannot add, is an error saying so instead of being dropped."""
+    from dsa_plugins.adapters.hf.tiny import tiny_model
+
+    model = tiny_model("deepseek_v32", attn_implementation="dsa_tilelang")
+    ids = torch.randint(3, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    causal = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
+    additive = torch.zeros(1, 1, 8, 8).masked_fill(~causal, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, attention_mask=additive).logits, model(ids, attention_mask=causal).logits)
+        additive[..., 0] = torch.where(causal[..., 0], -2.0, additive[..., 0])
+        with pytest.raises(ValueError, match="values other than 0 and the dtype's minimum"):
+            model(ids, attention_mask=additive)
+
+
 # ---------------------------------------------------------------------------------------- LazyMask
 
 CASES = [
