@@ -35,6 +35,7 @@ logger = logging.getLogger("dsa_plugins")
 #: ``bwd_ws_h100.md``), not worth that much transient memory by default.
 DET_BUDGET_BYTES = int(os.environ.get("DSA_PLUGINS_BWD_DET_BUDGET_MB", "2048")) * (1 << 20)
 
+
 def chunk_rows(rows: int, per_row: int, budget: int) -> int:
     """Query rows per chunk of a contribution buffer of at most ``budget`` bytes, ``per_row`` bytes a row (at
     least 1; at most ``rows`` where there are any). Fewer, larger chunks are faster: each chunk costs a main

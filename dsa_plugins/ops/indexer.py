@@ -40,8 +40,7 @@ def _run_indexer_topk(index_q, index_k, weights, key_start, key_end, topk, backe
         return load_kernel("indexer_topk")(index_q, index_k, weights, key_start, key_end, topk,
                                            index_k_scale=index_k_scale, entries=entries, return_lse=return_lse)
     # the kernels clamp each window to the keys themselves; the reference is handed clamped ones
-    end = key_end.clamp(0, index_k.shape[0])
-    start = torch.minimum(key_start.clamp(0, index_k.shape[0]), end)
+    start, end = _windows_within_keys(key_start, key_end, index_k.shape[0])
     return indexer_topk_reference(index_q, index_k, weights, topk, start, end, index_k_scale, return_lse=return_lse)
 
 
@@ -103,15 +102,14 @@ def _check_windows(key_start, key_end, tq: int, tk: int, device, range_checked: 
     if check_indices_enabled() and not range_checked:
         check_index_range("key_start", key_start, tk + 1)
         check_index_range("key_end", key_end, tk + 1)
-    return _windows_int32(key_start, tk), _windows_int32(key_end, tk)
+    # wider integers clamped before the cast (2**32 + j must not wrap onto j); int32 bounds as they are (no launch)
+    return as_int32(key_start, tk).contiguous(), as_int32(key_end, tk).contiguous()
 
 
-def _windows_int32(bound: Tensor, tk: int) -> Tensor:
-    """A window bound as int32: wider integers clamped to [-1, tk] first, so that 2**32 + j cannot wrap onto j
-    (the window is the same after the kernels clamp it to the keys); int32 bounds as they are (no launch)."""
-    if bound.dtype != torch.int32:
-        bound = bound.clamp(-1, tk).to(torch.int32)
-    return bound.contiguous()
+def _windows_within_keys(key_start: Tensor, key_end: Tensor, tk: int) -> tuple[Tensor, Tensor]:
+    """Each window clamped to the keys [0, tk], start <= end (what the kernels do themselves)."""
+    end = key_end.clamp(0, tk)
+    return torch.minimum(key_start.clamp(0, tk), end), end
 
 
 def indexer_topk(
@@ -199,25 +197,21 @@ def _batched_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, b
     if check_indices_enabled():  # the opt-in strict mode: windows outside the entry's keys are an error, any batch
         for name, t in (("key_start", key_start), ("key_end", key_end)):
             check_index_range(name, t, tk + 1)
-    if b * s == 0 or (tk == 0 and b > 1):  # no row, or no key in any entry: nothing to score
-        if int(topk) < 1:
-            raise ValueError(f"topk must be >= 1, got {topk}")
-        rows = torch.full((b, s, int(topk)), -1, dtype=torch.int32, device=device)
-        return (rows, torch.full((b, s), float("-inf"), device=device)) if return_lse else rows
     if b == 1:  # one entry: its windows are already rows of the packed keys (clamped by the callee)
         base = None
         start, end = key_start.reshape(s), key_end.reshape(s)
     else:
-        base = torch.arange(0, b * tk, tk, device=device, dtype=torch.int32)[:, None]  # [B, 1]
-        end = key_end.clamp(0, tk).to(torch.int32).expand(b, s)  # clamped before the cast: no int64 wrap
-        start = torch.minimum(key_start.clamp(0, tk).to(torch.int32).expand(b, s), end)
-        start, end = (start + base).reshape(-1), (end + base).reshape(-1)
+        base = (torch.arange(b, device=device, dtype=torch.int32) * tk)[:, None]  # [B, 1] (also for Tk 0)
+        start, end = _windows_within_keys(key_start, key_end, tk)  # clamped before the cast: no int64 wrap
+        start = (start.to(torch.int32).expand(b, s) + base).reshape(-1)
+        end = (end.to(torch.int32).expand(b, s) + base).reshape(-1)
     result = _packed_indexer_topk(
         index_q.reshape(b * s, hi, di), index_k.reshape(b * tk, di), weights.reshape(b * s, hi), topk,
         start, end, backend,
         None if index_k_scale is None else index_k_scale.reshape(b * tk), entries=(s, tk), return_lse=return_lse,
     )
-    rows = (result[0] if return_lse else result).view(b, s, -1)
+    rows = result[0] if return_lse else result
+    rows = rows.view(b, s, rows.shape[-1])  # (b, s, -1) is ambiguous without rows
     rows = torch.where(rows >= 0, rows - base[..., None], rows) if base is not None else rows
     return (rows, result[1].view(b, s)) if return_lse else rows
 
@@ -261,7 +255,7 @@ def topk_rows(scores: Tensor, lengths: Tensor | None, topk: int, backend: str | 
     check_tensor("scores", scores, ndim=2, dtypes=FLOAT_DTYPES)
     if lengths is not None:
         check_tensor("lengths", lengths, ndim=1, dtypes=INDEX_DTYPES, device=scores.device, shape={0: scores.shape[0]})
-        lengths = (lengths if lengths.dtype == torch.int32 else lengths.clamp(0, scores.shape[1]).to(torch.int32)).contiguous()
+        lengths = as_int32(lengths, scores.shape[1]).contiguous()  # no int64 wrap
     topk = int(topk)
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
@@ -324,8 +318,7 @@ def indexer_kl_loss(
             raise ValueError("indexer_kl_loss needs topk_indices (sparse) or key_start and key_end (dense)")
         key_start, key_end = _check_windows(key_start, key_end, t, kv.shape[0], device)
         # each window clamped to the keys, as indexer_topk's (a start of -1 must not reach row -1, the last key)
-        key_end = key_end.clamp(0, kv.shape[0])
-        key_start = torch.minimum(key_start.clamp(0, kv.shape[0]), key_end)
+        key_start, key_end = _windows_within_keys(key_start, key_end, kv.shape[0])
     reason = kernel_shape_reason("indexer_kl_loss", num_heads=q.shape[1], dqk=q.shape[2],
                                  index_heads=index_q.shape[1], index_dim=index_q.shape[2], dtype=index_q.dtype)
     if row_weights is not None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .sparse_attention import gather_valid_rows
+
 _CHUNK_ELEMS = 1 << 25
 
 
@@ -53,20 +55,12 @@ def _chunk_terms(iq, ik_rows, w, q, kv_rows, valid, lse, sink, scale, probs=None
     return p, logits, scores
 
 
-def _gather(x: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
-    """Rows of ``x`` [c, n, D] in the compute dtype, zero at invalid slots (no NaN leaks through them; their row
-    numbers may lie past the keys, e.g. an empty window at the end, and there may be no key at all)."""
-    if x.shape[0] == 0:
-        return torch.zeros(*rows.shape, x.shape[-1], dtype=cdt, device=x.device)
-    return torch.where(valid.unsqueeze(-1), x[rows.clamp(0, x.shape[0] - 1)].to(cdt), 0.0)
-
-
 def _attention_chunk(q, kv, attn_lse, probs, rows, valid, t0, t1, cdt):
     """(q rows, gathered kv rows, lse or None) of rows t0..t1; Nones when the target comes as probs."""
     if probs is not None:
         return None, None, None
     lse = None if attn_lse is None else attn_lse[t0:t1].to(cdt)
-    return q[t0:t1].to(cdt), _gather(kv, rows, valid, cdt), lse
+    return q[t0:t1].to(cdt), gather_valid_rows(kv, rows, valid, cdt), lse
 
 
 def _row_weights(row_weights, t0, t1, t_total, cdt, device):
@@ -95,8 +89,8 @@ class IndexerKLLoss(torch.autograd.Function):
             rows, valid = _row_slots(t0, t1, topk_indices, key_start, key_end, index_q.device)
             qc, kv_rows, lse = _attention_chunk(q, kv, attn_lse, probs, rows, valid, t0, t1, cdt)
             p, _, scores = _chunk_terms(
-                index_q[t0:t1].to(cdt), _gather(index_k, rows, valid, cdt), weights[t0:t1].to(cdt), qc, kv_rows, valid, lse,
-                sink, scale, None if probs is None else probs[t0:t1].to(cdt),
+                index_q[t0:t1].to(cdt), gather_valid_rows(index_k, rows, valid, cdt), weights[t0:t1].to(cdt), qc,
+                kv_rows, valid, lse, sink, scale, None if probs is None else probs[t0:t1].to(cdt),
             )
             logq = torch.log_softmax(scores, dim=-1)
             # p == 0 (not p > 0): a NaN target gives a NaN loss instead of vanishing
@@ -121,7 +115,8 @@ class IndexerKLLoss(torch.autograd.Function):
         n_guess = topk_indices.shape[1] if topk_indices is not None else index_k.shape[0]
         for t0, t1 in _chunks(t_total, n_guess, max(h, index_q.shape[1])):
             rows, valid = _row_slots(t0, t1, topk_indices, key_start, key_end, dev)
-            iq, ik_rows, w = index_q[t0:t1].to(cdt), _gather(index_k, rows, valid, cdt), weights[t0:t1].to(cdt)
+            iq, w = index_q[t0:t1].to(cdt), weights[t0:t1].to(cdt)
+            ik_rows = gather_valid_rows(index_k, rows, valid, cdt)
             qc, kv_rows, lse = _attention_chunk(q, kv, attn_lse, probs, rows, valid, t0, t1, cdt)
             p, logits, scores = _chunk_terms(
                 iq, ik_rows, w, qc, kv_rows, valid, lse, sink, ctx.scale,

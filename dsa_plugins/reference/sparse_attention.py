@@ -43,12 +43,13 @@ def _flatten(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor):
     return q.reshape(b * s, h, d), kv.reshape(b * skv, d), rows, valid
 
 
-def _gather(kvf: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
-    """kv rows of the slots [c, K, D] in the compute dtype, zero at invalid slots (as the kernels,
-    which never load them): a NaN in the placeholder row cannot reach an unrelated output."""
-    if kvf.shape[0] == 0:  # no kv rows at all (Skv 0): every slot is invalid, and there is no row 0 to index
-        return torch.zeros(*rows.shape, kvf.shape[1], dtype=cdt, device=kvf.device)
-    return torch.where(valid.unsqueeze(-1), kvf[rows].to(cdt), 0.0)
+def gather_valid_rows(x: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+    """Rows ``rows`` [c, K] of ``x`` [N, D] as [c, K, D] in the compute dtype, zero at invalid slots (as the
+    kernels, which never load them): a NaN in a placeholder row cannot reach an unrelated output. An invalid
+    slot's row number may lie past the rows (an empty window at the end), and there may be no row at all."""
+    if x.shape[0] == 0:
+        return torch.zeros(*rows.shape, x.shape[-1], dtype=cdt, device=x.device)
+    return torch.where(valid.unsqueeze(-1), x[rows.clamp(0, x.shape[0] - 1)].to(cdt), 0.0)
 
 
 def _slot_probs(scores: torch.Tensor, norm: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -80,7 +81,7 @@ def sparse_attention_forward(q, kv, indices, scale: float, sink=None, dv: int | 
     step = _rows_per_chunk(k, d, h, torch.finfo(cdt).bits // 8)
     for start in range(0, n, step):
         sl = slice(start, min(start + step, n))
-        kv_rows = _gather(kvf, rows[sl], valid[sl], cdt)  # [c, K, D]
+        kv_rows = gather_valid_rows(kvf, rows[sl], valid[sl], cdt)  # [c, K, D]
         scores = _chunk_scores(qf[sl].to(cdt), kv_rows, valid[sl], scale)
         lse_c = torch.logsumexp(scores, dim=-1)  # -inf for empty rows, NaN where the inputs carry NaN
         empty = ~valid[sl].any(-1, keepdim=True)  # [c, 1]: rows with no valid slot
@@ -117,7 +118,7 @@ def sparse_attention_backward(q, kv, indices, out, lse, dout, scale: float, sink
         sl = slice(start, min(start + step, n))
         qc = qf[sl].to(cdt)
         vmask = valid[sl]
-        kv_rows = _gather(kvf, rows[sl], vmask, cdt)
+        kv_rows = gather_valid_rows(kvf, rows[sl], vmask, cdt)
         scores = _chunk_scores(qc, kv_rows, vmask, scale)
         norm = _normaliser(lsef[sl], z)  # +inf for empty rows
         p = _slot_probs(scores, norm, vmask)
