@@ -123,26 +123,3 @@ def test_backward_ab_patches_apply_to_the_backward_source():
         for part, text in src.items():
             if text is not None:
                 compile(text, f"ab_{part}_{name}.py", "exec")
-
-
-def test_backward_ab_slot_keys_i16_gives_the_shipped_slot_order():
-    """The ``slot_keys_i16`` patch (the slot sort on int16 keys) orders the slots as the shipped sort does: the same
-    rows and row starts, with invalid slots, duplicate rows and two head blocks a row, on the CPU."""
-    import dsa_plugins.kernels.contrib_reduce as shipped
-
-    sys.path.insert(0, str(KERNELS))
-    try:
-        tool = _load("ab_bwd_patch")
-        source_patch = _load("source_patch")
-    finally:
-        sys.path.remove(str(KERNELS))
-    patched = source_patch.import_patched(tool.patched_sources("slot_keys_i16")["reduce"], "test_reduce_slot_keys_i16")
-    gen = torch.Generator().manual_seed(7)
-    for n_rows, kp, nhb in ((300, 77, 1), (8192, 64, 2), (40000, 33, 1)):  # the last one keeps int32 keys
-        idx = torch.randint(-1, n_rows, (29, kp), generator=gen, dtype=torch.int32)
-        idx[3] = 5  # one row's slots all on one kv row
-        got = [torch.empty(idx.numel(), dtype=torch.int32) for _ in range(2)]
-        ptr = [torch.empty(n_rows + 1, dtype=torch.int32) for _ in range(2)]
-        shipped.slot_order(idx, n_rows, kp, nhb, got[0], ptr[0])
-        patched.slot_order(idx, n_rows, kp, nhb, got[1], ptr[1])
-        assert torch.equal(got[0], got[1]) and torch.equal(ptr[0], ptr[1]), (n_rows, kp, nhb)

@@ -11,8 +11,9 @@ default ``det_mode``), else the atomic default.
 Two changes to the deterministic rows with permuted columns (MLA, unpaired V4) were measured with this tool and
 are shipped: the exponent bytes in 16-bit stores (1.06x at V4 H64, 1.01x at 576/512) and each lane's 8 values of a
 block side by side in one 16-byte store (``contrib_st16``, with the reduce's maps patched alike: 1.057x MLA H64, 1.043x
-MLA H128, 1.012x V4 H64). A patch may edit the contribution reduce too ("reduce": the patched backward then imports
-the patched reduce). Patches:
+MLA H128, 1.012x V4 H64); so is the slot sort on int16 keys (``slot_keys_i16``, H100 --det: 1.011x MLA H64, 1.002x
+MLA H128, 1.010x V4 H128, 1.022x V4 H64, same bits, 2026-11-28). A patch may edit the contribution reduce too
+("reduce": the patched backward then imports the patched reduce). Patches:
   exps_u16_pair  the int16 contribution rows' exponent bytes (``contrib_i16``) of the pair's half tiles (V4 H128)
                  in 16-bit stores: lanes q and q ^ 2 swap one byte and each stores one row's two adjacent bytes.
                  H100, --det: 1.005x (the exchange costs what the second store did); not shipped. It patches the
@@ -24,10 +25,6 @@ the patched reduce). Patches:
                  each column is still summed by one warp over its slots in order, so the sums keep their bits.
                  H100, --det, same bits: MLA H64 0.995x [0.991, 1.007], MLA H128 1.013x [1.009, 1.036], V4 H64
                  1.000x [0.995, 1.004]; not shipped (the reduce's loads were not what limits it)
-  slot_keys_i16  the deterministic mode's slot sort (on a side stream beside each chunk's main program: cub's
-                 onesweep 0.3-0.85 ms per backward at 028b05d) on int16 keys where the kv rows fit, two radix
-                 passes instead of four, the same stable order; each chunk costs ~0.09 ms beyond its kernels'
-                 work (bwd_ws_h100.md, 2026-11-28), of which the sort may be part. Not measured yet
 """
 
 from __future__ import annotations
@@ -59,13 +56,6 @@ _NEW_EXPS_AB = """      // lanes q and q ^ 2 hold adjacent bytes of rows a and b
 _OLD_VEC = """    vec = 2 if contrib_dtype == "float32" else 4  # columns per lane and run: 8 bytes"""
 _NEW_VEC = """    vec = 2 if contrib_dtype == "float32" else 8 if (scaled and perm) else 4  # columns per lane and run"""
 
-# slot_keys_i16: the slot sort's keys as int16 where the kv rows allow (half of cub's radix passes, the same stable order)
-_OLD_SORT = """    sorted_keys, order = torch.sort(keys_last_invalid(idx, n_rows), stable=True)
-    torch.searchsorted(sorted_keys, torch.arange(n_rows + 1, device=idx.device, dtype=torch.int32),"""
-_NEW_SORT = """    keys = keys_last_invalid(idx, n_rows)
-    sorted_keys, order = torch.sort(keys.to(torch.int16) if n_rows < 32767 else keys, stable=True)
-    torch.searchsorted(sorted_keys, torch.arange(n_rows + 1, device=idx.device, dtype=sorted_keys.dtype),"""
-
 # the backward's import of the reduce, redirected to the patched copy where a patch edits the reduce
 _OLD_IMPORT = "from .contrib_reduce import DET_BUDGET_BYTES"
 
@@ -74,7 +64,6 @@ _OLD_IMPORT = "from .contrib_reduce import DET_BUDGET_BYTES"
 PATCHES = {
     "exps_u16_pair": {"bwd": [(_OLD_EXPS_AB, _NEW_EXPS_AB, 1)]},
     "reduce_v8": {"reduce": [(_OLD_VEC, _NEW_VEC, 1)]},
-    "slot_keys_i16": {"reduce": [(_OLD_SORT, _NEW_SORT, 1)]},
 }
 
 

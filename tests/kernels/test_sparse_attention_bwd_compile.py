@@ -734,22 +734,26 @@ def test_det_pair_perm_stores_the_pairs_rows_in_the_unpaired_layout():
 
 
 @pytest.mark.parametrize("nhb", [1, 2])
-def test_slot_order_gives_each_kv_row_its_slots_in_order(nhb):
+@pytest.mark.parametrize("n_rows", [50, 32767, 32768, 40000])  # int16 sort keys up to 32767 rows, int32 above
+def test_slot_order_gives_each_kv_row_its_slots_in_order(nhb, n_rows):
     """The reduce's order (computed on a side stream on a GPU, inline on the CPU): RowPtr[n]:RowPtr[n + 1] of
     Rows are the contribution rows (head block 0) of the slots naming kv row n, in slot order, duplicates
-    kept; invalid slots (-1) in no range."""
+    kept; invalid slots (-1) in no range. Kv rows on both sides of the int16 sort keys' limit."""
     g = torch.Generator().manual_seed(1)
-    t, kp, n_rows = 7, 64, 50
+    t, kp = 7, 64
     idx = torch.randint(-1, n_rows, (t, kp), generator=g, dtype=torch.int32)
     idx[0, :10] = 3  # duplicates in one row
     idx[1] = -1  # a row without a valid slot
+    idx[2, :8] = n_rows - 1  # the last kv row, duplicated
+    idx[2, 8:12] = torch.tensor([n_rows - 1, 0, n_rows - 2, 0], dtype=torch.int32)
     rows, rowptr = contrib_reduce.slot_order_async(idx, n_rows, kp, nhb)()
     assert rows.dtype == rowptr.dtype == torch.int32 and rowptr.shape == (n_rows + 1,)
-    for n in range(n_rows):
-        slots = [(ti, k) for ti in range(t) for k in range(kp) if idx[ti, k] == n]
-        want = [ti * nhb * kp + k for ti, k in slots]
-        assert rows[rowptr[n]:rowptr[n + 1]].tolist() == want
-    assert rowptr[-1].item() == int((idx >= 0).sum())
+    flat = idx.reshape(-1).tolist()
+    valid = sorted((s for s in range(t * kp) if flat[s] >= 0), key=lambda s: flat[s])  # Python's sort is stable
+    want_rows = [(s // kp) * nhb * kp + s % kp for s in valid]
+    want_ptr = [0] + torch.bincount(idx[idx >= 0].long(), minlength=n_rows).cumsum(0).tolist()
+    assert rows[:len(valid)].tolist() == want_rows
+    assert rowptr.tolist() == want_ptr
 
 
 def test_chunk_rows_fills_the_budget_with_whole_rows():
