@@ -5,6 +5,7 @@ and with transformers' static cache under ``torch.compile`` (CUDA graphs).
     python benchmarks/bench_hf_decode.py --model deepseek_v32 --contexts 4096,65536 --batches 1,32
     python benchmarks/bench_hf_decode.py --smoke                         # CPU, tiny dims, seconds
     python benchmarks/bench_hf_decode.py --modes eager_static --layers 1,4 --profile   # eager cost per layer
+    python benchmarks/bench_hf_decode.py --fp8-index both    # also with the opt-in fp8 index cache
 
 Model: the base model of ``bench_hf_layer.py`` (one decoder layer, small dense MLP, vocab 128, no LM
 head: the time is the layer's), bf16, eval. The cache is filled with random latents and indexer keys
@@ -19,7 +20,8 @@ a decode step's work), then one token per sequence is decoded per step. Modes:
 ``--layers 1,4`` also builds a 4-layer model (the same layer repeated): an eager step's cost per layer is the
 difference divided by 3 (a 1-layer step also pays the model's own per-step Python). ``--profile`` prints, for
 each eager case, cProfile's cumulative host time of 20 more steps and torch.profiler's operators and kernel
-launches of one (``profile_hf_decode_host.py`` times our functions one by one).
+launches of one (``profile_hf_decode_host.py`` times our functions one by one). ``--fp8-index on|both``: dsa_tilelang with
+``enable_fp8_index_cache`` (the indexer's keys scored and cached in e4m3; rows with variant ``fp8_index``).
 
 Rows (ms per step = per layer-token at B 1; tokens/s = B / step time; peak memory) go to
 ``benchmarks/results/hf_decode_<model>.{csv,md}``. sdpa (transformers' own path) runs at B 1, at the
@@ -45,6 +47,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_hf_layer import DIMS, build_layer  # noqa: E402
 
+from dsa_plugins.reference.indexer import quantize_fp8_rows  # noqa: E402
+
 MODES = ("eager_dynamic", "eager_static", "compiled_static")
 
 
@@ -69,7 +73,16 @@ def filled_cache(model, mode: str, batch: int, context: int, headroom: int, devi
             if not isinstance(t, torch.Tensor) or t.numel() == 0:
                 continue
             shape = (*t.shape[:-2], context, t.shape[-1])
-            fill = torch.randn(shape, device=device, dtype=torch.float32, generator=g).to(t.dtype)
+            fill = torch.randn(shape, device=device, dtype=torch.float32, generator=g)
+            scales = getattr(layer, "_dsa_index_key_scale", None)
+            if t.dtype == torch.uint8 and scales is not None:  # the fp8 index cache: e4m3 bytes and their scales
+                fill, fill_scales = quantize_fp8_rows(fill)
+                fill = fill.view(torch.uint8)
+                if static:
+                    scales[:, :context].copy_(fill_scales)
+                else:
+                    layer._dsa_index_key_scale = fill_scales
+            fill = fill.to(t.dtype)
             if static:
                 t[..., :context, :].copy_(fill)  # in place: the static buffers keep their addresses
             else:
@@ -175,6 +188,8 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="print the host-time profile of each eager case (cProfile, torch.profiler)")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny dims, no result files")
+    parser.add_argument("--fp8-index", choices=("off", "on", "both"), default="off",
+                        help="dsa_tilelang with the opt-in fp8 index cache (on), or without and with it (both)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -195,41 +210,47 @@ def main(argv=None) -> int:
     model_type = DIMS[args.model][0]
     depths = [int(n) for n in args.layers.split(",")]
     providers = args.providers.split(",")
+    variants = {"off": [""], "on": ["fp8_index"], "both": ["", "fp8_index"]}[args.fp8_index]
     cases = []
     for layers in depths:
         if "dsa_tilelang" in providers:
-            cases += [(c, b, m, "dsa_tilelang", layers) for c in contexts for b in batches for m in modes]
+            cases += [(c, b, m, "dsa_tilelang", layers, v) for v in variants for c in contexts for b in batches
+                      for m in modes]
         if "sdpa" in providers:
-            cases += [(c, 1, m, "sdpa", layers) for c in sorted({contexts[0], contexts[-1]}) for m in modes
+            cases += [(c, 1, m, "sdpa", layers, "") for c in sorted({contexts[0], contexts[-1]}) for m in modes
                       if m != "eager_dynamic"]
     rows, models, firsts = [], {}, {}
-    for context, batch, mode, provider, layers in cases:
+    for context, batch, mode, provider, layers, variant in cases:
         depth = f" L{layers}" if layers != 1 else ""
         shape = f"{'smoke' if args.smoke else args.model}{depth} B{batch} ctx{context}"
-        row = {"op": f"hf_{model_type}_decode", "mode": mode, "shape": shape, "provider": provider, **env}
+        row = {"op": f"hf_{model_type}_decode", "mode": mode, "shape": shape, "provider": provider,
+               "variant": variant, **env}
+        label = f"{provider}{'+' + variant if variant else ''}"
         try:
-            if (provider, layers) not in models:
+            if (provider, layers, variant) not in models:
                 models.clear()
                 model, _ = build_layer(args.model, provider, args.smoke, device, dtype, layers=layers)
-                models[provider, layers] = model.eval()
-            ms, peak, first = decode_steps(models[provider, layers], mode, batch, context,
+                if variant == "fp8_index":
+                    dsa_plugins.hf.enable_fp8_index_cache(model)
+                models[provider, layers, variant] = model.eval()
+            ms, peak, first = decode_steps(models[provider, layers, variant], mode, batch, context,
                                            2 if args.smoke else args.steps, device, dtype,
                                            profile=args.profile and mode != "compiled_static")
             row.update(median_ms=ms, tokens_per_s=batch / ms * 1e3, peak_gib=peak)
-            ref = firsts.setdefault((context, batch, provider, layers), first)
+            ref = firsts.setdefault((context, batch, provider, layers, variant), first)
             row["max_diff_vs_first_mode"] = float((first - ref).abs().max())
-            print(f"{shape:<28} {provider:<13} {mode:<16} {ms:8.3f} ms/step  {batch / ms * 1e3:9.0f} tok/s  "
+            print(f"{shape:<28} {label:<23} {mode:<16} {ms:8.3f} ms/step  {batch / ms * 1e3:9.0f} tok/s  "
                   f"peak {peak:6.2f} GiB  diff {row['max_diff_vs_first_mode']:.3g}", flush=True)
         except Exception as exc:  # an out-of-memory or a compile failure is a row, not a crash
             row["error"] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
-            print(f"{shape:<28} {provider:<13} {mode:<16} {row['error']}", flush=True)
+            print(f"{shape:<28} {label:<23} {mode:<16} {row['error']}", flush=True)
         finally:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         rows.append(row)
     for row in rows:  # B > 1: tokens/s over B 1's, same context and mode
         one = [r for r in rows if r["provider"] == row["provider"] and r["mode"] == row["mode"]
-               and r["shape"] == re.sub(r"\bB\d+\b", "B1", row["shape"]) and "tokens_per_s" in r]
+               and r["variant"] == row["variant"] and r["shape"] == re.sub(r"\bB\d+\b", "B1", row["shape"]) and "tokens_per_s" in r]
         if one and "tokens_per_s" in row and row is not one[0]:
             row["throughput_vs_B1"] = row["tokens_per_s"] / one[0]["tokens_per_s"]
     if not args.smoke:

@@ -6,6 +6,7 @@
     # or, on a model already built: model.set_attn_implementation("dsa_tilelang")
     dsa_plugins.hf.unregister()        # reverts every patch
     handle = dsa_plugins.hf.enable_indexer_loss(model, weight=0.01)   # fine-tuning: train the indexers too
+    dsa_plugins.hf.enable_fp8_index_cache(model)   # serving: indexer keys scored and cached in fp8 (opt-in)
 
 With the package installed, ``import torch`` already registers it (entry point ``torch.backends``);
 ``DSA_PLUGINS_AUTOLOAD=0`` turns that off.
@@ -18,9 +19,11 @@ from dsa_plugins.adapters.hf import (
     register,
     unregister,
 )
+from dsa_plugins.adapters.hf.index_keys import disable_fp8_index_cache, enable_fp8_index_cache
 from dsa_plugins.adapters.hf.indexer_loss import IndexerLossHandle, disable_indexer_loss, enable_indexer_loss
 
 ATTN_IMPLEMENTATION = "dsa_tilelang"
 
-__all__ = ["ADAPTER", "ATTN_IMPLEMENTATION", "IndexerLossHandle", "available_models", "disable_indexer_loss",
-           "enable_indexer_loss", "is_registered", "register", "unregister"]
+__all__ = ["ADAPTER", "ATTN_IMPLEMENTATION", "IndexerLossHandle", "available_models", "disable_fp8_index_cache",
+           "disable_indexer_loss", "enable_fp8_index_cache", "enable_indexer_loss", "is_registered", "register",
+           "unregister"]

@@ -125,10 +125,12 @@ def load_dims(spec: str) -> list[ModelDims]:
 _BWD_SECONDS = {"main_det": 20, "main_det_probs": 20, "preprocess": 3, "preprocess_det": 3, "reduce": 3}
 
 
-def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None = None) -> list[KernelJob]:
+def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None = None,
+             fp8_index: bool = False) -> list[KernelJob]:
     """The compiles one model needs (None: every shipped configuration); ``training`` adds the
-    backward and the indexer loss programs. Attention dims the kernels do not take compile nothing
-    (those layers run the torch reference): a line in ``notes`` says so."""
+    backward and the indexer loss programs; ``fp8_index`` the fp8 indexer's (the opt-in fp8 index cache).
+    Attention dims the kernels do not take compile nothing (those layers run the torch reference): a line
+    in ``notes`` says so."""
     import torch
 
     from .common.settings import decode_cluster_parts, decode_part_slots
@@ -154,8 +156,8 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
         bwd_cfgs = [{"heads": dims.heads, "dqk": dims.dim_qk, "dv": dims.dim_v, "has_sink": dims.sink,
                      "dtype": "bfloat16"}]
         # prefill / training, and generation steps (one query row per CTA)
-        idx_cfgs = [indexer.default_config(dims.index_heads, dims.index_dim, rows=rows)
-                    for rows in (None, indexer.DECODE_MAX_ROWS)]
+        idx_cfgs = [indexer.default_config(dims.index_heads, dims.index_dim, fp8=fp8, rows=rows)
+                    for fp8 in ((False, True) if fp8_index else (False,)) for rows in (None, indexer.DECODE_MAX_ROWS)]
         loss_cfgs = [{"kind": "attn_probs", "dim": dims.dim_qk, "lse_pass": p} for p in (False, True)]
         # the value-only program, and with gradients: atomic or deterministic, two passes or given the indexer's
         # lse(I) (what the adapters pass)
@@ -296,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inference", action="store_true", help="forward and indexer only (no backward, no loss)")
     parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="parallel compiles")
     parser.add_argument("--list", action="store_true", help="print the kernels it would compile and stop")
+    parser.add_argument("--fp8-index", action="store_true",
+                        help="also the fp8 indexer's programs (dsa_plugins.hf.enable_fp8_index_cache)")
     args = parser.parse_args(argv)
     try:
         dims = [d for m in args.models for d in load_dims(m)] or [None]
@@ -304,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     jobs, seen, notes = [], set(), []
     for d in dims:
-        for job in jobs_for(d, training=not args.inference, notes=notes):
+        for job in jobs_for(d, training=not args.inference, notes=notes, fp8_index=args.fp8_index):
             key = (job.module, job.function, json.dumps(job.args, sort_keys=True, default=str))
             if key not in seen:
                 seen.add(key)

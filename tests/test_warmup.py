@@ -105,3 +105,15 @@ def test_first_build_in_a_process_says_so_once(caplog):
         topk.build_tie_fill(target=dict(CPU_COMPILE_TARGET))
     notes = [r.getMessage() for r in caplog.records if "building TileLang kernels" in r.getMessage()]
     assert len(notes) == 1 and "dsa_plugins warmup" in notes[0]
+
+
+def test_fp8_index_adds_the_fp8_indexer_programs():
+    """``--fp8-index`` (the opt-in fp8 index cache) adds the fp8 indexer's prefill and generation-step score
+    programs of the model's index heads, and nothing else; without it no fp8 program is compiled."""
+    dims = warmup.load_dims("glm5")[0]
+    plain = [j.label for j in warmup.jobs_for(dims, training=False)]
+    fp8 = [j.label for j in warmup.jobs_for(dims, training=False, fp8_index=True)]
+    assert not any("fp8" in label for label in plain)
+    assert sorted(set(fp8) - set(plain)) == ["indexer scores Hi32 Di128 fp8",
+                                             "indexer scores Hi32 Di128 fp8, generation steps"]
+    assert set(plain) <= set(fp8)

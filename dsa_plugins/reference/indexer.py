@@ -142,12 +142,14 @@ def indexer_topk_reference(index_q, index_k, weights, topk: int, key_start, key_
     return (out, lse) if return_lse else out
 
 
-def quantize_fp8_rows(x: torch.Tensor, name: str = "x") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_rows(x: torch.Tensor, name: str = "x", check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row e4m3 quantisation over the last dim: (x8 float8_e4m3fn, scale float32 [...]) with
     x ~= x8 * scale[..., None]; scale = amax / 448 (1 for all-zero rows, at least the smallest
-    normal float). Non-finite values raise a ValueError naming ``name`` (one device sync)."""
+    normal float). Non-finite values raise a ValueError naming ``name`` (one device sync);
+    ``check_finite=False`` skips that check (no sync: graph capture), and such a row's scale is then
+    non-finite."""
     amax = x.float().abs().amax(-1)
-    if not bool(torch.isfinite(amax).all()):
+    if check_finite and not bool(torch.isfinite(amax).all()):
         raise ValueError(f"{name} has non-finite values (NaN or inf): it cannot be quantised to fp8")
     scale = torch.where(amax > 0, (amax / 448.0).clamp_min(torch.finfo(torch.float32).tiny), torch.ones_like(amax))
     x8 = (x.float() / scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)

@@ -7,7 +7,9 @@ Where things live:
   ``models/glm5_next.py``);
 * :mod:`.attention`: the attention function (absorbed sparse MLA, per-model handlers, SDPA
   fallback); :mod:`.indexer`: top-k through the fused indexer op; :mod:`.masks`: the lazy mask;
-  :mod:`.cache`: the static cache keeps the MLA latent in one buffer (no copy per decode step);
+  :mod:`.cache`: the static cache keeps the MLA latent in one buffer (no copy per decode step), and holds
+  the fp8 index keys; :mod:`.index_keys`: the opt-in fp8 index cache; :mod:`.indexer_loss`: the opt-in
+  indexer KL loss for fine-tuning;
 * :mod:`.interfaces`: registration with transformers' attention and mask interfaces;
 * :mod:`.tiny`: tiny random configs of every supported model (tests, demo).
 

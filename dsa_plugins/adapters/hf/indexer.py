@@ -16,6 +16,8 @@ from ... import ops
 from ...common.settings import warn_once
 from ...reference.indexer import indexer_scores, selected_lse, topk_rows_reference
 from .binding import CallBinder
+from .cache import update_fp8_index_keys
+from .index_keys import fp8_index_cache_enabled, quantize_index_inputs
 from .masks import LazyMask, as_mask, mask_indices
 
 __all__ = ["indexer_binder", "indexer_cache", "select_topk"]
@@ -53,7 +55,19 @@ def select_topk(
     ``return_lse`` (the indexer loss): (columns, lse [B * S] fp32 of each row's selected scores, or None
     when the mask is applied: it may take slots away, and the loss then recomputes the lse).
     """
-    k = past_key_values.update_indexer(k_new, indexer.layer_idx) if past_key_values is not None else k_new
+    k_scale = None
+    if fp8_index_cache_enabled(indexer):  # opt-in: fp8 scores and an fp8 key cache (index_keys.py)
+        if return_lse:
+            raise ValueError("dsa_tilelang: the indexer loss trains the bf16 indexer; turn the fp8 index cache off "
+                             "for training (dsa_plugins.hf.disable_fp8_index_cache(model))")
+        q, k_new, k_scale, weights = quantize_index_inputs(q, k_new, weights)
+        if past_key_values is not None:
+            k, k_scale = update_fp8_index_keys(past_key_values, indexer.layer_idx, k_new, k_scale)
+        else:
+            k = k_new
+    else:
+        k = past_key_values.update_indexer(k_new, indexer.layer_idx) if past_key_values is not None else k_new
+        k = k.to(q.dtype)
     B, S = q.shape[:2]
     T = k.shape[1]
     mask = as_mask(mask, B, S, T, q.device)
@@ -68,9 +82,9 @@ def select_topk(
     # fewer keys. Asking reads a flag on the host once per mask (a sync): eager calls ask where there is padding
     # or a custom mask; a compiled graph cannot, and masks the window's selection instead.
     if not compiling and (mask.padding is not None or not mask.is_simple) and mask.has_holes():
-        local, lse = _topk_among_allowed(q, k.to(q.dtype), weights, topk, mask, start, end, return_lse)
+        local, lse = _topk_among_allowed(q, k, weights, topk, mask, start, end, return_lse, k_scale)
         return (local, lse) if return_lse else local
-    local = ops.indexer_topk(q, k.to(q.dtype), weights, topk, start, end, return_lse=return_lse)
+    local = ops.indexer_topk(q, k, weights, topk, start, end, index_k_scale=k_scale, return_lse=return_lse)
     lse = None
     if return_lse:
         local, lse = local[0], local[1].reshape(-1)
@@ -81,11 +95,12 @@ def select_topk(
     return (local, lse) if return_lse else local
 
 
-def _topk_among_allowed(q, k, weights, topk: int, mask: LazyMask, start, end, return_lse: bool):
+def _topk_among_allowed(q, k, weights, topk: int, mask: LazyMask, start, end, return_lse: bool, k_scale=None):
     """[B, S, topk] int32 key columns: each row's top-k among the keys its mask allows (forbidden keys scored
     -inf before the selection), -1 where it allows fewer; with return_lse also the lse [B * S] of the selected
     scores. Dense scores in torch, a few query rows at a time ([rows, Hi, T] at most ~64 M values): the path of
-    masks with holes, which the windowed kernel cannot express. The tie rule is indexer_topk's (lowest column)."""
+    masks with holes, which the windowed kernel cannot express. The tie rule is indexer_topk's (lowest column).
+    ``k_scale`` [B, T]: the per-key scales of fp8 keys."""
     warn_once("hf:indexer_mask_holes", "dsa_tilelang: the attention mask has gaps inside a row (padding between "
               "tokens, or a custom mask): the indexer scores those rows densely in torch, so that each row's top-k "
               "is taken among the keys it may see (slower than the windowed kernel, the same selection rule)")
@@ -98,7 +113,8 @@ def _topk_among_allowed(q, k, weights, topk: int, mask: LazyMask, start, end, re
     for b in range(B):
         for s0 in range(0, S, rows):
             sl = slice(s0, min(S, s0 + rows))
-            scores = indexer_scores(q[b, sl], k[b], weights[b, sl], start[b, sl], end[b, sl])
+            scores = indexer_scores(q[b, sl], k[b], weights[b, sl], start[b, sl], end[b, sl],
+                                    index_k_scale=None if k_scale is None else k_scale[b])
             scores = scores.masked_fill(~allowed[b, sl], float("-inf"))
             cols = topk_rows_reference(scores, None, topk)
             out[b, sl] = cols

@@ -30,7 +30,8 @@ from ... import ops
 from ...common.settings import warn_once
 from .constants import ATTN_NAME
 
-__all__ = ["IndexerLossHandle", "disable_indexer_loss", "enable_indexer_loss", "pending_loss", "stash_loss"]
+__all__ = ["IndexerLossHandle", "disable_indexer_loss", "enable_indexer_loss", "pending_loss", "served_indexers",
+           "stash_loss"]
 
 _CONFIG_ATTR = "_dsa_indexer_loss"  # on each indexer module: its IndexerLossHandle
 _PENDING_ATTR = "_dsa_pending_loss"  # on each indexer module: the FusedIndexerLoss of the current forward
@@ -75,7 +76,7 @@ class IndexerLossHandle:
 SERVED_MARKER = "__dsa_indexer__"
 
 
-def _indexers(model: torch.nn.Module) -> list[torch.nn.Module]:
+def served_indexers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The indexer modules the V3.2-family patches drive (attention modules' ``indexer`` children)."""
     found = []
     for module in model.modules():
@@ -98,7 +99,7 @@ def enable_indexer_loss(model: torch.nn.Module, weight: float | Callable = 1.0,
                          f"attn_implementation={ATTN_NAME!r} (or model.set_attn_implementation({ATTN_NAME!r}))")
     if not (callable(weight) or isinstance(weight, (int, float))):
         raise TypeError(f"weight must be a float or a callable, got {type(weight).__name__}")
-    indexers = _indexers(model)
+    indexers = served_indexers(model)
     if not indexers:
         raise ValueError(
             f"enable_indexer_loss: {type(model).__name__} has no indexer this loss serves (the V3.2 family: "
