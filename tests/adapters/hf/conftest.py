@@ -71,3 +71,26 @@ def make_batch():
 @pytest.fixture
 def output_of():
     return output_tensor
+
+
+def gpu_generation_case(model_type: str):
+    """(model, ids, generate kwargs) for the GPU generation tests: the tiny ``model_type`` with GLM-5's attention
+    and indexer dims (64 heads, latent 512 + 64, 32 index heads of 128, top-k 64) in bf16 on the GPU under
+    dsa_tilelang, a left-padded batch of 200 tokens, greedy kwargs that return the logits."""
+    from dsa_plugins.adapters.hf import tiny
+
+    if not tiny.available(model_type):
+        pytest.skip(f"{model_type} is not in this transformers")
+    overrides = dict(num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=512, qk_rope_head_dim=64,
+                     qk_nope_head_dim=128, v_head_dim=128, index_n_heads=32, index_head_dim=128, index_topk=64)
+    model = tiny.tiny_model(model_type, **overrides).to("cuda", torch.bfloat16).eval()
+    model.set_attn_implementation("dsa_tilelang")
+    ids, mask = batch(seq_len=200, pad=17)
+    kw = dict(attention_mask=mask.cuda(), max_new_tokens=8, do_sample=False, pad_token_id=2, output_logits=True,
+              return_dict_in_generate=True)
+    return model, ids.cuda(), kw
+
+
+@pytest.fixture
+def gpu_generation():
+    return gpu_generation_case

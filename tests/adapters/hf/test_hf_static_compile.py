@@ -99,23 +99,14 @@ def test_static_cache_keeps_the_latent_in_one_buffer(registered, make_batch, mon
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32"])
-def test_gpu_static_cache_decode_under_cuda_graphs(registered, model_type, make_batch, monkeypatch):
+def test_gpu_static_cache_decode_under_cuda_graphs(registered, model_type, gpu_generation, monkeypatch):
     """bf16 through the TileLang kernels: ``generate(cache_implementation="static")`` compiles its decode
     steps with CUDA graphs (fullgraph, so a graph break fails); the tokens and first-step logits are
     those of the uncompiled model with a dynamic cache, on a left-padded batch."""
     from transformers import CompileConfig
 
     monkeypatch.setenv("DSA_PLUGINS_BACKEND", "tilelang")
-    if not tiny.available(model_type):
-        pytest.skip(f"{model_type} is not in this transformers")
-    overrides = dict(num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=512, qk_rope_head_dim=64,
-                     qk_nope_head_dim=128, v_head_dim=128, index_n_heads=32, index_head_dim=128, index_topk=64)
-    model = tiny.tiny_model(model_type, **overrides).to("cuda", torch.bfloat16).eval()
-    model.set_attn_implementation("dsa_tilelang")
-    ids, mask = make_batch(seq_len=200, pad=17)
-    ids, mask = ids.cuda(), mask.cuda()
-    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=2, output_logits=True,
-              return_dict_in_generate=True)
+    model, ids, kw = gpu_generation(model_type)
     torch._dynamo.reset()
     with torch.no_grad():
         dynamic = model.generate(ids, **kw)
