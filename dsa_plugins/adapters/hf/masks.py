@@ -199,7 +199,9 @@ class LazyMask:
         return self._windows
 
     def has_holes(self) -> bool:
-        """True when some row's allowed keys are not one contiguous range (padding with gaps)."""
+        """True when some row's allowed keys are not one contiguous range (padding with gaps): a masked key
+        between two allowed ones. Masked keys after a row's last allowed one are no gap (a static cache's
+        columns past the tokens so far: the causal window ends before them)."""
         if not self.is_simple:
             return True
         if self._holes is None:
@@ -207,8 +209,10 @@ class LazyMask:
             if pad is None:
                 self._holes = False
             else:
-                after_first = pad.to(torch.int8).cummax(-1).values.bool()
-                self._holes = bool((after_first & ~pad).any())
+                seen = pad.to(torch.int8)
+                after_first = seen.cummax(-1).values.bool()
+                before_last = seen.flip(-1).cummax(-1).values.flip(-1).bool()
+                self._holes = bool((after_first & before_last & ~pad).any())
         return self._holes
 
     def allowed(self, idx: torch.Tensor) -> torch.Tensor:

@@ -96,6 +96,34 @@ def test_greedy_generate_with_a_padding_gap_matches_eager(registered, model_type
     greedy_matches_eager(model, ids, mask)
 
 
+@pytest.mark.parametrize("cache", [None, "static"])
+def test_left_padding_never_takes_the_dense_gap_path(registered, make_batch, monkeypatch, cache):
+    """Left padding leaves no gap, also with a static cache (whose columns past the tokens so far are masked:
+    they lie after every row's window): prefill and decode steps keep the windowed kernel. A real gap takes the
+    dense path (the spy sees it), so the check can fail."""
+    from dsa_plugins.adapters.hf import indexer as hf_indexer
+
+    dense_calls = []
+    original = hf_indexer._topk_among_allowed
+
+    def spy(*args, **kwargs):
+        dense_calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(hf_indexer, "_topk_among_allowed", spy)
+    model = tiny.tiny_model("glm_moe_dsa")
+    model.set_attn_implementation("dsa_tilelang")
+    ids, mask = make_batch(seed=9)
+    kw = dict(max_new_tokens=3, do_sample=False, pad_token_id=2, cache_implementation=cache)
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, **kw)
+        assert dense_calls == []
+        gap = mask.clone()
+        gap[0, 4:6] = 0
+        model.generate(ids, attention_mask=gap, **kw)
+    assert dense_calls
+
+
 def test_topk_matters_in_tiny_configs(registered, make_batch, output_of):
     """Sanity of the tests above: with the tiny index_topk, sparse attention differs from dense."""
     ids, mask = make_batch()
