@@ -24,7 +24,7 @@ import torch
 from ...patches.attributes import patch_attribute
 from .constants import PATCH_KEY
 
-__all__ = ["fused_latent", "patch_cache_utils", "update_fp8_index_keys"]
+__all__ = ["check_index_key_format", "fused_latent", "patch_cache_utils", "update_fp8_index_keys"]
 
 
 def _wrap_lazy_initialization(original: Callable) -> Callable:
@@ -84,6 +84,31 @@ def patch_cache_utils(module) -> None:
         patch_attribute(layer, "lazy_initialization", _wrap_lazy_initialization(layer.lazy_initialization), key=key)
 
 
+def check_index_key_format(cache, layer_idx: int, fp8: bool):
+    """Layer ``layer_idx`` of ``cache`` (None if it has none yet), after checking that the index keys it already holds are in the format
+    this call adds (fp8 bytes, or the model dtype): a cache filled in one and continued in the other would mix
+    them (a dynamic cache would concatenate the fp8 bytes with bf16 keys as numbers). Raises ValueError."""
+    layers = getattr(cache, "layers", None)
+    layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
+    keys = getattr(layer, "indexer_keys", None)
+    if not getattr(layer, "is_indexer_initialized", False) or not isinstance(keys, torch.Tensor):
+        return layer
+    if (keys.dtype == torch.uint8) != fp8:
+        counter = getattr(layer, "indexer_cumulative_length", None)
+        if isinstance(counter, torch.Tensor) and int(counter) == 0:
+            # a static layer that holds no key (reset: generate reuses its static cache) gets a buffer in the new
+            # format at its next update (one host read, only when the format changes)
+            layer.indexer_keys, layer.is_indexer_initialized = None, False
+            if hasattr(layer, _SCALE_ATTR):
+                delattr(layer, _SCALE_ATTR)
+            return layer
+        held, wanted = ("fp8", "unquantised") if keys.dtype == torch.uint8 else (str(keys.dtype), "fp8")
+        raise ValueError(f"the cache's indexer keys of layer {layer_idx} are {held}, and this call adds {wanted} "
+                         "keys: switch the fp8 index cache on or off (dsa_plugins.hf.enable_fp8_index_cache / "
+                         "disable_fp8_index_cache) between generations, with a new or reset cache")
+    return layer
+
+
 def update_fp8_index_keys(cache, layer_idx: int, keys8: torch.Tensor, scales: torch.Tensor):
     """Append this call's fp8 index keys to layer ``layer_idx`` of ``cache`` (a transformers cache with
     indexer keys); returns (every cached key [B, T, Di] float8_e4m3fn, their scales [B, T] float32).
@@ -93,10 +118,7 @@ def update_fp8_index_keys(cache, layer_idx: int, keys8: torch.Tensor, scales: to
     crop, reset and offload handle them; the scales follow the same positions. A layer whose keys were
     cached in another dtype (fp8 turned on mid-generation) is an error, as is a scale buffer out of step
     with the keys (a batch move this adapter does not know)."""
-    layer = cache.layers[layer_idx]
-    if getattr(layer, "is_indexer_initialized", False) and layer.indexer_keys.dtype != torch.uint8:
-        raise ValueError(f"the cache's indexer keys of layer {layer_idx} are {layer.indexer_keys.dtype}, not fp8: "
-                         "enable the fp8 index cache before the first forward with this cache (or reset it)")
+    layer = check_index_key_format(cache, layer_idx, fp8=True)
     b, s = scales.shape
     static = hasattr(layer, "indexer_cumulative_length")
     prev = None if static or not getattr(layer, "is_indexer_initialized", False) else layer.indexer_keys.shape[1]

@@ -16,7 +16,7 @@ from ... import ops
 from ...common.settings import warn_once
 from ...reference.indexer import indexer_scores, selected_lse, topk_rows_reference
 from .binding import CallBinder
-from .cache import update_fp8_index_keys
+from .cache import check_index_key_format, update_fp8_index_keys
 from .index_keys import fp8_index_cache_enabled, quantize_index_inputs
 from .masks import LazyMask, as_mask, mask_indices
 
@@ -66,7 +66,11 @@ def select_topk(
         else:
             k = k_new
     else:
-        k = past_key_values.update_indexer(k_new, indexer.layer_idx) if past_key_values is not None else k_new
+        if past_key_values is not None:
+            check_index_key_format(past_key_values, indexer.layer_idx, fp8=False)
+            k = past_key_values.update_indexer(k_new, indexer.layer_idx)
+        else:
+            k = k_new
         k = k.to(q.dtype)
     B, S = q.shape[:2]
     T = k.shape[1]

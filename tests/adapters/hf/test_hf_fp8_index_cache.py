@@ -117,8 +117,8 @@ def test_the_scales_follow_batch_moves_and_crops(registered, make_batch):
 
 
 def test_refusals_name_what_to_do(registered, make_batch):
-    """Not under dsa_tilelang, a cache that already holds bf16 index keys, and the indexer loss with fp8
-    are each refused with a message that says what to change."""
+    """Not under dsa_tilelang, a cache holding index keys in the other format (either way), and the indexer loss
+    with fp8 are each refused with a message that says what to change."""
     from transformers import DynamicCache
 
     model = _model()
@@ -127,17 +127,43 @@ def test_refusals_name_what_to_do(registered, make_batch):
         registered.enable_fp8_index_cache(model)
     model.set_attn_implementation("dsa_tilelang")
     ids, mask = make_batch(seed=8)
-    cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, attention_mask=mask, **_cache_kw(model, cache))
-        registered.enable_fp8_index_cache(model)
-        with pytest.raises(ValueError, match="not fp8"):
-            model(ids[:, -1:], **_cache_kw(model, cache))
+        for fp8_first in (False, True):
+            (registered.enable_fp8_index_cache if fp8_first else registered.disable_fp8_index_cache)(model)
+            cache = DynamicCache(config=model.config)
+            model(ids, attention_mask=mask, **_cache_kw(model, cache))
+            (registered.disable_fp8_index_cache if fp8_first else registered.enable_fp8_index_cache)(model)
+            with pytest.raises(ValueError, match="between generations"):
+                model(ids[:, -1:], **_cache_kw(model, cache))
+    registered.enable_fp8_index_cache(model)
     handle = registered.enable_indexer_loss(model, weight=0.1)
     model.train()
     with pytest.raises(ValueError, match="disable_fp8_index_cache"):
         model(ids, attention_mask=mask, use_cache=False)
     handle.remove()
+
+
+def test_a_reset_static_cache_changes_format(registered, make_batch):
+    """generate reuses its static cache after a reset: an empty static layer takes the new format, so turning
+    fp8 on or off between generations gives what a new cache gives."""
+    from transformers import StaticCache
+
+    model = _model()
+    ids, mask = make_batch(seed=10)
+    outs, cache = {}, StaticCache(config=model.config, max_cache_len=32)
+    with torch.no_grad():
+        for fp8 in (False, True, False):
+            (registered.enable_fp8_index_cache if fp8 else registered.disable_fp8_index_cache)(model)
+            for reuse in (True, False):  # the last format's cache after a reset, then a new one
+                if reuse:
+                    cache.reset()
+                else:
+                    cache = StaticCache(config=model.config, max_cache_len=32)
+                out = model(ids, attention_mask=mask, **_cache_kw(model, cache)).logits
+                layer = _indexed_layer(cache)
+                assert (layer.indexer_keys.dtype == torch.uint8) == fp8
+                outs.setdefault(fp8, out)
+                torch.testing.assert_close(out, outs[fp8], rtol=0, atol=0)
 
 
 @pytest.mark.gpu
