@@ -29,24 +29,32 @@ def _indexed_layer(cache):
 
 def test_the_cache_holds_the_quantised_keys_and_the_indexer_scores_them(registered, make_batch, monkeypatch):
     """With fp8 on, the cache's indexer keys are the e4m3 bytes of the keys the bf16 path caches (scales
-    amax / 448 per key), and the indexer op gets fp8 q / k with those scales."""
+    amax / 448 per key), and the indexer op gets fp8 q / k with those scales and weights that carry the query
+    scales: its scores are the unquantised scores to fp8's precision."""
     from transformers import DynamicCache
 
     from dsa_plugins.adapters.hf import indexer as hf_indexer
+    from dsa_plugins.reference.indexer import indexer_scores
 
     model = _model()
     ids, mask = make_batch(seed=5)
     with torch.no_grad():
         plain = DynamicCache(config=model.config)
         model(ids, attention_mask=mask, **_cache_kw(model, plain))
-        calls = []
-        original = hf_indexer.ops.indexer_topk
+        calls, inputs = [], []
+        original, quantize = hf_indexer.ops.indexer_topk, hf_indexer.quantize_index_inputs
 
         def spy(q, k, w, topk, start, end, **kw):
             calls.append((q.dtype, k.dtype, kw.get("index_k_scale")))
             return original(q, k, w, topk, start, end, **kw)
 
+        def spy_quantize(q, k, w):
+            out = quantize(q, k, w)
+            inputs.append(((q, k, w), out))
+            return out
+
         monkeypatch.setattr(hf_indexer.ops, "indexer_topk", spy)
+        monkeypatch.setattr(hf_indexer, "quantize_index_inputs", spy_quantize)
         assert registered.enable_fp8_index_cache(model) >= 1
         fp8 = DynamicCache(config=model.config)
         model(ids, attention_mask=mask, **_cache_kw(model, fp8))
@@ -57,6 +65,10 @@ def test_the_cache_holds_the_quantised_keys_and_the_indexer_scores_them(register
     assert torch.equal(layer.indexer_keys, want8.view(torch.uint8))
     torch.testing.assert_close(layer._dsa_index_key_scale, want_scale, rtol=0, atol=0)
     assert calls and all(q == k == torch.float8_e4m3fn and s is not None for q, k, s in calls)
+    for (q, k, w), (q8, k8, k_scale, w8) in inputs:  # scores of batch entry 0, all its keys
+        want = indexer_scores(q[0], k[0], w[0])
+        got = indexer_scores(q8[0], k8[0], w8[0], index_k_scale=k_scale[0])
+        torch.testing.assert_close(got, want, rtol=0.15, atol=0.1 * float(want.abs().max()))
     assert registered.disable_fp8_index_cache(model) == len(calls)
 
 
