@@ -146,8 +146,8 @@ def quantize_fp8_rows(x: torch.Tensor, name: str = "x", check_finite: bool = Tru
     """Per-row e4m3 quantisation over the last dim: (x8 float8_e4m3fn, scale float32 [...]) with
     x ~= x8 * scale[..., None]; scale = amax / 448 (1 for all-zero rows, at least the smallest
     normal float). Non-finite values raise a ValueError naming ``name`` (one device sync);
-    ``check_finite=False`` skips that check (no sync: graph capture), and such a row's scale is then
-    non-finite."""
+    ``check_finite=False`` skips that check (no sync: graph capture); such a row's quantised values,
+    and so its scores, are then non-finite."""
     amax = x.float().abs().amax(-1)
     if check_finite and not bool(torch.isfinite(amax).all()):
         raise ValueError(f"{name} has non-finite values (NaN or inf): it cannot be quantised to fp8")

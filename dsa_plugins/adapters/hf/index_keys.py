@@ -1,4 +1,5 @@
-"""The indexer's keys in fp8, opt-in: as DeepSeek-V3.2's own inference scores them.
+"""The indexer's keys in fp8, opt-in: e4m3 with per-key and per-head scales, as DeepSeek-V3.2's own inference
+quantises them (without the Hadamard rotation it applies first, which transformers' models also leave out).
 
 transformers' DSA models keep the indexer's keys in the model dtype, so a generation step reads
 ``B x context x Di x 2`` bytes per layer (B 32 x 128K x 128: 1.07 GB, most of a long-context step).
@@ -67,7 +68,7 @@ def fp8_index_cache_enabled(indexer: torch.nn.Module) -> bool:
 def quantize_index_inputs(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor):
     """(q8 [B, S, Hi, Di], k8 [B, S, Di] float8_e4m3fn, k_scale [B, S] float32, weights [B, S, Hi] float32
     with the query scales folded in) from q [B, S, Hi, Di], k [B, S, Di], weights [B, S, Hi]. No host sync
-    (a graph captures it); non-finite inputs give non-finite scales, as the bf16 path scores them."""
+    (a graph captures it); non-finite inputs give non-finite scores, as the bf16 path does."""
     q8, q_scale = quantize_fp8_rows(q, "index_q", check_finite=False)
     k8, k_scale = quantize_fp8_rows(k, "index_k", check_finite=False)
     return q8, k8, k_scale, weights.float() * q_scale

@@ -18,10 +18,12 @@ from collections.abc import Callable
 
 import torch
 
+from ....common.settings import warn_once
 from ....patches.attributes import PatchPointMissing, class_in, own_attributes, patch_attribute
 from ..attention import wrap_expand_kv
 from ..constants import PATCH_KEY
 from ..indexer import indexer_binder, indexer_cache, select_topk
+from ..index_keys import fp8_index_cache_enabled
 from ..indexer_loss import SERVED_MARKER, loss_handle, stash_loss
 from ..masks import LazyMask
 
@@ -93,6 +95,10 @@ def _wrap_indexer_forward(original: Callable, project: Callable) -> Callable:
         cache = indexer_cache(a)
         mask = a.get("attention_mask")
         if not isinstance(mask, LazyMask):  # not our implementation (or a user-built 4D mask)
+            if fp8_index_cache_enabled(self):
+                warn_once("hf:fp8_index_unserved", "dsa_tilelang: the fp8 index cache is on, but this indexer call "
+                          "has no dsa_tilelang mask (another attention implementation or a 4D mask): it runs the "
+                          "model's own bf16 indexer")
             return original(self, *args, **kwargs)
         handle = loss_handle(self, mask, a["hidden_states"].shape[1])
         if handle is None:
