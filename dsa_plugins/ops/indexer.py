@@ -76,7 +76,8 @@ def _(index_q, index_k, weights, key_start, key_end, topk, backend, index_k_scal
             index_q.new_empty(index_q.shape[0], dtype=torch.float32))
 
 
-def quantize_indexer_fp8(index_q: Tensor, index_k: Tensor, weights: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def quantize_indexer_fp8(index_q: Tensor, index_k: Tensor, weights: Tensor,
+                         check_finite: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """fp8 inputs for :func:`indexer_topk`, as DeepSeek-V3.2 inference quantises them.
 
     index_q [T, Hi, Di] and index_k [Tk, Di] (any float dtype) get one e4m3 scale per (token, head)
@@ -84,13 +85,15 @@ def quantize_indexer_fp8(index_q: Tensor, index_k: Tensor, weights: Tensor) -> t
     relu(a * x) = a * relu(x) for a > 0. Returns (index_q fp8 [T,Hi,Di], index_k fp8 [Tk,Di],
     index_k_scale fp32 [Tk], weights fp32 [T,Hi]) to pass as indexer_topk(q8, k8, w8, ...,
     index_k_scale=...). The scores are those of the quantised values: near-ties may change order.
+    Non-finite values raise a ValueError (one device sync); ``check_finite=False`` skips the check (graph
+    capture), and their scores are then non-finite.
     """
     check_tensor("index_q", index_q, ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor("index_k", index_k, ndim=2, dtypes=FLOAT_DTYPES, device=index_q.device, shape={1: index_q.shape[2]})
     check_tensor("weights", weights, ndim=2, dtypes=FLOAT_DTYPES, device=index_q.device,
                  shape={0: index_q.shape[0], 1: index_q.shape[1]})
-    q8, q_scale = quantize_fp8_rows(index_q, "index_q")
-    k8, k_scale = quantize_fp8_rows(index_k, "index_k")
+    q8, q_scale = quantize_fp8_rows(index_q, "index_q", check_finite)
+    k8, k_scale = quantize_fp8_rows(index_k, "index_k", check_finite)
     return q8, k8, k_scale, (weights.float() * q_scale).contiguous()
 
 

@@ -4,7 +4,7 @@ quantises them (without the Hadamard rotation it applies first, which transforme
 transformers' DSA models keep the indexer's keys in the model dtype, so a generation step reads
 ``B x context x Di x 2`` bytes per layer (B 32 x 128K x 128: 1.07 GB, most of a long-context step).
 :func:`enable_fp8_index_cache` scores the indexer in e4m3 instead: each key row and each query head
-quantised with its own scale (``quantize_fp8_rows``: amax / 448, the query scales folded into the head
+quantised with its own scale (``ops.quantize_indexer_fp8``: amax / 448, the query scales folded into the head
 weights), the cache holding the keys' bytes and scales (``cache.update_fp8_index_keys``). Half the
 bytes to cache and to read, and the selections of a model scored this way; they differ from the bf16
 scores' where two keys' scores are closer than fp8 resolves (near-ties), so it is off unless asked for.
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ...reference.indexer import quantize_fp8_rows
+from ... import ops
 from .constants import ATTN_NAME
 from .indexer_loss import served_indexers
 
@@ -69,6 +69,7 @@ def quantize_index_inputs(q: torch.Tensor, k: torch.Tensor, weights: torch.Tenso
     """(q8 [B, S, Hi, Di], k8 [B, S, Di] float8_e4m3fn, k_scale [B, S] float32, weights [B, S, Hi] float32
     with the query scales folded in) from q [B, S, Hi, Di], k [B, S, Di], weights [B, S, Hi]. No host sync
     (a graph captures it); non-finite inputs give non-finite scores, as the bf16 path does."""
-    q8, q_scale = quantize_fp8_rows(q, "index_q", check_finite=False)
-    k8, k_scale = quantize_fp8_rows(k, "index_k", check_finite=False)
-    return q8, k8, k_scale, weights.float() * q_scale
+    b, s, hi, di = q.shape
+    q8, k8, k_scale, w8 = ops.quantize_indexer_fp8(q.reshape(b * s, hi, di), k.reshape(b * s, di),
+                                                   weights.reshape(b * s, hi), check_finite=False)
+    return q8.view(b, s, hi, di), k8.view(b, s, di), k_scale.view(b, s), w8.view(b, s, hi)
