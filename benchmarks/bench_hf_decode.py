@@ -6,6 +6,7 @@ and with transformers' static cache under ``torch.compile`` (CUDA graphs).
     python benchmarks/bench_hf_decode.py --smoke                         # CPU, tiny dims, seconds
     python benchmarks/bench_hf_decode.py --modes eager_static --layers 1,4 --profile   # eager cost per layer
     python benchmarks/bench_hf_decode.py --fp8-index both    # also with the opt-in fp8 index cache
+    python benchmarks/bench_hf_decode.py --left-pad 2048     # a left-padded batch (generate's 2D attention mask)
 
 Model: the base model of ``bench_hf_layer.py`` (one decoder layer, small dense MLP, vocab 128, no LM
 head: the time is the layer's), bf16, eval. The cache is filled with random latents and indexer keys
@@ -105,10 +106,19 @@ def _busy(device, seconds: float = 0.3) -> None:
         torch.cuda.synchronize()
 
 
-def decode_steps(model, mode: str, batch: int, context: int, steps: int, device, dtype, profile: bool = False):
+def left_padding(batch: int, pad: int, device) -> torch.Tensor:
+    """Leading padding tokens per sequence of a left-padded batch: 0 for the first (longest) sequence up to
+    ``pad`` for the last, evenly spaced (a batch of prompts of different lengths, as ``generate`` pads them)."""
+    return torch.tensor([(b * pad) // max(batch - 1, 1) for b in range(batch)], device=device)
+
+
+def decode_steps(model, mode: str, batch: int, context: int, steps: int, device, dtype, profile: bool = False,
+                 pad: int = 0):
     """(ms per step, peak GiB, last hidden state of the first step). ``profile``: after the timed
     steps, print where the host time of 20 more goes (cProfile, by cumulative time) and the torch
-    operators and kernel launches of one step (torch.profiler)."""
+    operators and kernel launches of one step (torch.profiler). ``pad`` > 0: a left-padded batch (see
+    ``left_padding``): each step passes the 2D attention mask over the cache and the new token, as ``generate`` does,
+    and each sequence's positions start after its padding."""
     warm = 3
     cache = filled_cache(model, mode, batch, context, warm + steps + (23 if profile else 2), device, dtype)
     forward = model.forward
@@ -119,10 +129,17 @@ def decode_steps(model, mode: str, batch: int, context: int, steps: int, device,
     tok = torch.randint(3, model.config.vocab_size, (batch, 1), device=device,
                         generator=torch.Generator(device=device).manual_seed(1))
     first = None
+    lead = left_padding(batch, pad, device) if pad else None
+    if pad:  # [B, context + steps]: sequence b masks its first lead[b] cached tokens
+        cols = warm + steps + (23 if profile else 2)
+        full_mask = (torch.arange(context + cols, device=device)[None, :] >= lead[:, None]).long()
 
     def step(i):
         pos = torch.full((batch, 1), context + i, device=device, dtype=torch.long)
-        return forward(input_ids=tok, position_ids=pos, **kw).last_hidden_state
+        if not pad:
+            return forward(input_ids=tok, position_ids=pos, **kw).last_hidden_state
+        return forward(input_ids=tok, position_ids=pos - lead[:, None], attention_mask=full_mask[:, :context + i + 1],
+                       **kw).last_hidden_state
 
     with torch.no_grad():
         for i in range(warm):
@@ -190,6 +207,9 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny dims, no result files")
     parser.add_argument("--fp8-index", choices=("off", "on", "both"), default="off",
                         help="dsa_tilelang with the opt-in fp8 index cache (on), or without and with it (both)")
+    parser.add_argument("--left-pad", type=int, default=0,
+                        help="B > 1: a left-padded batch, sequence b masking its first b * N / (B - 1) cached tokens "
+                             "(rows with variant left_pad<N>)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -220,12 +240,14 @@ def main(argv=None) -> int:
             cases += [(c, 1, m, "sdpa", layers, "") for c in sorted({contexts[0], contexts[-1]}) for m in modes
                       if m != "eager_dynamic"]
     rows, models, firsts = [], {}, {}
+    pad = min(args.left_pad, min(contexts) - 1)  # every sequence keeps a cached token
     for context, batch, mode, provider, layers, variant in cases:
         depth = f" L{layers}" if layers != 1 else ""
         shape = f"{'smoke' if args.smoke else args.model}{depth} B{batch} ctx{context}"
+        shown = "+".join(v for v in (variant, f"left_pad{pad}" if pad else "") if v)
         row = {"op": f"hf_{model_type}_decode", "mode": mode, "shape": shape, "provider": provider,
-               "variant": variant, **env}
-        label = f"{provider}{'+' + variant if variant else ''}"
+               "variant": shown, **env}
+        label = f"{provider}{'+' + shown if shown else ''}"
         try:
             if (provider, layers, variant) not in models:
                 models.clear()
@@ -235,7 +257,7 @@ def main(argv=None) -> int:
                 models[provider, layers, variant] = model.eval()
             ms, peak, first = decode_steps(models[provider, layers, variant], mode, batch, context,
                                            2 if args.smoke else args.steps, device, dtype,
-                                           profile=args.profile and mode != "compiled_static")
+                                           profile=args.profile and mode != "compiled_static", pad=pad)
             row.update(median_ms=ms, tokens_per_s=batch / ms * 1e3, peak_gib=peak)
             ref = firsts.setdefault((context, batch, provider, layers, variant), first)
             row["max_diff_vs_first_mode"] = float((first - ref).abs().max())

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -63,6 +64,47 @@ def test_bench_hf_decode_smoke(capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("smoke B")]
     assert any("eager_static" in line for line in lines) and any("sdpa" in line for line in lines)
     assert all(line.rstrip().endswith("diff 0") for line in lines if "dsa_tilelang" in line), lines
+
+
+def test_bench_hf_decode_left_padding_masks_each_sequence_s_own_tokens():
+    """``--left-pad``: sequence b masks its first b * pad / (B - 1) cached tokens (the first sequence none), so a
+    padded step's output changes for the padded sequences only, and a dynamic and a static cache agree on it."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_hf_decode
+        from bench_hf_layer import build_layer
+    finally:
+        sys.path.pop(0)
+    import dsa_plugins.hf
+
+    assert bench_hf_decode.left_padding(3, 16, "cpu").tolist() == [0, 8, 16]
+    dsa_plugins.hf.register()
+    model, _ = build_layer("glm5", "dsa_tilelang", True, torch.device("cpu"), torch.float32)
+    model.eval()
+    masks, forward = [], model.forward
+
+    def recording_forward(**kw):
+        if kw.get("position_ids") is not None:  # a decode step (the cache's short prefill passes none)
+            masks.append(kw.get("attention_mask"))
+        return forward(**kw)
+
+    model.forward = recording_forward
+    outs = {}
+    for mode, pad in [("eager_dynamic", 0), ("eager_dynamic", 24), ("eager_static", 24)]:
+        masks.clear()
+        outs[mode, pad] = bench_hf_decode.decode_steps(model, mode, 3, 64, 1, torch.device("cpu"), torch.float32,
+                                                       pad=pad)[2]
+        if pad:  # each step: the cache so far and the new token, the padding masked
+            assert len(masks) == 4  # 3 warm steps and 1 timed one
+            for i, mask in enumerate(masks):
+                assert mask.shape == (3, 64 + i + 1)
+                assert mask[:, :24].sum(1).tolist() == [24, 12, 0] and bool(mask[:, 24:].all())
+        else:
+            assert all(mask is None for mask in masks)
+    plain, padded = outs["eager_dynamic", 0], outs["eager_dynamic", 24]
+    torch.testing.assert_close(padded[0], plain[0])  # no padding: the same step
+    assert all((padded[b] - plain[b]).abs().max() > 1e-4 for b in (1, 2))
+    torch.testing.assert_close(outs["eager_static", 24], padded)
 
 
 def test_demo_verdict_does_not_compare_a_model_whose_eager_baseline_fails(capsys):
