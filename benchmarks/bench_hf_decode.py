@@ -112,13 +112,32 @@ def left_padding(batch: int, pad: int, device) -> torch.Tensor:
     return torch.tensor([(b * pad) // max(batch - 1, 1) for b in range(batch)], device=device)
 
 
+def masks_for_generate(model, mask_2d: torch.Tensor, cache, position_ids: torch.Tensor):
+    """The attention mask ``generate`` hands a decode step over a compileable (static) cache: made outside the
+    (compiled) forward from the 2D padding mask, over the cache's whole length, so a graph sees one shape every
+    step (a growing 2D mask given to the compiled forward would record a new CUDA graph per length)."""
+    from transformers import masking_utils
+
+    make = getattr(model, "create_masks_for_generate", masking_utils.create_masks_for_generate)
+    params = inspect.signature(masking_utils.create_masks_for_generate).parameters
+    cache_kwarg = "cache" if "cache" in params else "past_key_values"  # transformers 5.24 / 5.17
+    batch = mask_2d.shape[0]
+    embeds = torch.empty((batch, 1, 0), dtype=model.dtype, device=mask_2d.device)  # shape and dtype only
+    mask = make(config=model.config, inputs_embeds=embeds, attention_mask=mask_2d, position_ids=position_ids,
+                **{cache_kwarg: cache})
+    if isinstance(mask, dict):
+        return {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in mask.items()}
+    return mask.contiguous() if isinstance(mask, torch.Tensor) else mask
+
+
 def decode_steps(model, mode: str, batch: int, context: int, steps: int, device, dtype, profile: bool = False,
                  pad: int = 0):
     """(ms per step, peak GiB, last hidden state of the first step). ``profile``: after the timed
     steps, print where the host time of 20 more goes (cProfile, by cumulative time) and the torch
     operators and kernel launches of one step (torch.profiler). ``pad`` > 0: a left-padded batch (see
-    ``left_padding``): each step passes the 2D attention mask over the cache and the new token, as ``generate`` does,
-    and each sequence's positions start after its padding."""
+    ``left_padding``): each step passes the attention mask ``generate`` passes (the 2D mask over the cache and the
+    new token for a dynamic cache, ``masks_for_generate`` for a static one), and each sequence's positions start
+    after its padding."""
     warm = 3
     cache = filled_cache(model, mode, batch, context, warm + steps + (23 if profile else 2), device, dtype)
     forward = model.forward
@@ -138,8 +157,11 @@ def decode_steps(model, mode: str, batch: int, context: int, steps: int, device,
         pos = torch.full((batch, 1), context + i, device=device, dtype=torch.long)
         if not pad:
             return forward(input_ids=tok, position_ids=pos, **kw).last_hidden_state
-        return forward(input_ids=tok, position_ids=pos - lead[:, None], attention_mask=full_mask[:, :context + i + 1],
-                       **kw).last_hidden_state
+        pos = pos - lead[:, None]
+        mask = full_mask[:, :context + i + 1]
+        if mode != "eager_dynamic":  # a compileable cache: the mask is made before the forward, as generate does
+            mask = masks_for_generate(model, mask, cache, pos)
+        return forward(input_ids=tok, position_ids=pos, attention_mask=mask, **kw).last_hidden_state
 
     with torch.no_grad():
         for i in range(warm):

@@ -68,7 +68,8 @@ def test_bench_hf_decode_smoke(capsys):
 
 def test_bench_hf_decode_left_padding_masks_each_sequence_s_own_tokens():
     """``--left-pad``: sequence b masks its first b * pad / (B - 1) cached tokens (the first sequence none), so a
-    padded step's output changes for the padded sequences only, and a dynamic and a static cache agree on it."""
+    padded step's output changes for the padded sequences only, and a dynamic cache (given the 2D mask) and a
+    static one (given generate's mask, made before the forward) agree on it."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import bench_hf_decode
@@ -94,11 +95,13 @@ def test_bench_hf_decode_left_padding_masks_each_sequence_s_own_tokens():
         masks.clear()
         outs[mode, pad] = bench_hf_decode.decode_steps(model, mode, 3, 64, 1, torch.device("cpu"), torch.float32,
                                                        pad=pad)[2]
-        if pad:  # each step: the cache so far and the new token, the padding masked
-            assert len(masks) == 4  # 3 warm steps and 1 timed one
+        assert len(masks) == 4  # 3 warm steps and 1 timed one
+        if pad and mode == "eager_dynamic":  # each step: the cache so far and the new token, the padding masked
             for i, mask in enumerate(masks):
                 assert mask.shape == (3, 64 + i + 1)
                 assert mask[:, :24].sum(1).tolist() == [24, 12, 0] and bool(mask[:, 24:].all())
+        elif pad:  # a static cache: generate's mask, made before the forward over the cache's whole length
+            assert all(not isinstance(mask, torch.Tensor) or mask.ndim == 4 for mask in masks), masks[0]
         else:
             assert all(mask is None for mask in masks)
     plain, padded = outs["eager_dynamic", 0], outs["eager_dynamic", 24]
