@@ -283,8 +283,11 @@ def main(argv=None) -> int:
             row.update(median_ms=ms, tokens_per_s=batch / ms * 1e3, peak_gib=peak)
             ref = firsts.setdefault((context, batch, provider, layers, variant), first)
             row["max_diff_vs_first_mode"] = float((first - ref).abs().max())
+            # per sequence, relative to that sequence's largest value (a left-padded batch's first sequence is unpadded)
+            rel = ((first - ref).abs().flatten(1).amax(1) / ref.abs().flatten(1).amax(1).clamp_min(1e-30)).tolist()
             print(f"{shape:<28} {label:<23} {mode:<16} {ms:8.3f} ms/step  {batch / ms * 1e3:9.0f} tok/s  "
-                  f"peak {peak:6.2f} GiB  diff {row['max_diff_vs_first_mode']:.3g}", flush=True)
+                  f"peak {peak:6.2f} GiB  diff {row['max_diff_vs_first_mode']:.3g} (rel: first sequence {rel[0]:.2g},"
+                  f" largest {max(rel):.2g})", flush=True)
         except Exception as exc:  # an out-of-memory or a compile failure is a row, not a crash
             row["error"] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
             print(f"{shape:<28} {label:<23} {mode:<16} {row['error']}", flush=True)

@@ -91,6 +91,13 @@ class LazyMask:
         self.q_offset = q_offset.clone() if isinstance(q_offset, torch.Tensor) else q_offset
         self.kv_offset = int(kv_offset)
         self.mask_function = mask_function
+        need = self.kv_offset + self.kv_length
+        if attention_mask is not None and attention_mask.ndim == 2 and attention_mask.shape[-1] < need:
+            # keys past the 2D mask are masked, as transformers does. Padded here, when the mask is made: a static
+            # cache's 2D mask grows by a column every step, and a compiled forward handed this mask (generate
+            # makes it before the forward) would see a new input shape per step (a recompile, a CUDA graph per
+            # length); the cache's whole length is one shape
+            attention_mask = torch.nn.functional.pad(attention_mask, (0, need - attention_mask.shape[-1]), value=0)
         self.padding = attention_mask
         self.local_size = local_size
         self.use_vmap = use_vmap
@@ -147,7 +154,7 @@ class LazyMask:
         if self._local_padding is None:  # one mask serves every layer of a forward: converted once
             pad = self.padding.to(self.device).bool()
             need = self.kv_offset + self.kv_length
-            if pad.shape[-1] < need:  # keys past the 2D mask are masked, as transformers does
+            if pad.shape[-1] < need:  # (a 2D mask was padded when the mask was made; kept for any other)
                 pad = torch.nn.functional.pad(pad, (0, need - pad.shape[-1]), value=False)
             self._local_padding = pad[:, self.kv_offset : need]
         return self._local_padding
