@@ -51,6 +51,21 @@ def _is_plain_sliding(fn, causal) -> bool:
     return False
 
 
+def first_true(mask: torch.Tensor) -> torch.Tensor:
+    """Column of each row's first True (the row length where none), int64 [...]. A minimum over the column
+    numbers, not ``argmax`` over the row as int8: under torch.compile on the GPU (torch 2.11, inductor's Triton
+    code) that argmax came back wrapped to int8 (columns 682 / 1365 / 2048 as -86 / 85 / 0; eager and CPU inductor
+    right), so a compiled left-padded generation step took windows that began inside the sequences' tokens."""
+    cols = torch.arange(mask.shape[-1], device=mask.device)
+    return torch.where(mask, cols, mask.shape[-1]).amin(-1)
+
+
+def last_true(mask: torch.Tensor) -> torch.Tensor:
+    """Column of each row's last True (-1 where none), int64 [...] (see ``first_true``)."""
+    cols = torch.arange(mask.shape[-1], device=mask.device)
+    return torch.where(mask, cols, -1).amax(-1)
+
+
 class LazyMask:
     """What ``AttentionMaskInterface["dsa_tilelang"]`` returns.
 
@@ -193,15 +208,13 @@ class LazyMask:
             start, end = start.expand(B, S), end.expand(B, S)
             pad = self.local_padding()
             if pad is not None:
-                has = pad.any(-1)
-                first = torch.where(has, pad.to(torch.int8).argmax(-1), torch.full_like(has, T, dtype=torch.long))
+                first = first_true(pad)  # T where a row allows nothing
                 start = torch.maximum(start, first[:, None])
                 end = torch.maximum(end, start)
         else:
             d = self.dense()[:, 0]
-            has = d.any(-1)
-            start = torch.where(has, d.to(torch.int8).argmax(-1), 0)
-            end = torch.where(has, T - d.flip(-1).to(torch.int8).argmax(-1), 0)
+            end = last_true(d) + 1  # 0 where a row allows nothing
+            start = torch.minimum(first_true(d), end)
         self._windows = (start.contiguous(), end.contiguous())
         return self._windows
 

@@ -234,6 +234,54 @@ def test_lazy_mask_matches_dense(case):
     assert bool((mask_indices(huge, lazy)[..., 0] == -1).all())
 
 
+def test_a_static_cache_s_short_padding_is_padded_to_the_cache_length():
+    """A static cache's 2D mask covers the tokens so far (it grows a column a step) while the mask spans the cache:
+    the mask pads it to the cache's length when it is made (one shape for every compiled step); the columns past
+    it are masked and the windows are those of the full-length mask."""
+    short = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.long)
+    lazy = dsa_mask(2, 1, 12, q_offset=torch.tensor(4), kv_offset=0, attention_mask=short)
+    assert lazy.padding.shape == (2, 12) and not bool(lazy.padding[:, 5:].any())
+    full = dsa_mask(2, 1, 12, q_offset=torch.tensor(4), kv_offset=0,
+                    attention_mask=torch.nn.functional.pad(short, (0, 7)))
+    for a, b in zip(lazy.windows(), full.windows(), strict=True):
+        assert torch.equal(a, b)
+    assert lazy.windows()[0].tolist() == [[2], [0]] and lazy.windows()[1].tolist() == [[5], [5]]
+    assert not lazy.has_holes()
+
+
+def test_first_and_last_true_columns():
+    from dsa_plugins.adapters.hf.masks import first_true, last_true
+
+    rows = torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    assert first_true(rows).tolist() == [1, 4, 0, 0] and last_true(rows).tolist() == [2, -1, 3, 3]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_compiled_windows_of_left_padded_masks_are_eager_s():
+    """The windows of left-padded masks under torch.compile (inductor, GPU) are the eager ones: inductor's argmax
+    over the padding as int8 came back wrapped to int8 (H100, torch 2.11: 682 -> -86), and a compiled generation
+    step took windows that began inside the sequences' tokens."""
+    lead = [0, 682, 1365, 2048, 4095]
+    pad = torch.ones(len(lead), 4097, dtype=torch.long, device="cuda")
+    for b, n in enumerate(lead):
+        pad[b, :n] = 0
+
+    def windows(pad, offset):
+        return dsa_mask(len(lead), 1, 8192, q_offset=offset, kv_offset=0, attention_mask=pad).windows()
+
+    offset = torch.tensor(4096, device="cuda")
+    torch._dynamo.reset()
+    try:
+        got = torch.compile(windows, fullgraph=True)(pad, offset)
+    finally:
+        torch._dynamo.reset()
+    want = windows(pad, offset)
+    assert want[0][:, 0].tolist() == lead and want[1][:, 0].tolist() == [4097] * len(lead)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_tiny_configs_spell_indexed_layers_as_the_installed_transformers_does(monkeypatch):
     """transformers 5.17's glm5_next names its DSA layers "deepseek_sparse_attention" and refuses
     "indexed_attention" (5.24's name): the tiny configs follow whichever the installed release allows."""

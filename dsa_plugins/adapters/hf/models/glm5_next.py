@@ -22,7 +22,7 @@ from ..attention import wrap_expand_kv
 from ..constants import ATTN_NAME, PATCH_KEY
 from ..binding import CallBinder
 from ..indexer import indexer_binder, indexer_cache
-from ..masks import TopkSelection, unique_key_columns
+from ..masks import TopkSelection, first_true, unique_key_columns
 
 __all__ = ["glm5_next_select", "patch"]
 
@@ -92,7 +92,7 @@ def glm5_next_select(indexer, hidden_states, q_resid, attention_mask, past_key_v
     parts = [cols]
     if indexer.index_kpool_always_select_tail and P > 1:
         width += P - 1
-        first = torch.where(valid_keys.any(-1), valid_keys.long().argmax(-1), torch.full((B,), T, device=device))
+        first = first_true(valid_keys)  # T where a sequence has no valid key
         visible = valid_keys.long().cumsum(-1).gather(1, q_pos.clamp(max=T - 1))  # [B, S] keys visible to the query
         in_tail = visible.remainder(P)
         offsets = torch.arange(P - 1, device=device)
