@@ -33,6 +33,7 @@ here, and transformers 5.24 has no static cache for it.
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import os
 import re
@@ -112,6 +113,14 @@ def left_padding(batch: int, pad: int, device) -> torch.Tensor:
     return torch.tensor([(b * pad) // max(batch - 1, 1) for b in range(batch)], device=device)
 
 
+@functools.cache
+def _masks_cache_kwarg() -> str:
+    from transformers import masking_utils
+
+    params = inspect.signature(masking_utils.create_masks_for_generate).parameters
+    return "cache" if "cache" in params else "past_key_values"  # transformers 5.24 / 5.17
+
+
 def masks_for_generate(model, mask_2d: torch.Tensor, cache, position_ids: torch.Tensor):
     """The attention mask ``generate`` hands a decode step over a compileable (static) cache: made outside the
     (compiled) forward from the 2D padding mask, over the cache's whole length, so a graph sees one shape every
@@ -119,8 +128,7 @@ def masks_for_generate(model, mask_2d: torch.Tensor, cache, position_ids: torch.
     from transformers import masking_utils
 
     make = getattr(model, "create_masks_for_generate", masking_utils.create_masks_for_generate)
-    params = inspect.signature(masking_utils.create_masks_for_generate).parameters
-    cache_kwarg = "cache" if "cache" in params else "past_key_values"  # transformers 5.24 / 5.17
+    cache_kwarg = _masks_cache_kwarg()
     batch = mask_2d.shape[0]
     embeds = torch.empty((batch, 1, 0), dtype=model.dtype, device=mask_2d.device)  # shape and dtype only
     mask = make(config=model.config, inputs_embeds=embeds, attention_mask=mask_2d, position_ids=position_ids,
