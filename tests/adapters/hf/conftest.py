@@ -73,10 +73,11 @@ def output_of():
     return output_tensor
 
 
-def gpu_generation_case(model_type: str):
+def gpu_generation_case(model_type: str, seq_len: int = 200, pad: int = 17):
     """(model, ids, generate kwargs) for the GPU generation tests: the tiny ``model_type`` with GLM-5's attention
     and indexer dims (64 heads, latent 512 + 64, 32 index heads of 128, top-k 64) in bf16 on the GPU under
-    dsa_tilelang, a left-padded batch of 200 tokens, greedy kwargs that return the logits."""
+    dsa_tilelang, a batch of ``seq_len`` tokens whose last sequence has ``pad`` of them as left padding, greedy
+    kwargs that return the logits."""
     from dsa_plugins.adapters.hf import tiny
 
     if not tiny.available(model_type):
@@ -85,7 +86,7 @@ def gpu_generation_case(model_type: str):
                      qk_nope_head_dim=128, v_head_dim=128, index_n_heads=32, index_head_dim=128, index_topk=64)
     model = tiny.tiny_model(model_type, **overrides).to("cuda", torch.bfloat16).eval()
     model.set_attn_implementation("dsa_tilelang")
-    ids, mask = batch(seq_len=200, pad=17)
+    ids, mask = batch(seq_len=seq_len, pad=pad)
     kw = dict(attention_mask=mask.cuda(), max_new_tokens=8, do_sample=False, pad_token_id=2, output_logits=True,
               return_dict_in_generate=True)
     return model, ids.cuda(), kw

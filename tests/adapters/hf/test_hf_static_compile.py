@@ -104,15 +104,18 @@ def test_static_cache_keeps_the_latent_in_one_buffer(registered, make_batch, mon
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32"])
-def test_gpu_static_cache_decode_under_cuda_graphs(registered, model_type, gpu_generation, monkeypatch):
+@pytest.mark.parametrize("model_type,seq_len,pad", [("glm_moe_dsa", 200, 17), ("deepseek_v32", 200, 17),
+                                                   ("glm_moe_dsa", 320, 200)])
+def test_gpu_static_cache_decode_under_cuda_graphs(registered, model_type, seq_len, pad, gpu_generation,
+                                                   monkeypatch):
     """bf16 through the TileLang kernels: ``generate(cache_implementation="static")`` compiles its decode
-    steps with CUDA graphs (fullgraph, so a graph break fails); the tokens and first-step logits are
-    those of the uncompiled model with a dynamic cache, on a left-padded batch."""
+    steps with CUDA graphs (fullgraph, so a graph break fails); the first new token and the logits of the
+    prefill and the first graph-replayed step are those of the uncompiled model with a dynamic cache, on a
+    left-padded batch (200 padding tokens: past int8, where a compiled argmax had wrapped the window's start)."""
     from transformers import CompileConfig
 
     monkeypatch.setenv("DSA_PLUGINS_BACKEND", "tilelang")
-    model, ids, kw = gpu_generation(model_type)
+    model, ids, kw = gpu_generation(model_type, seq_len=seq_len, pad=pad)
     torch._dynamo.reset()
     with torch.no_grad():
         dynamic = model.generate(ids, **kw)
@@ -120,7 +123,6 @@ def test_gpu_static_cache_decode_under_cuda_graphs(registered, model_type, gpu_g
         static_again = model.generate(ids, cache_implementation="static",
                                       compile_config=CompileConfig(fullgraph=True), **kw)
     torch._dynamo.reset()
-    assert (static.sequences == dynamic.sequences).float().mean() > 0.9
     assert torch.equal(static.sequences, static_again.sequences)  # graph replays are deterministic
     first = ids.shape[1]
     assert torch.equal(static.sequences[:, first], dynamic.sequences[:, first])
