@@ -57,13 +57,13 @@ def first_true(mask: torch.Tensor) -> torch.Tensor:
     code) that argmax came back wrapped to int8 (columns 682 / 1365 / 2048 as -86 / 85 / 0; eager and CPU inductor
     right), so a compiled left-padded generation step took windows that began inside the sequences' tokens."""
     cols = torch.arange(mask.shape[-1], device=mask.device)
-    return torch.where(mask, cols, mask.shape[-1]).amin(-1)
+    return torch.where(mask.bool(), cols, mask.shape[-1]).amin(-1)  # (a dense mask from a long 2D mask is long)
 
 
 def last_true(mask: torch.Tensor) -> torch.Tensor:
     """Column of each row's last True (-1 where none), int64 [...] (see ``first_true``)."""
     cols = torch.arange(mask.shape[-1], device=mask.device)
-    return torch.where(mask, cols, -1).amax(-1)
+    return torch.where(mask.bool(), cols, -1).amax(-1)
 
 
 class LazyMask:

@@ -253,7 +253,9 @@ def test_first_and_last_true_columns():
     from dsa_plugins.adapters.hf.masks import first_true, last_true
 
     rows = torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 1], [1, 1, 1, 1]], dtype=torch.bool)
-    assert first_true(rows).tolist() == [1, 4, 0, 0] and last_true(rows).tolist() == [2, -1, 3, 3]
+    for dtype in (torch.bool, torch.long):  # a custom mask function over a long 2D mask makes a long dense mask
+        assert first_true(rows.to(dtype)).tolist() == [1, 4, 0, 0]
+        assert last_true(rows.to(dtype)).tolist() == [2, -1, 3, 3]
 
 
 @pytest.mark.gpu
