@@ -191,7 +191,8 @@ class LazyMask:
                 use_vmap=self.use_vmap,
                 device=self.device,
             )
-            self._dense = mask.expand(self.batch_size, 1, self.q_length, self.kv_length)
+            # bool whatever the 2D mask's dtype (a custom mask function over a long one makes a long mask)
+            self._dense = mask.bool().expand(self.batch_size, 1, self.q_length, self.kv_length)
         return self._dense
 
     def windows(self) -> tuple[torch.Tensor, torch.Tensor]:

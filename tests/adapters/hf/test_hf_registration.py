@@ -249,6 +249,20 @@ def test_a_static_cache_s_short_padding_is_padded_to_the_cache_length():
     assert not lazy.has_holes()
 
 
+def test_a_custom_mask_over_a_long_padding_mask_is_boolean():
+    """A custom mask function over a long (0/1) 2D mask: the dense mask is bool, so windows and index masking run
+    (transformers' and_masks gives bool & long = long, and torch.where refuses a long condition)."""
+    from transformers.masking_utils import and_masks, causal_mask_function
+
+    fn = and_masks(causal_mask_function, lambda b, h, q, k: k != 2)
+    lazy = dsa_mask(1, 2, 4, q_offset=2, mask_function=fn, attention_mask=torch.tensor([[0, 1, 1, 1]]),
+                    use_vmap=True)
+    assert not lazy.is_simple and lazy.dense().dtype == torch.bool
+    assert [w.tolist() for w in lazy.windows()] == [[[1, 1]], [[2, 4]]]
+    idx = torch.tensor([[[0, 1, 2, 3], [0, 1, 2, 3]]])
+    assert mask_indices(idx, lazy).tolist() == [[[-1, 1, -1, -1], [-1, 1, -1, 3]]]
+
+
 def test_first_and_last_true_columns():
     from dsa_plugins.adapters.hf.masks import first_true, last_true
 
