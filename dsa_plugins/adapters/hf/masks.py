@@ -107,7 +107,7 @@ class LazyMask:
         self.kv_offset = int(kv_offset)
         self.mask_function = mask_function
         need = self.kv_offset + self.kv_length
-        if attention_mask is not None and attention_mask.ndim == 2 and attention_mask.shape[-1] < need:
+        if attention_mask is not None and attention_mask.shape[-1] < need:
             # keys past the 2D mask are masked, as transformers does. Padded here, when the mask is made: a static
             # cache's 2D mask grows by a column every step, and a compiled forward handed this mask (generate
             # makes it before the forward) would see a new input shape per step (a recompile, a CUDA graph per
@@ -167,11 +167,8 @@ class LazyMask:
         if self.padding is None:
             return None
         if self._local_padding is None:  # one mask serves every layer of a forward: converted once
-            pad = self.padding.to(self.device).bool()
-            need = self.kv_offset + self.kv_length
-            if pad.shape[-1] < need:  # (a 2D mask was padded when the mask was made; kept for any other)
-                pad = torch.nn.functional.pad(pad, (0, need - pad.shape[-1]), value=False)
-            self._local_padding = pad[:, self.kv_offset : need]
+            pad = self.padding.to(self.device).bool()  # covers every key column (padded when the mask was made)
+            self._local_padding = pad[:, self.kv_offset : self.kv_offset + self.kv_length]
         return self._local_padding
 
     def dense(self) -> torch.Tensor:
