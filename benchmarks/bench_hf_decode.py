@@ -21,7 +21,8 @@ a decode step's work), then one token per sequence is decoded per step. Modes:
 ``--layers 1,4`` also builds a 4-layer model (the same layer repeated): an eager step's cost per layer is the
 difference divided by 3 (a 1-layer step also pays the model's own per-step Python). ``--profile`` prints, for
 each eager case, cProfile's cumulative host time of 20 more steps and torch.profiler's operators and kernel
-launches of one (``profile_hf_decode_host.py`` times our functions one by one). ``--fp8-index on|both``: dsa_tilelang with
+launches of one (``profile_hf_decode_host.py`` times our functions one by one), and for each compiled case the GPU
+time of each kernel of 10 replayed steps. ``--fp8-index on|both``: dsa_tilelang with
 ``enable_fp8_index_cache`` (the indexer's keys scored and cached in e4m3; rows with variant ``fp8_index``).
 
 Rows (ms per step = per layer-token at B 1; tokens/s = B / step time; peak memory) go to
@@ -186,10 +187,31 @@ def decode_steps(model, mode: str, batch: int, context: int, steps: int, device,
         if device.type == "cuda":
             torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1e3 / steps
-        if profile:
+        if profile and mode == "compiled_static":
+            _print_gpu_profile(step, warm + steps, device)
+        elif profile:
             _print_profile(step, warm + steps, device)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
     return ms, peak, first
+
+
+def _print_gpu_profile(step, first: int, device, steps: int = 10) -> None:
+    """The GPU time of each kernel over ``steps`` replayed steps (torch.profiler; a CUDA graph's kernels are
+    listed one by one), and the GPU time per step: where a compiled step's time goes."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    if device.type != "cuda":
+        return
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as tp:
+        for i in range(first, first + steps):
+            step(i)
+        torch.cuda.synchronize()
+    events = [e for e in tp.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total_us = sum(e.self_device_time_total for e in events) / steps
+    print(f"GPU time per step (kernels, summed): {total_us:.1f} us over {steps} steps", flush=True)
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
+        print(f"  {e.self_device_time_total / steps:8.1f} us/step  x{e.count // steps:<3} {e.key[:110]}", flush=True)
 
 
 def _print_profile(step, first: int, device) -> None:
@@ -233,7 +255,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", default="1", help="decoder layers, e.g. 1,4: the per-layer cost is the difference")
     parser.add_argument("--providers", default="dsa_tilelang,sdpa")
     parser.add_argument("--profile", action="store_true",
-                        help="print the host-time profile of each eager case (cProfile, torch.profiler)")
+                        help="print the host-time profile of each eager case (cProfile, torch.profiler) and the GPU "
+                             "time per kernel of each compiled one")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny dims, no result files")
     parser.add_argument("--fp8-index", choices=("off", "on", "both"), default="off",
                         help="dsa_tilelang with the opt-in fp8 index cache (on), or without and with it (both)")
@@ -287,7 +310,7 @@ def main(argv=None) -> int:
                 models[provider, layers, variant] = model.eval()
             ms, peak, first = decode_steps(models[provider, layers, variant], mode, batch, context,
                                            2 if args.smoke else args.steps, device, dtype,
-                                           profile=args.profile and mode != "compiled_static", pad=pad)
+                                           profile=args.profile, pad=pad)
             row.update(median_ms=ms, tokens_per_s=batch / ms * 1e3, peak_gib=peak)
             ref = firsts.setdefault((context, batch, provider, layers, variant), first)
             row["max_diff_vs_first_mode"] = float((first - ref).abs().max())

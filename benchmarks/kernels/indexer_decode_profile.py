@@ -1,7 +1,9 @@
 """Where a generation-step indexer call spends its time: host time per call (no sync), GPU time
 (CUDA graph replay), and the kernels it launches (torch.profiler; one call, and 20 graph replays).
 
-    python benchmarks/kernels/indexer_decode_profile.py [B] [context] [index heads]   # default 32 32768 64
+    python benchmarks/kernels/indexer_decode_profile.py [B] [context] [index heads] [fp8]   # default 32 32768 64
+
+``fp8`` as a fourth argument: e4m3 queries and keys with per-key scales (the opt-in fp8 index cache's inputs).
 """
 import sys
 import time
@@ -10,17 +12,24 @@ import torch
 
 from dsa_plugins import ops
 from dsa_plugins.bench.runner import capture_graph, graph_replay_ms
+from dsa_plugins.reference.indexer import quantize_fp8_rows
 
-B, ctx, hi = (int(a) for a in (sys.argv[1:] + ["32", "32768", "64"][len(sys.argv) - 1:])[:3])
+B, ctx, hi = (int(a) for a in (sys.argv[1:4] + ["32", "32768", "64"][len(sys.argv[1:4]):])[:3])
+fp8 = "fp8" in sys.argv[4:]
 di, k = 128, 2048
-print(f"B {B} context {ctx} index heads {hi}")
+print(f"B {B} context {ctx} index heads {hi}{' fp8' if fp8 else ''}")
 g = torch.Generator(device="cuda").manual_seed(0)
 q = torch.randn(B, hi, di, device="cuda", generator=g).bfloat16()
 kk = torch.randn(B * ctx, di, device="cuda", generator=g).bfloat16()
 w = torch.randn(B, hi, device="cuda", generator=g) * (hi * di) ** -0.5
 ks = torch.arange(B, device="cuda", dtype=torch.int32) * ctx
 ke = ks + ctx
-fn = lambda: ops.indexer_topk(q, kk, w, k, ks, ke, backend="tilelang")  # noqa: E731
+k_scale = None
+if fp8:  # per-key scales; the queries' own scales fold into the weights, as the fp8 index cache does
+    kk, k_scale = quantize_fp8_rows(kk)
+    q, q_scale = quantize_fp8_rows(q)
+    w = w * q_scale
+fn = lambda: ops.indexer_topk(q, kk, w, k, ks, ke, backend="tilelang", index_k_scale=k_scale)  # noqa: E731
 for _ in range(5):
     fn()
 torch.cuda.synchronize()
