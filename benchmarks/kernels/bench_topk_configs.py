@@ -2,6 +2,7 @@
 
     python benchmarks/kernels/bench_topk_configs.py [--k 2048]
     python benchmarks/kernels/bench_topk_configs.py --prefill 8192,32768 --extra '[{"threads": 256, ...}]'
+    python benchmarks/kernels/bench_topk_configs.py --cases 32x131072 --configs '[{"parts": 2}, ...]' --kinds indexer-like
 
 For each (rows, columns) case and each configuration of ``kernels.topk.SHIPPED_CONFIGS`` (without lse): the
 select + tie-fill pair replayed from a CUDA graph (mean us per call), and which one ``config_for_rows``
@@ -60,6 +61,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--extra", default="[]", help="JSON list of more configurations to time beside the shipped ones")
     ap.add_argument("--kinds", default="indexer-like,normal")
+    ap.add_argument("--cases", default="", help="comma list of ROWSxCOLUMNS (default: the generation-step cases)")
+    ap.add_argument("--configs", default="", help="JSON list of configurations to time instead of the shipped ones "
+                    "(then --extra); each is completed from the default one")
     ap.add_argument("--prefill", default="", help="comma list of T: a causal prefill's indexer scores instead, the "
                     "configuration picked for them first, then --extra")
     args = ap.parse_args()
@@ -68,13 +72,17 @@ def main() -> None:
             prefill(T, args.k, [TK.config_for_rows(T, T)] + json.loads(args.extra))
         return
     g = torch.Generator(device="cuda").manual_seed(0)
-    configs = [c for c in TK.SHIPPED_CONFIGS if not c.get("lse")] + json.loads(args.extra)
+    shipped = [c for c in TK.SHIPPED_CONFIGS if not c.get("lse")]
+    if args.configs:
+        shipped = [{**TK.DEFAULT_CONFIG, **c} for c in json.loads(args.configs)]
+    configs = shipped + json.loads(args.extra)
+    cases = [tuple(int(n) for n in c.split("x")) for c in args.cases.split(",")] if args.cases else CASES
     print("| scores | rows | columns | " + " | ".join(f"{c['threads']}t agg={c.get('agg')}" + (f" parts={c['parts']}" if c.get('parts') else "")
                                            for c in configs)
           + " | picked |")
     print("|" + "---|" * (len(configs) + 4))
     for kind in args.kinds.split(","):
-        for rows, cols in CASES:
+        for rows, cols in cases:
             x = scores(kind, rows, cols, g)
             starts = torch.zeros(rows, dtype=torch.int32, device="cuda")
             ends = torch.full((rows,), cols, dtype=torch.int32, device="cuda")
@@ -87,7 +95,8 @@ def main() -> None:
                 got = out.sort(1).values
                 ref = got if ref is None else ref
                 assert torch.equal(got, ref), (kind, rows, cols, cfg)
-            picked = configs.index(TK.config_for_rows(rows, cols))
+            pick = TK.config_for_rows(rows, cols)
+            picked = configs.index(pick) if pick in configs else json.dumps(pick)
             print(f"| {kind} | {rows} | {cols} | " + " | ".join(f"{t:.1f}" for t in times)
                   + f" | {picked} |", flush=True)
 
