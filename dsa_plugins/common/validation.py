@@ -54,7 +54,8 @@ def check_tensor(
         for dim, size in shape.items():
             if t.shape[dim] != size:
                 raise ValueError(f"{name} must have size {size} in dimension {dim}, got shape {tuple(t.shape)}")
-    if unit_stride and t.numel() > 1 and t.dim() > 0 and t.stride(-1) != 1:
+    # the stride first: inside a compiled graph a size may depend on the data, and asking it would fail
+    if unit_stride and t.dim() > 0 and t.stride(-1) != 1 and t.numel() > 1:
         raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
     return t
 

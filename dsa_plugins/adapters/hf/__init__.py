@@ -58,6 +58,7 @@ def register() -> None:
     global _active
     from . import interfaces
     from .cache import patch_cache_utils
+    from .masks import patch_sliding_mask_function
     from .models import MODELS
 
     interfaces.check_version()
@@ -65,6 +66,7 @@ def register() -> None:
         _active = True
         when_imported("transformers.modeling_utils", _guarded(interfaces.register_attention))
         when_imported("transformers.masking_utils", _guarded(interfaces.register_mask))
+        when_imported("transformers.masking_utils", _guarded(patch_sliding_mask_function))
         when_imported("transformers.cache_utils", _guarded(patch_cache_utils))
         for model_type in available_models():
             entry = MODELS[model_type]

@@ -18,10 +18,13 @@ import torch
 __all__ = [
     "DenseMask",
     "LazyMask",
+    "PLAIN_SLIDING_NAME",
     "TopkSelection",
     "as_mask",
     "dsa_mask",
     "mask_indices",
+    "patch_sliding_mask_function",
+    "plain_sliding_factory",
     "unique_key_columns",
 ]
 
@@ -35,10 +38,51 @@ def _is_head_slice(key) -> bool:
     return full(first) and type(head) is int and head == 0 and all(full(k) for k in rest)
 
 
+#: the name of the plain sliding causal mask function that :func:`patch_sliding_mask_function` makes transformers build
+PLAIN_SLIDING_NAME = "dsa_plain_sliding_causal"
+
+
+def plain_sliding_factory(masking_utils) -> Callable[[int], Callable]:
+    """A replacement for ``masking_utils.sliding_window_causal_mask_function``: the same mask (the sliding window
+    overlay and causality), as one closure named :data:`PLAIN_SLIDING_NAME` instead of transformers'
+    ``and_masks(...)``, which a custom or packed mask also is. A name is what ``torch.compile`` can read: tracing a
+    forward it cannot look into a closure's cells (a graph break per sliding layer, and ``fullgraph=True`` failed
+    on DeepSeek-V4)."""
+    overlay_of = masking_utils.sliding_window_overlay
+    causal = masking_utils.causal_mask_function
+
+    def sliding_window_causal_mask_function(sliding_window: int) -> Callable:
+        overlay = overlay_of(sliding_window)
+
+        def dsa_plain_sliding_causal(batch_idx, head_idx, q_idx, kv_idx):
+            return overlay(batch_idx, head_idx, q_idx, kv_idx) & causal(batch_idx, head_idx, q_idx, kv_idx)
+
+        return dsa_plain_sliding_causal
+
+    return sliding_window_causal_mask_function
+
+
+def patch_sliding_mask_function(masking_utils) -> None:
+    """Patch ``transformers.masking_utils`` (reversibly): its sliding causal mask function becomes
+    :func:`plain_sliding_factory`'s, so that :attr:`LazyMask.is_simple` recognises it inside a compiled graph."""
+    from ...patches.attributes import PatchPointMissing, patch_attribute
+    from .constants import PATCH_KEY
+
+    missing = [n for n in ("sliding_window_overlay", "causal_mask_function") if not hasattr(masking_utils, n)]
+    if missing:
+        raise PatchPointMissing(f"dsa_plugins: transformers.masking_utils.{missing[0]} moved (the sliding mask patch)")
+    patch_attribute(masking_utils, "sliding_window_causal_mask_function", plain_sliding_factory(masking_utils),
+                    key=f"{PATCH_KEY}.masks")
+
+
 def _is_plain_sliding(fn, causal) -> bool:
-    """``and_masks(sliding_window_overlay(W), causal_mask_function)`` and nothing else (no packing,
-    no extra and/or functions): recognised from the closure of transformers' ``and_masks``."""
-    if not getattr(fn, "__qualname__", "").startswith("and_masks."):
+    """The sliding window causal mask and nothing else (no packing, no extra and/or functions): the function
+    :func:`patch_sliding_mask_function` makes transformers build, or (eager only) transformers' own
+    ``and_masks(sliding_window_overlay(W), causal_mask_function)``, recognised from its closure. Inside a
+    compiled graph no closure can be read: any other function takes the dense mask there (correct for any mask)."""
+    if getattr(fn, "__name__", None) == PLAIN_SLIDING_NAME:
+        return True
+    if torch.compiler.is_compiling() or not getattr(fn, "__qualname__", "").startswith("and_masks."):
         return False
     for cell in fn.__closure__ or ():
         try:

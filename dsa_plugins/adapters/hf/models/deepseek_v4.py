@@ -39,11 +39,9 @@ def _wrap_keep_argument(original: Callable, attr: str, argument: str) -> Callabl
 
 
 class _ScoresCaptured(Exception):
-    """Raised by :class:`_CaptureScorer` to stop DeepseekV4Indexer.forward before it scores densely."""
-
-    def __init__(self, q, keys):
-        super().__init__("captured")
-        self.q, self.keys = q, keys
+    """Raised by :class:`_CaptureScorer` to stop DeepseekV4Indexer.forward before it scores densely; its args are
+    the queries and the compressed keys. No ``__init__`` of its own: torch.compile traces a raise and an except
+    of a plain exception class, not a ``super().__init__`` (``fullgraph=True`` failed there)."""
 
 
 class _CaptureScorer(torch.nn.Module):
@@ -73,7 +71,7 @@ def _wrap_v4_indexer(original: Callable) -> Callable:
         try:
             original(self, *args, **kwargs)
         except _ScoresCaptured as captured:
-            q, keys = captured.q, captured.keys
+            q, keys = captured.args
         else:
             raise PatchPointMissing("dsa_plugins: DeepseekV4Indexer.forward no longer calls self.scorer")
         finally:

@@ -68,7 +68,12 @@ def glm5_next_select(indexer, hidden_states, q_resid, attention_mask, past_key_v
 
     pool_keys, pool_indices, pool_valid = indexer.get_pooled_states(packed_states=packed)
     n_pools = pool_keys.shape[1]
-    select_k = min(int(indexer.index_topk) // P, n_pools)
+    select_k = int(indexer.index_topk) // P
+    # The model drops the pools no sequence can use, so n_pools depends on the data: inside a compiled graph it
+    # has no value to branch on (fullgraph=True failed here). There the op takes every slot and gives -1 for
+    # those beyond a row's pools (its windows hold at most n_pools of them): the same set per row.
+    if not torch.compiler.is_compiling():
+        select_k = min(select_k, n_pools)
     if select_k > 0:
         # valid pools first (stable: still in order of their last key), invalid ones pushed past every query
         last = torch.where(pool_valid, pool_indices[..., -1], torch.full_like(pool_indices[..., -1], T))
@@ -80,9 +85,13 @@ def glm5_next_select(indexer, hidden_states, q_resid, attention_mask, past_key_v
         start = torch.zeros_like(count)
         local = ops.indexer_topk(q, keys.to(q.dtype), w, select_k, start, count)  # positions in `order`
         picked = local >= 0
-        pool = order.gather(1, torch.where(picked, local.long(), 0).view(B, -1))
+        # a column in front of each (pool -1), where unpicked slots point: a compiled graph gets here with no pool
+        # at all, and no gather may then read column 0 of an empty tensor
+        order = torch.nn.functional.pad(order, (1, 0), value=-1)
+        pool = order.gather(1, torch.where(picked, local.long() + 1, 0).view(B, -1))
         # a valid pool holds P consecutive key columns starting at its first one
-        first_col = pool_indices[..., 0].to(torch.int32).gather(1, pool).view(B, S, select_k, 1)
+        first_cols = torch.nn.functional.pad(pool_indices[..., 0].to(torch.int32), (1, 0), value=-1)
+        first_col = first_cols.gather(1, pool + 1).view(B, S, select_k, 1)
         cols = first_col + torch.arange(P, device=device, dtype=torch.int32)
         cols = cols.masked_fill(~picked[..., None], -1).flatten(-2)
     else:
