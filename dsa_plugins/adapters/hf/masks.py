@@ -18,7 +18,7 @@ import torch
 __all__ = [
     "DenseMask",
     "LazyMask",
-    "PLAIN_SLIDING_NAME",
+    "PLAIN_SLIDING_CODE",
     "TopkSelection",
     "as_mask",
     "dsa_mask",
@@ -38,33 +38,37 @@ def _is_head_slice(key) -> bool:
     return full(first) and type(head) is int and head == 0 and all(full(k) for k in rest)
 
 
-#: the name of the plain sliding causal mask function that :func:`patch_sliding_mask_function` makes transformers build
-PLAIN_SLIDING_NAME = "dsa_plain_sliding_causal"
+def _plain_sliding(overlay: Callable, causal: Callable) -> Callable:
+    def dsa_plain_sliding_causal(batch_idx, head_idx, q_idx, kv_idx):
+        return overlay(batch_idx, head_idx, q_idx, kv_idx) & causal(batch_idx, head_idx, q_idx, kv_idx)
+
+    return dsa_plain_sliding_causal
+
+
+#: the code of every plain sliding causal mask function :func:`patch_sliding_mask_function` makes transformers build:
+#: what the lazy mask recognises it by (a wrapper, even one that copies its name, has code of its own)
+PLAIN_SLIDING_CODE = _plain_sliding(None, None).__code__
 
 
 def plain_sliding_factory(masking_utils) -> Callable[[int], Callable]:
     """A replacement for ``masking_utils.sliding_window_causal_mask_function``: the same mask (the sliding window
-    overlay and causality), as one closure named :data:`PLAIN_SLIDING_NAME` instead of transformers'
-    ``and_masks(...)``, which a custom or packed mask also is. A name is what ``torch.compile`` can read: tracing a
-    forward it cannot look into a closure's cells (a graph break per sliding layer, and ``fullgraph=True`` failed
-    on DeepSeek-V4)."""
+    overlay and causality), as a closure whose code is :data:`PLAIN_SLIDING_CODE`, instead of transformers'
+    ``and_masks(...)``, which a custom or packed mask also is. Its code is what ``torch.compile`` can compare:
+    tracing a forward it cannot look into a closure's cells. This keeps compiled sliding layers on the O(S)
+    windows instead of an O(S * T) dense mask (``fullgraph=True`` had failed on DeepSeek-V4 there)."""
     overlay_of = masking_utils.sliding_window_overlay
     causal = masking_utils.causal_mask_function
 
     def sliding_window_causal_mask_function(sliding_window: int) -> Callable:
-        overlay = overlay_of(sliding_window)
-
-        def dsa_plain_sliding_causal(batch_idx, head_idx, q_idx, kv_idx):
-            return overlay(batch_idx, head_idx, q_idx, kv_idx) & causal(batch_idx, head_idx, q_idx, kv_idx)
-
-        return dsa_plain_sliding_causal
+        return _plain_sliding(overlay_of(sliding_window), causal)
 
     return sliding_window_causal_mask_function
 
 
 def patch_sliding_mask_function(masking_utils) -> None:
     """Patch ``transformers.masking_utils`` (reversibly): its sliding causal mask function becomes
-    :func:`plain_sliding_factory`'s, so that :attr:`LazyMask.is_simple` recognises it inside a compiled graph."""
+    :func:`plain_sliding_factory`'s, so that :attr:`LazyMask.is_simple` recognises it inside a compiled graph (the
+    same values for every model: a performance patch, which keeps compiled sliding layers off the dense mask)."""
     from ...patches.attributes import PatchPointMissing, patch_attribute
     from .constants import PATCH_KEY
 
@@ -80,7 +84,7 @@ def _is_plain_sliding(fn, causal) -> bool:
     :func:`patch_sliding_mask_function` makes transformers build, or (eager only) transformers' own
     ``and_masks(sliding_window_overlay(W), causal_mask_function)``, recognised from its closure. Inside a
     compiled graph no closure can be read: any other function takes the dense mask there (correct for any mask)."""
-    if getattr(fn, "__name__", None) == PLAIN_SLIDING_NAME:
+    if getattr(fn, "__code__", None) is PLAIN_SLIDING_CODE:
         return True
     if torch.compiler.is_compiling() or not getattr(fn, "__qualname__", "").startswith("and_masks."):
         return False

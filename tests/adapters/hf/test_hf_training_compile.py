@@ -6,8 +6,11 @@ Before these tests DeepSeek-V4 and glm5_next failed there: the sliding layers' m
 the closure cells of transformers' ``and_masks`` (which dynamo cannot read), DeepSeek-V4's indexer stopped the
 model's own forward with an exception whose ``__init__`` called ``super()``, and glm5_next branched on a pool count
 that depends on the data. The ``aot_eager`` backend traces the forward and the backward as inductor does, without
-generating code.
+generating code. Without the mask patch a compiled sliding layer would still be right (on a dense mask): the last
+test is what holds the patch, which keeps it on the O(S) windows.
 """
+
+import functools
 
 import pytest
 import torch
@@ -60,23 +63,29 @@ def test_glm5_next_compiled_with_fewer_tokens_than_a_pool(registered):
     torch.testing.assert_close(out, ref)
 
 
-def test_the_sliding_mask_function_is_transformers_own_mask_under_a_name(registered):
-    """The patched ``sliding_window_causal_mask_function`` gives transformers' mask, carries the name the lazy mask
-    recognises (also while compiling), and is reverted by ``unregister``."""
+def test_the_sliding_mask_function_is_transformers_own_mask_under_a_code_of_its_own(registered):
+    """The patched ``sliding_window_causal_mask_function`` gives transformers' mask, has the code the lazy mask
+    recognises (also while compiling; a wrapper that copies its name is not it), and is reverted by ``unregister``."""
     from transformers import masking_utils as mu
 
-    from dsa_plugins.adapters.hf.masks import PLAIN_SLIDING_NAME, _is_plain_sliding
+    from dsa_plugins.adapters.hf.masks import PLAIN_SLIDING_CODE, _is_plain_sliding
 
     window = 3
     ours = mu.sliding_window_causal_mask_function(window)
     theirs = mu.and_masks(mu.sliding_window_overlay(window), mu.causal_mask_function)
-    assert ours.__name__ == PLAIN_SLIDING_NAME
+    assert ours.__code__ is PLAIN_SLIDING_CODE
     q, kv = torch.arange(9)[:, None], torch.arange(12)[None, :]
     b = h = torch.zeros((), dtype=torch.long)
     assert torch.equal(ours(b, h, q, kv), theirs(b, h, q, kv))
     assert _is_plain_sliding(ours, mu.causal_mask_function)
     assert _is_plain_sliding(theirs, mu.causal_mask_function)  # eager: read from the closure
     assert not _is_plain_sliding(mu.and_masks(ours, lambda *a: True), mu.causal_mask_function)
+
+    @functools.wraps(ours)
+    def narrower(batch_idx, head_idx, q_idx, kv_idx):
+        return ours(batch_idx, head_idx, q_idx, kv_idx) & (kv_idx != 1)
+
+    assert not _is_plain_sliding(narrower, mu.causal_mask_function)
     compiled_answers = []
 
     @torch.compile(fullgraph=True, backend="eager")
@@ -89,5 +98,5 @@ def test_the_sliding_mask_function_is_transformers_own_mask_under_a_name(registe
     # while compiling, transformers' own closure cannot be read: it takes the dense mask (correct for any mask)
     assert compiled_answers == [(True, False)]
     registered.unregister()
-    assert mu.sliding_window_causal_mask_function(window).__name__ != PLAIN_SLIDING_NAME
+    assert mu.sliding_window_causal_mask_function(window).__code__ is not PLAIN_SLIDING_CODE
     registered.register()
