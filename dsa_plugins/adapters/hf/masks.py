@@ -24,7 +24,6 @@ __all__ = [
     "dsa_mask",
     "mask_indices",
     "patch_sliding_mask_function",
-    "plain_sliding_factory",
     "unique_key_columns",
 ]
 
@@ -50,32 +49,26 @@ def _plain_sliding(overlay: Callable, causal: Callable) -> Callable:
 PLAIN_SLIDING_CODE = _plain_sliding(None, None).__code__
 
 
-def plain_sliding_factory(masking_utils) -> Callable[[int], Callable]:
-    """A replacement for ``masking_utils.sliding_window_causal_mask_function``: the same mask (the sliding window
-    overlay and causality), as a closure whose code is :data:`PLAIN_SLIDING_CODE`, instead of transformers'
-    ``and_masks(...)``, which a custom or packed mask also is. Its code is what ``torch.compile`` can compare:
-    tracing a forward it cannot look into a closure's cells. This keeps compiled sliding layers on the O(S)
-    windows instead of an O(S * T) dense mask (``fullgraph=True`` had failed on DeepSeek-V4 there)."""
-    overlay_of = masking_utils.sliding_window_overlay
-    causal = masking_utils.causal_mask_function
+def patch_sliding_mask_function(masking_utils) -> None:
+    """Patch ``transformers.masking_utils`` (reversibly): its ``sliding_window_causal_mask_function`` gives the same
+    mask (the sliding window overlay and causality) as a closure whose code is :data:`PLAIN_SLIDING_CODE`, instead
+    of transformers' ``and_masks(...)``, which a custom or packed mask also is. Its code is what ``torch.compile``
+    can compare (tracing a forward it cannot look into a closure's cells), so :attr:`LazyMask.is_simple` keeps
+    compiled sliding layers on the O(S) windows instead of an O(S * T) dense mask (``fullgraph=True`` had failed on
+    DeepSeek-V4 there). The same values for every model: a performance patch."""
+    from ...patches.attributes import PatchPointMissing, patch_attribute
+    from .constants import PATCH_KEY
+
+    overlay_of = getattr(masking_utils, "sliding_window_overlay", None)
+    causal = getattr(masking_utils, "causal_mask_function", None)
+    if overlay_of is None or causal is None:
+        raise PatchPointMissing("dsa_plugins: transformers.masking_utils.sliding_window_overlay or "
+                                "causal_mask_function moved (the sliding mask patch)")
 
     def sliding_window_causal_mask_function(sliding_window: int) -> Callable:
         return _plain_sliding(overlay_of(sliding_window), causal)
 
-    return sliding_window_causal_mask_function
-
-
-def patch_sliding_mask_function(masking_utils) -> None:
-    """Patch ``transformers.masking_utils`` (reversibly): its sliding causal mask function becomes
-    :func:`plain_sliding_factory`'s, so that :attr:`LazyMask.is_simple` recognises it inside a compiled graph (the
-    same values for every model: a performance patch, which keeps compiled sliding layers off the dense mask)."""
-    from ...patches.attributes import PatchPointMissing, patch_attribute
-    from .constants import PATCH_KEY
-
-    missing = [n for n in ("sliding_window_overlay", "causal_mask_function") if not hasattr(masking_utils, n)]
-    if missing:
-        raise PatchPointMissing(f"dsa_plugins: transformers.masking_utils.{missing[0]} moved (the sliding mask patch)")
-    patch_attribute(masking_utils, "sliding_window_causal_mask_function", plain_sliding_factory(masking_utils),
+    patch_attribute(masking_utils, "sliding_window_causal_mask_function", sliding_window_causal_mask_function,
                     key=f"{PATCH_KEY}.masks")
 
 
