@@ -77,6 +77,11 @@ def main() -> None:
         shipped = [{**TK.DEFAULT_CONFIG, **c} for c in json.loads(args.configs)]
     configs = shipped + json.loads(args.extra)
     cases = [tuple(int(n) for n in c.split("x")) for c in args.cases.split(",")] if args.cases else CASES
+    # compile every configuration first, in parallel (nvcc runs outside the GIL)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, len(configs))) as pool:
+        list(pool.map(TK.build_topk, configs + [TK.config_for_rows(r, c) for r, c in cases]))
     print("| scores | rows | columns | " + " | ".join(f"{c['threads']}t agg={c.get('agg')}" + (f" parts={c['parts']}" if c.get('parts') else "")
                                            for c in configs)
           + " | picked |")

@@ -63,7 +63,11 @@ SHIPPED_CONFIGS += [{**cfg, "lse": True} for cfg in SHIPPED_CONFIGS]
 #: of 20-25 us per row; past 16 rows the clusters no longer fit in one wave (32 x 32768: 25.6 -> 41.8)
 SPLIT_CONFIG = {"threads": 1024, "cap": 4096, "unroll": 4, "parts": 8}
 SPLIT4_CONFIG = {"threads": 1024, "cap": 4096, "unroll": 4, "parts": 4}
-SHIPPED_CONFIGS += [SPLIT_CONFIG, SPLIT4_CONFIG]
+#: two CTAs per row still fit one wave up to 64 rows. H200, indexer-like scores, k 2048, one CTA per row -> two
+#: parts: 32 x 65536 35.6 -> 31.1 us, 32 x 131072 55.6 -> 42.7, 64 x 131072 56.6 -> 43.9 (four parts of 512 or
+#: 1024 threads lose past 16 rows: 32 x 131072 65.1 / 55.0; bench_topk_configs.py, logs/h200_topk_split2_*.log)
+SPLIT2_CONFIG = {"threads": 1024, "cap": 4096, "unroll": 4, "parts": 2}
+SHIPPED_CONFIGS += [SPLIT_CONFIG, SPLIT4_CONFIG, SPLIT2_CONFIG]
 
 DEFAULT_CONFIG = SHIPPED_CONFIGS[2]
 MANY_SHORT_ROWS_CONFIG = SHIPPED_CONFIGS[1]
@@ -71,8 +75,10 @@ MANY_LONG_ROWS_CONFIG = SHIPPED_CONFIGS[3]
 #: with fewer rows than this one big CTA per row is best (rows < SMs); measured on H200
 FEW_ROWS = 264
 #: the split program's rows: up to SPLIT8_MAX_ROWS rows of at least SPLIT8_MIN_COLS columns take 8 parts; 4 parts
-#: take up to SPLIT8_MAX_ROWS rows of at least SPLIT_MIN_COLS and up to SPLIT_MAX_ROWS of at least SPLIT8_MIN_COLS
+#: take up to SPLIT8_MAX_ROWS rows of at least SPLIT_MIN_COLS and up to SPLIT_MAX_ROWS of at least SPLIT8_MIN_COLS;
+#: 2 parts up to SPLIT2_MAX_ROWS rows of at least SPLIT8_MIN_COLS
 SPLIT_MAX_ROWS = 16
+SPLIT2_MAX_ROWS = 64
 SPLIT8_MAX_ROWS = 8
 SPLIT_MIN_COLS = 32768
 SPLIT8_MIN_COLS = 65536
@@ -84,12 +90,14 @@ def config_for_rows(rows: int, max_cols: int, lse: bool = False) -> dict:
 
     Chosen from H200 timings: 64 x 32768 -> 1024 threads (0.028 ms); 8192 rows of <= 8K
     and thousands of rows of <= 32K -> 256 threads; rows of 64K -> 512 threads. A few long rows (generation
-    steps) take the split program: each row over a cluster of 8 or 4 CTAs."""
+    steps) take the split program: each row over a cluster of 8, 4 or 2 CTAs."""
     if not lse and rows <= SPLIT_MAX_ROWS and max_cols >= SPLIT_MIN_COLS:
         if rows <= SPLIT8_MAX_ROWS and max_cols >= SPLIT8_MIN_COLS:
             return SPLIT_CONFIG
         if rows <= SPLIT8_MAX_ROWS or max_cols >= SPLIT8_MIN_COLS:
             return SPLIT4_CONFIG
+    if not lse and rows <= SPLIT2_MAX_ROWS and max_cols >= SPLIT8_MIN_COLS:
+        return SPLIT2_CONFIG
     if rows < FEW_ROWS:
         return DEFAULT_CONFIG
     return MANY_SHORT_ROWS_CONFIG if max_cols <= SHORT_ROW_MAX else MANY_LONG_ROWS_CONFIG

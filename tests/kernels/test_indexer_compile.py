@@ -109,7 +109,9 @@ def test_split_topk_configuration_rules():
     assert TK.config_for_rows(TK.SPLIT_MAX_ROWS, 131072) == TK.SPLIT4_CONFIG
     assert TK.config_for_rows(1, 32768) == TK.SPLIT4_CONFIG == TK.config_for_rows(8, 65535)
     assert TK.config_for_rows(1, 131072, lse=True) == TK.DEFAULT_CONFIG  # the split program writes no lse
-    assert TK.config_for_rows(TK.SPLIT_MAX_ROWS + 1, 131072) == TK.DEFAULT_CONFIG
+    assert TK.config_for_rows(TK.SPLIT_MAX_ROWS + 1, 131072) == TK.SPLIT2_CONFIG == TK.config_for_rows(64, 65536)
+    assert TK.config_for_rows(TK.SPLIT2_MAX_ROWS + 1, 131072) == TK.DEFAULT_CONFIG == TK.config_for_rows(32, 65535)
+    assert TK.config_for_rows(32, 131072, lse=True) == TK.DEFAULT_CONFIG
     assert TK.config_for_rows(9, 32768) == TK.DEFAULT_CONFIG == TK.config_for_rows(1, 32767)
     with pytest.raises(ValueError, match="writes no lse"):
         TK._config_key({**TK.SPLIT_CONFIG, "lse": True})

@@ -192,7 +192,7 @@ def test_topk_rows_ties(cfg):
     _check_topk(x, None, k, TK.topk_rows(x, None, k, config=cfg))
 
 
-@pytest.mark.parametrize("split", [TK.SPLIT_CONFIG, TK.SPLIT4_CONFIG], ids=lambda c: f"p{c['parts']}")
+@pytest.mark.parametrize("split", [TK.SPLIT_CONFIG, TK.SPLIT4_CONFIG, TK.SPLIT2_CONFIG], ids=lambda c: f"p{c['parts']}")
 @pytest.mark.parametrize("kind", ["random", "clustered", "few_values", "mostly_equal", "zeros_mixed_sign"])
 def test_split_topk_matches_one_cta_per_row(kind, split):
     """The split program (a row over a cluster of CTAs) selects the same sets as one CTA per row: ranges not
