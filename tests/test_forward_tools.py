@@ -45,11 +45,11 @@ def test_ab_script_parses_and_lists_its_shapes(monkeypatch, capsys):
     labels = [label for label, _make, _dv in ab.cases("prefill")]
     assert len(labels) == 7 and labels[0].endswith("k256")
     assert [label for label, _m, _d in ab.cases("decode")][0] == "B1 S1 H64 D576/512 k2048 cache32768"
-    # other batches and caches; a batch whose cache would pass one launch's int32 offsets is left out
+    # other batches and caches, also those of 2**31 elements or more (B 128 x 32K x 576: one launch)
     labels = [label for label, _m, _d in ab.cases("decode", (32, 128), 16384)]
     assert labels == [f"B{b} S1 H{h} D576/512 k2048 cache16384" for h in (64, 128) for b in (32, 128)]
     assert [label for label, _m, _d in ab.cases("decode", (64, 128), 32768)] == [
-        f"B64 S1 H{h} D576/512 k2048 cache32768" for h in (64, 128)]
+        f"B{b} S1 H{h} D576/512 k2048 cache32768" for h in (64, 128) for b in (64, 128)]
     # DeepSeek-V4's decode rows (D512 with sink) beside MLA's
     labels = [label for label, _m, _d in ab.cases("decode", (1,), 16384, ("mla", "v4"))]
     assert labels == [f"B1 S1 H{h} D{d} k2048 cache16384" for d in ("576/512", "512/512 sink") for h in (64, 128)]

@@ -1341,9 +1341,11 @@ def _launch(q, kv, indices, scale: float, sink, dv: int, out: torch.Tensor, lse:
     cfg = config_for(dqk, dv, sink is not None, q.dtype, parts_overrides if parts > 1 else given)
     step = 2 * cfg["block_k"]
     kp = -(-(-(-k // parts)) // step) * step * parts  # each part a whole number of trips
-    # (the HBM split's fp32 partials hold parts outputs; the cluster split none)
-    if max(q.numel(), kv.numel(), out.numel() * (1 if cluster_parts else parts), b * s * kp) >= 2**31:
-        raise ValueError("sparse_attention_fwd: tensors of 2**31 or more elements are not supported (int32 offsets)")
+    # (the HBM split's fp32 partials hold parts outputs; the cluster split none). kv is not bounded: its
+    # gathers are addressed in 64 bits (test_sparse_attention_fwd_compile holds it), and a generation step
+    # over many long caches (B 32 x 128K x 576 elements) is one launch
+    if max(q.numel(), out.numel() * (1 if cluster_parts else parts), b * s * kp) >= 2**31:
+        raise ValueError("sparse_attention_fwd: q, out and indices of 2**31 or more elements are not supported")
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     target = device_target(device_index)
     q, kv = aligned_operand(q), aligned_operand(kv)

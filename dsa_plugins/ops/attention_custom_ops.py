@@ -44,25 +44,29 @@ def _query_step(q: Tensor, indices: Tensor, dv: int, batch: int) -> int:
     return min(max(1, _MAX_KERNEL_ELEMENTS // per_query), _MAX_GRID_ROWS)
 
 
-def _batch_chunks(kv: Tensor) -> list[tuple[int, int]]:
+def _batch_chunks(kv: Tensor, whole_kv: bool = False) -> list[tuple[int, int]]:
     """Ranges of the batch axis whose kv slice stays under 2**31 elements (one range, the whole
-    batch, unless the caches are long and many: B 32 x 128K tokens x 576 needs two)."""
+    batch, unless the caches are long and many: B 32 x 128K tokens x 576 needs two). ``whole_kv``: the
+    kernel addresses kv in 64 bits (the forward), one range."""
     b, t, d = kv.shape
+    if whole_kv:
+        return [(0, b)]
     step = max(1, _MAX_KERNEL_ELEMENTS // max(1, t * d))
     return [(a, min(a + step, b)) for a in range(0, b, step)]
 
 
-def _kernel_chunks(q: Tensor, kv: Tensor, indices: Tensor, dv: int) -> list[tuple[int, int, int, int]]:
+def _kernel_chunks(q: Tensor, kv: Tensor, indices: Tensor, dv: int,
+                   whole_kv: bool = False) -> list[tuple[int, int, int, int]]:
     """(b0, b1, s0, s1) blocks of the (batch, query) axes that each kernel launch takes.
 
     One block, the whole input, for every realistic shape. Long caches split the batch
-    (:func:`_batch_chunks`); long inputs (64K+ tokens x 64 heads x 576) split the queries one batch
+    (:func:`_batch_chunks`) unless ``whole_kv``; long inputs (64K+ tokens x 64 heads x 576) split the queries one batch
     entry at a time. Every block is either whole query rows or a single entry, so its slice of a
     contiguous [B, S, ...] tensor is contiguous: the kernels write views of one output buffer
     and nothing is concatenated (a concatenation holds the output twice)."""
     s = q.shape[1]
     blocks = []
-    for b0, b1 in _batch_chunks(kv):
+    for b0, b1 in _batch_chunks(kv, whole_kv):
         if _query_step(q, indices, dv, b1 - b0) >= s:
             blocks.append((b0, b1, 0, s))
             continue
@@ -84,7 +88,10 @@ def attention_forward(q, kv, indices, sink, scale: float, dv: int, backend: str)
         b, s, h, _ = q.shape
         out = q.new_empty(b, s, h, dv)
         lse = q.new_empty(b, s, h, dtype=lse_dtype(q.dtype))  # float32 for the kernels' dtypes
-        blocks = _kernel_chunks(q, kv, indices, dv)
+        # the forward's programs address kv in 64 bits (TileLang computes every global offset in int64; the
+        # compile test holds it): a generation step over B 32 x 128K-token caches is one launch, not one
+        # latency-bound launch per batch chunk (H200, GLM-5 dims: 45.6 + 41.4 us -> one ~47 us launch)
+        blocks = _kernel_chunks(q, kv, indices, dv, whole_kv=True)
         if len(blocks) == 1:  # the whole input (every realistic shape): no views to make
             kernel(q, kv, indices, scale, sink, dv, out=out, lse=lse, decode=s == 1)
             return out, lse

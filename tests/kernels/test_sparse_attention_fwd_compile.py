@@ -35,6 +35,13 @@ def test_module_imports_without_tilelang_side_effects():
         mod._normalise_config({"partial": True, "schedule": "seesaw"})
 
 
+def _kv_gathers_are_64_bit(src: str) -> bool:
+    """Every gather of a kv row addresses the cache in 64 bits (batch entry x seqlen_kv in int64): the ops layer
+    runs caches of 2**31 elements or more in one launch on it."""
+    offsets = re.findall(r"&\(KV\[(.*?)\]\)\)", src)
+    return bool(offsets) and all("(((int64_t)((int)blockIdx.z)) * ((int64_t)seqlen_kv))" in o for o in offsets)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TILELANG, reason="TileLang is not installed")
 @pytest.mark.parametrize("config", mod.SHIPPED_CONFIGS,
@@ -54,6 +61,7 @@ def test_shipped_config_compiles_for_sm90a(config, caplog):
     # dynamic shapes: lengths, heads and K are kernel parameters, the scale a runtime scalar
     for name in ("seqlen", "seqlen_kv", "heads", "topk_padded", "scale"):
         assert name in src, f"{name} is not a runtime parameter"
+    assert _kv_gathers_are_64_bit(src)
     # a second request is served from the cache without compiling again
     assert mod.build_fwd_kernel(dict(config), target=SM90A) is kernel
     # the seesaw runs without TileLang's automatic warpgroup syncs (ids below ours): only the program's own
@@ -121,6 +129,7 @@ def test_decode_cluster_programs_compile_for_sm90a(config):
     assert "rows_out" in src and "mapa.shared::cluster" in src and "ld.shared::cluster.v4" in src
     assert src.count("dsa_cluster_sync();") == 2 + 2 * 2  # producer twice, each consumer twice
     assert "tma_store(Output_desc" not in src and ("Sinks[" in src) == sink
+    assert _kv_gathers_are_64_bit(src)  # generation steps over B 32 x 128K x 576 caches: one launch
 
 
 def test_config_validation():

@@ -86,6 +86,41 @@ def test_head_chunked_matches_unchunked_on_gpu(max_heads):
         assert rel_err(a.float(), b.float()) < 1e-2
 
 
+@pytest.mark.parametrize("h", (64, 128))
+def test_decode_over_caches_past_2_31_elements_is_one_launch(h, monkeypatch):
+    """A generation step over caches of 2**31 elements or more (B 2 x 3.73M x 576 here; B 32 x 128K x 576 in a
+    model): one forward launch whose gathers for the second sequence lie past element 2**31, the float64
+    reference's values (rows gathered first, so the reference never holds the cache in float64)."""
+    import importlib
+
+    from dsa_plugins.reference.sparse_attention import sparse_attention_forward
+
+    sa = importlib.import_module("dsa_plugins.ops.attention_custom_ops")
+    b, d, dv, k = 2, 576, 512, 2048
+    t = 2**31 // d + 4099  # the second sequence starts past element 2**31
+    g = torch.Generator(device="cuda").manual_seed(h)
+    kv = torch.randn(b, t, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    q = torch.randn(b, 1, h, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    idx = torch.randint(t - 60000, t, (b, 1, k), device="cuda", generator=g, dtype=torch.int32)
+    idx[..., ::7] = -1
+    idx[0, 0, :300] = torch.randint(0, 5000, (300,), device="cuda", generator=g, dtype=torch.int32)
+    launches = []
+    real_load = sa.load_kernel
+
+    def counted_load(name):
+        kernel = real_load(name)
+        return lambda *a, **kw: (launches.append(name), kernel(*a, **kw))[1]
+
+    monkeypatch.setattr(sa, "load_kernel", counted_load)
+    out = ops.sparse_attention(q, kv, idx, 0.04, dv=dv, backend="tilelang")
+    assert launches == ["sparse_attention_fwd"]
+    rows = kv[torch.arange(b, device="cuda")[:, None], idx[:, 0].clamp(min=0).long()]  # [b, k, d]
+    local = torch.arange(k, device="cuda", dtype=torch.int32).expand(b, 1, k).masked_fill(idx < 0, -1)
+    ref, _ = sparse_attention_forward(q.double(), rows.double(), local, 0.04, None, dv)
+    assert torch.isfinite(out).all()
+    assert rel_err(out.double(), ref) < 1e-2
+
+
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "det"])
 def test_int32_chunking_writes_one_buffer_and_matches_one_launch(monkeypatch, deterministic):
     """Inputs past the kernels' int32 range run in blocks (batch entries, then queries) that write

@@ -212,10 +212,10 @@ def _fake_kernels(sa, calls):
     return fake_fwd, fake_bwd
 
 
-def _run_in_chunks(monkeypatch, inputs, max_elements):
+def _run_in_chunks(monkeypatch, inputs, max_elements, bwd_calls=None):
     """Forward and backward of ``inputs`` (q, kv, idx, sink) through the fake kernels with the
     int32 bound at ``max_elements``: outputs and gradients must equal the dense reference. Returns
-    the forward launches (direction, batch, queries)."""
+    the forward launches (direction, batch, queries); ``bwd_calls`` (a list) receives the backward's."""
     import importlib
 
     sa = importlib.import_module("dsa_plugins.ops.attention_custom_ops")
@@ -237,6 +237,8 @@ def _run_in_chunks(monkeypatch, inputs, max_elements):
     dout = torch.randn_like(out)
     for a, b in zip(torch.autograd.grad(out, leaves, dout), torch.autograd.grad(ref, ref_leaves, dout)):
         torch.testing.assert_close(a, b)
+    if bwd_calls is not None:
+        bwd_calls += calls[len(fwd_calls):]
     return fwd_calls
 
 
@@ -250,18 +252,22 @@ def test_query_chunking_for_int32_kernels_is_exact(monkeypatch):
 
 def test_generation_steps_reach_the_kernel_as_decode_rows(monkeypatch):
     """One query row per sequence (a generation step) is passed on as decode rows (the kernel's batch-invariant
-    split), in batch chunks too; the one-row tail block of a longer input above is not."""
+    split), over caches past the int32 range in one launch (the forward addresses kv in 64 bits); the one-row
+    tail block of a longer input above is not."""
     fwd_calls = _run_in_chunks(monkeypatch, _batched(b=3, s=1, skv=40, h=4, d=16, k=6, seed=10), 2 * 40 * 16 + 20)
-    assert [c[1:] for c in fwd_calls] == [(2, 1), (1, 1)]
+    assert [c[1:] for c in fwd_calls] == [(3, 1)]
 
 
 def test_batch_chunking_for_int32_kernels_is_exact(monkeypatch):
-    """Caches over the kernels' int32 range (B 32 x 128K tokens x 576) run in batch chunks, each with
-    its own cache slice; the split must not change outputs or gradients (dkv parts accumulated
-    into views of one buffer)."""
+    """Caches over the backward kernel's int32 range (B 32 x 128K tokens x 576) run its launches in batch
+    chunks, each with its own cache slice (the forward takes them whole); the split must not change outputs or
+    gradients (dkv parts accumulated into views of one buffer)."""
     inputs = _batched(b=3, s=4, skv=40, h=4, d=16, k=6, seed=9)
-    fwd_calls = _run_in_chunks(monkeypatch, inputs, 2 * 40 * 16 + 20)  # two caches of 40 x 16 per chunk
-    assert [c[1:] for c in fwd_calls] == [(2, 4), (1, 4)]
+    bwd_calls = []
+    # two caches of 40 x 16 per chunk; the whole batch's queries (3 x 4 x (6 + 128)) within the bound
+    fwd_calls = _run_in_chunks(monkeypatch, inputs, 2 * 40 * 16 + 400, bwd_calls)
+    assert fwd_calls == [("fwd", 3, 4)]
+    assert bwd_calls == [("bwd", 2, 4), ("bwd", 1, 4)]
 
 
 def test_autocast_runs_the_ops_in_its_dtype(monkeypatch):
