@@ -100,3 +100,45 @@ def test_the_sliding_mask_function_is_transformers_own_mask_under_a_code_of_its_
     registered.unregister()
     assert mu.sliding_window_causal_mask_function(window).__code__ is not PLAIN_SLIDING_CODE
     registered.register()
+
+
+#: the released models' attention and indexer head sizes, so the TileLang kernels run (V3.2 family / V4)
+_GPU_HEAD_SIZES = {
+    "glm_moe_dsa": dict(num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=512, qk_rope_head_dim=64,
+                        qk_nope_head_dim=128, v_head_dim=128, index_n_heads=32, index_head_dim=128, index_topk=64),
+    "deepseek_v4": dict(num_attention_heads=64, head_dim=512, q_lora_rank=64, o_lora_rank=32, index_n_heads=64,
+                        index_head_dim=128, partial_rotary_factor=0.125, sliding_window=64, index_topk=16,
+                        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 32}),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("model_type", sorted(_GPU_HEAD_SIZES))
+def test_gpu_compiled_training_step_runs_the_kernels(registered, model_type, make_batch, monkeypatch):
+    """bf16 on the GPU with the kernels forced: inductor compiles the whole training step (fullgraph) around our
+    custom ops, and its loss and gradients are those of the same model run uncompiled (same precision: the
+    difference is inductor's fusions and the backward's atomics)."""
+    if not tiny.available(model_type):
+        pytest.skip(f"{model_type} is not in this transformers")
+    monkeypatch.setenv("DSA_PLUGINS_BACKEND", "tilelang")
+    ids, mask = make_batch(seed=4, seq_len=256, pad=17)
+    ids, mask = ids.cuda(), mask.cuda()
+    model = tiny.tiny_model(model_type, attn_implementation="dsa_tilelang", seed=1, **_GPU_HEAD_SIZES[model_type])
+    model = model.to("cuda", torch.bfloat16)
+    model.config.use_cache = False
+    loss, grads = _loss_and_grads(model, model, ids, mask)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, fullgraph=True)
+        c_loss, c_grads = _loss_and_grads(model, compiled, ids, mask)
+    finally:
+        torch._dynamo.reset()
+    assert torch.isfinite(c_loss)
+    assert abs(c_loss.item() - loss.item()) <= 2e-2 * abs(loss.item()), (c_loss, loss)
+    assert grads and any(".indexer." not in n and g.abs().sum() > 0 for n, g in grads.items())
+    for name, g in grads.items():
+        c = c_grads[name].float()
+        assert torch.isfinite(c).all(), name
+        err = (c - g.float()).norm().item()
+        assert err <= 5e-2 * g.float().norm().item() + 1e-5, (name, err, g.float().norm().item())
