@@ -698,13 +698,15 @@ def _sm_count(device) -> int:
 def _splits(query_blocks: int, width_blocks: int, device) -> int:
     """Key-range splits per query block: 1 when the query blocks alone fill the GPU (prefill);
     with few query rows (decode: one row per sequence over a long cache) each block's key range is
-    cut into parts so that about four CTAs per SM run, at most one key block per part (H100, B 32
-    over 32K-128K caches: 3-4% faster than two per SM; the tile shape mattered less, see
-    indexer_decode.md)."""
-    target = 4 * _sm_count(device)
+    cut into parts so that at most two CTAs per SM run, one wave, at most one key block per part. H200, GLM-5's
+    32 index heads, the scores alone against the former rule (about four per SM, rounded up: past one wave,
+    and its last CTAs ran alone): B 1 x 128K 1.29 / 1.33x (bf16 / fp8 keys), B 8 1.10 / 1.24x at 32K and
+    1.02 / 1.06x at 128K, B 32 1.02 / 1.07x and 1.04 / 1.08x, B 64 x 32K 1.16 / 1.07x; never slower
+    (ab_indexer_decode.py, indexer_decode.md)."""
+    target = 2 * _sm_count(device)
     if query_blocks >= target:
         return 1
-    return max(1, min(-(-target // max(query_blocks, 1)), width_blocks))
+    return max(1, min(target // max(query_blocks, 1), width_blocks))
 
 
 class _Plan:
