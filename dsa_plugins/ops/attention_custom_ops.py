@@ -30,7 +30,8 @@ def _shape_reason(kernel: str, q: Tensor, dv: int, sink: Optional[Tensor]) -> st
                                dtype=q.dtype)
 
 
-# The kernels address tensors with int32 offsets: longer inputs run in chunks below this.
+# Inputs longer than this run in chunks below it (q / out / indices for both kernels, kv for the backward; the
+# forward's kv gathers are addressed in 64 bits, so it takes any cache whole).
 _MAX_KERNEL_ELEMENTS = 2**31 - 1
 # ... and the forward launches one CTA row per query on the grid's y axis, at most 65535 long.
 _MAX_GRID_ROWS = 65535
