@@ -215,7 +215,7 @@ def _print_gpu_profile(step, first: int, device, steps: int = 10) -> None:
         print(f"  {e.self_device_time_total / steps:8.1f} us/step  x{e.count // steps:<3} {e.key[:110]}", flush=True)
     # TileLang names every kernel main_kernel: the launch order of the last step tells them apart
     kernels = [e for e in tp.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    last = kernels[-(len(kernels) // steps):]
+    last = kernels[-max(1, len(kernels) // steps):]
     print("  last step, kernels in launch order (us): " + ", ".join(
         f"{e.name[:20]} {e.device_time:.1f}" for e in last), flush=True)
 

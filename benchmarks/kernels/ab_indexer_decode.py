@@ -60,7 +60,7 @@ def main() -> None:
     for splits, cfg in variants:
         plan = K._Plan(q, kk, w, ks, ke, cfg, K.DEFAULT_MAX_CHUNK_BYTES, k_scale, (1, ctx))
         assert len(plan.chunks) == 1
-        K._splits = (lambda *a: splits) if splits else shipped_splits
+        K._splits = (lambda *a, **kw: splits) if splits else shipped_splits
         try:
             r0, r1, buf = plan.chunk_scores(plan.chunks[0])
             graphs.append(capture_graph(lambda plan=plan, buf=buf: plan.chunk_scores(plan.chunks[0], scores=buf)))
@@ -85,7 +85,7 @@ def main() -> None:
     variants.append((0, {"op": "indexer_topk entries=(1, ctx)"}))
     times = interleaved_graph_ms(graphs, args.rounds, 20)
     nbytes = B * ctx * (di * (1 if args.fp8 else 2) + (4 if args.fp8 else 0))
-    shipped = shipped_splits(B, ctx // base["block_k"], torch.device("cuda"))
+    shipped = shipped_splits(B, ctx // base["block_k"], torch.device("cuda"), one_row_blocks=True)
     print(f"B {B} context {ctx} Hi {hi}{' fp8' if args.fp8 else ' bf16'}: shipped splits {shipped}, "
           f"{torch.cuda.get_device_name()}")
     for (splits, cfg), t in zip(variants, times):

@@ -11,7 +11,7 @@ default / variant time ratio per round as median [min, max] (> 1: the variant is
 
 Shapes: ``prefill`` the peers benchmark's k sweep (V4 D512 sink, H 64, k 256-2048) and 8K shapes (B1
 S4096 Skv8192); ``decode`` one query per sequence over a 32K cache (``--cache``), k 2048, H 64 / 128, MLA 576/512
-and with ``--models mla,v4`` also DeepSeek-V4's D512 with sink, B 1 / 8 / 64 (``--batches``; a batch whose cache reaches 2**31 elements is skipped: one launch's int32 offsets).
+and with ``--models mla,v4`` also DeepSeek-V4's D512 with sink, B 1 / 8 / 64 (``--batches``; caches of 2**31 elements or more too: the gathers are addressed in 64 bits).
 """
 
 from __future__ import annotations

@@ -695,18 +695,23 @@ def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _splits(query_blocks: int, width_blocks: int, device) -> int:
-    """Key-range splits per query block: 1 when the query blocks alone fill the GPU (prefill);
-    with few query rows (decode: one row per sequence over a long cache) each block's key range is
-    cut into parts so that at most two CTAs per SM run, one wave, at most one key block per part. H200, GLM-5's
-    32 index heads, the scores alone against the former rule (about four per SM, rounded up: past one wave,
-    and its last CTAs ran alone): B 1 x 128K 1.29 / 1.33x (bf16 / fp8 keys), B 8 1.10 / 1.24x at 32K and
-    1.02 / 1.06x at 128K, B 32 1.02 / 1.07x and 1.04 / 1.08x, B 64 x 32K 1.16 / 1.07x; never slower
-    (ab_indexer_decode.py, indexer_decode.md)."""
-    target = 2 * _sm_count(device)
+def _splits(query_blocks: int, width_blocks: int, device, one_row_blocks: bool = False) -> int:
+    """Key-range splits per query block: 1 when the query blocks alone fill the GPU (prefill); with few query
+    blocks each block's key range is cut into parts, at least one key block per part.
+
+    Blocks of several rows: about four CTAs per SM, rounded up (H100, B 32 over 32K-128K caches: 3-4% faster than
+    two per SM). ``one_row_blocks`` (the generation-step tiling, one row per CTA): at most two CTAs per SM, rounded
+    down, so the grid is one wave. H200, GLM-5's 32 index heads, the scores alone against the four-per-SM rule
+    (whose last CTAs, past one wave, ran alone): B 1 x 128K 1.29 / 1.33x (bf16 / fp8 keys), B 8 1.10 / 1.24x at
+    32K and 1.02 / 1.06x at 128K, B 32 1.02 / 1.07x and 1.04 / 1.08x, B 64 x 32K 1.16 / 1.07x; never slower where
+    measured (B 1-64; ab_indexer_decode.py, indexer_decode.md)."""
+    if one_row_blocks:
+        target = 2 * _sm_count(device)
+        return 1 if query_blocks >= target else max(1, min(target // max(query_blocks, 1), width_blocks))
+    target = 4 * _sm_count(device)
     if query_blocks >= target:
         return 1
-    return max(1, min(target // max(query_blocks, 1), width_blocks))
+    return max(1, min(-(-target // max(query_blocks, 1)), width_blocks))
 
 
 class _Plan:
@@ -812,7 +817,7 @@ class _Plan:
             scores = torch.empty(r1 - r0, wblocks * self.bk, dtype=torch.float32, device=self.device)
         kern = build_indexer(self.cfg)
         kern(self.q[r0 * self.Hi : r1 * self.Hi], self.k, self.w[r0:r1], self.k_scale, self.blk_lo[qb0:qb1],
-             self.blk_hi[qb0:qb1], _splits(qb1 - qb0, wblocks, self.device), scores)
+             self.blk_hi[qb0:qb1], _splits(qb1 - qb0, wblocks, self.device, one_row_blocks=self.bq == 1), scores)
         return r0, r1, scores
 
     def chunk_topk(self, r0, r1, scores, topk, out, config=None, lse=None):

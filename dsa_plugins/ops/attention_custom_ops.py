@@ -37,12 +37,16 @@ _MAX_KERNEL_ELEMENTS = 2**31 - 1
 _MAX_GRID_ROWS = 65535
 
 
+def _query_elements(q: Tensor, indices: Tensor, dv: int) -> int:
+    """Elements of the largest of the q / out / indices slices one query of one batch entry takes."""
+    _, _, h, d = q.shape
+    return max(h * max(d, dv), indices.shape[-1] + 128)  # + the kernel's K padding
+
+
 def _query_step(q: Tensor, indices: Tensor, dv: int, batch: int) -> int:
     """Queries per chunk whose q / out / indices slices (``batch`` entries wide) stay under 2**31
     elements and whose grid rows stay under 65535."""
-    _, _, h, d = q.shape
-    per_query = batch * max(h * max(d, dv), indices.shape[-1] + 128)  # + the kernel's K padding
-    return min(max(1, _MAX_KERNEL_ELEMENTS // per_query), _MAX_GRID_ROWS)
+    return min(max(1, _MAX_KERNEL_ELEMENTS // (batch * _query_elements(q, indices, dv))), _MAX_GRID_ROWS)
 
 
 def _batch_chunks(kv: Tensor, whole_kv: bool = False) -> list[tuple[int, int]]:
@@ -61,15 +65,18 @@ def _kernel_chunks(q: Tensor, kv: Tensor, indices: Tensor, dv: int,
     """(b0, b1, s0, s1) blocks of the (batch, query) axes that each kernel launch takes.
 
     One block, the whole input, for every realistic shape. Long caches split the batch
-    (:func:`_batch_chunks`) unless ``whole_kv``; long inputs (64K+ tokens x 64 heads x 576) split the queries one batch
-    entry at a time. Every block is either whole query rows or a single entry, so its slice of a
-    contiguous [B, S, ...] tensor is contiguous: the kernels write views of one output buffer
+    (:func:`_batch_chunks`) unless ``whole_kv``; a batch whose q / out / indices pass the bound runs in blocks of
+    whole entries (a generation step of tens of thousands of sequences), and long inputs (64K+ tokens x 64 heads x
+    576) split the queries one batch entry at a time. Every block is either whole query rows or a single entry, so
+    its slice of a contiguous [B, S, ...] tensor is contiguous: the kernels write views of one output buffer
     and nothing is concatenated (a concatenation holds the output twice)."""
     s = q.shape[1]
+    # whole entries per block: their q / out / indices under the bound, the batch (the grid's z axis) under 65536
+    entries = min(_MAX_KERNEL_ELEMENTS // (s * _query_elements(q, indices, dv)), _MAX_GRID_ROWS) if s else 1
     blocks = []
     for b0, b1 in _batch_chunks(kv, whole_kv):
-        if _query_step(q, indices, dv, b1 - b0) >= s:
-            blocks.append((b0, b1, 0, s))
+        if entries >= 1 and s <= _MAX_GRID_ROWS:
+            blocks += [(a, min(a + entries, b1), 0, s) for a in range(b0, b1, entries)]
             continue
         step = _query_step(q, indices, dv, 1)
         blocks += [(b, b + 1, a, min(a + step, s)) for b in range(b0, b1) for a in range(0, s, step)]
@@ -91,7 +98,7 @@ def attention_forward(q, kv, indices, sink, scale: float, dv: int, backend: str)
         lse = q.new_empty(b, s, h, dtype=lse_dtype(q.dtype))  # float32 for the kernels' dtypes
         # the forward's programs address kv in 64 bits (TileLang computes every global offset in int64; the
         # compile test holds it): a generation step over B 32 x 128K-token caches is one launch, not one
-        # latency-bound launch per batch chunk (H200, GLM-5 dims: 45.6 + 41.4 us -> one ~47 us launch)
+        # latency-bound launch per batch chunk (H200, GLM-5 dims: 45.6 + 41.4 us -> one launch of 45-48 us)
         blocks = _kernel_chunks(q, kv, indices, dv, whole_kv=True)
         if len(blocks) == 1:  # the whole input (every realistic shape): no views to make
             kernel(q, kv, indices, scale, sink, dv, out=out, lse=lse, decode=s == 1)

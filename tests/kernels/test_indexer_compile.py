@@ -205,3 +205,14 @@ def test_indexer_relu_as_compare_and_select_compiles():
     _need_toolchain()
     src = K.build_indexer({**K.TILED_CONFIGS[0], "relu_max": False}, target=SM90).get_kernel_source()
     assert "wgmma" in src and "dsa_relu_keep_nan" not in src
+
+
+def test_key_range_splits_rule(monkeypatch):
+    """Generation steps (one row per CTA) take one wave of at most two CTAs per SM (rounded down); blocks of
+    several rows about four per SM (rounded up); never more parts than key blocks, never fewer than one."""
+    monkeypatch.setattr(K, "_sm_count", lambda device: 132)
+    rows = lambda b, width=1025: K._splits(b, width, None, one_row_blocks=True)  # noqa: E731
+    assert [rows(b) for b in (1, 8, 32, 64, 132, 264, 1000)] == [264, 33, 8, 4, 2, 1, 1]
+    assert all(rows(b) * b <= 2 * 132 for b in range(1, 265))
+    assert rows(1, width=16) == 16 and rows(1, width=1) == 1
+    assert [K._splits(b, 1025, None) for b in (8, 32, 528, 600)] == [66, 17, 1, 1]

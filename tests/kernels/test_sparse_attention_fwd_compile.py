@@ -39,7 +39,8 @@ def _kv_gathers_are_64_bit(src: str) -> bool:
     """Every gather of a kv row addresses the cache in 64 bits (batch entry x seqlen_kv in int64): the ops layer
     runs caches of 2**31 elements or more in one launch on it."""
     offsets = re.findall(r"&\(KV\[(.*?)\]\)\)", src)
-    return bool(offsets) and all("(((int64_t)((int)blockIdx.z)) * ((int64_t)seqlen_kv))" in o for o in offsets)
+    # (int64_t)<batch entry: blockIdx.z, or the persistent grid's bz>) * ((int64_t)seqlen_kv)
+    return bool(offsets) and all(re.search(r"\(int64_t\)\S+\) \* \(\(int64_t\)seqlen_kv\)", o) for o in offsets)
 
 
 @pytest.mark.slow
@@ -85,7 +86,7 @@ def test_forward_variants_compile_for_sm90a(variant):
     output off) compile for sm_90a."""
     kernel = mod.build_fwd_kernel({**mod.DEFAULT_CONFIG, **variant}, target=SM90A)
     src = kernel.get_kernel_source()
-    assert "wgmma" in src
+    assert "wgmma" in src and _kv_gathers_are_64_bit(src)
     if "load_hint" in variant:
         assert "dsa_cp_async16<2>" in src and "evict_last" in src
     if "fast_exp2" in variant:  # the softmax back on exp2f (denormal results kept)
@@ -106,6 +107,7 @@ def test_decode_split_programs_compile_for_sm90a(dims):
     kernel = mod.build_fwd_kernel({**mod.DEFAULT_CONFIG, "dim_qk": dqk, "dim_v": dv, "partial": True}, target=SM90A)
     src = kernel.get_kernel_source()
     assert "rows_out" in src and "float* __restrict__ Output" in src
+    assert _kv_gathers_are_64_bit(src)
     for sink in (False, True):
         src = mod.build_combine_kernel(dv, sink, "bfloat16", target=SM90A).get_kernel_source()
         assert "parts" in src and ("Sinks[" in src) == sink

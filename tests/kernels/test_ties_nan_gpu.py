@@ -133,7 +133,7 @@ def test_indexer_decode_split_ties_follow_the_rule(monkeypatch):
     q, kk, w = _integer_indexer_inputs(B, Tk, 64, 128, gen, distinct_keys=3)
     starts = torch.tensor([0] + lens[:-1]).cumsum(0).to(torch.int32)
     ke = starts + torch.tensor(lens, dtype=torch.int32)
-    assert K._splits(-(-B // 4), -(-Tk // 128), torch.device("cuda")) > 1
+    assert K._splits(B, -(-Tk // 128), torch.device("cuda"), one_row_blocks=True) > 1
     out = K.indexer_topk(q.cuda(), kk.cuda(), w.cuda(), starts.cuda(), ke.cuda(), 2048)
     want = indexer_topk_reference(q.float(), kk.float(), w, 2048, starts, ke)
     assert torch.equal(_sets(out), _sets(want))

@@ -258,6 +258,17 @@ def test_generation_steps_reach_the_kernel_as_decode_rows(monkeypatch):
     assert [c[1:] for c in fwd_calls] == [(3, 1)]
 
 
+def test_generation_steps_of_many_sequences_run_in_blocks_of_whole_entries(monkeypatch):
+    """A generation step whose q / out / indices pass the bound (tens of thousands of sequences) runs in blocks of
+    whole entries, each still decode rows, in the forward and the backward."""
+    bwd_calls = []
+    # one query of one entry: max(4 x 16, 6 + 128) = 134 elements; two entries per block
+    fwd_calls = _run_in_chunks(monkeypatch, _batched(b=5, s=1, skv=40, h=4, d=16, k=6, seed=12), 2 * 134 + 10,
+                               bwd_calls)
+    assert fwd_calls == [("fwd", 2, 1), ("fwd", 2, 1), ("fwd", 1, 1)]
+    assert [c for c in bwd_calls if c[0] == "bwd"] == [("bwd", 1, 1)] * 5  # the backward's caches: one entry each
+
+
 def test_batch_chunking_for_int32_kernels_is_exact(monkeypatch):
     """Caches over the backward kernel's int32 range (B 32 x 128K tokens x 576) run its launches in batch
     chunks, each with its own cache slice (the forward takes them whole); the split must not change outputs or

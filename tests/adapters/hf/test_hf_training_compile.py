@@ -121,19 +121,28 @@ def test_gpu_compiled_training_step_runs_the_kernels(registered, model_type, mak
     difference is inductor's fusions and the backward's atomics)."""
     if not tiny.available(model_type):
         pytest.skip(f"{model_type} is not in this transformers")
+    import importlib
+
     monkeypatch.setenv("DSA_PLUGINS_BACKEND", "tilelang")
+    # the attention kernels run in both steps (the custom ops' bodies look them up at run time)
+    engine = importlib.import_module("dsa_plugins.ops.attention_custom_ops")
+    launched, real_load = [], engine.load_kernel
+    monkeypatch.setattr(engine, "load_kernel", lambda name: launched.append(name) or real_load(name))
     ids, mask = make_batch(seed=4, seq_len=256, pad=17)
     ids, mask = ids.cuda(), mask.cuda()
     model = tiny.tiny_model(model_type, attn_implementation="dsa_tilelang", seed=1, **_GPU_HEAD_SIZES[model_type])
     model = model.to("cuda", torch.bfloat16)
     model.config.use_cache = False
     loss, grads = _loss_and_grads(model, model, ids, mask)
+    assert {"sparse_attention_fwd", "sparse_attention_bwd"} <= set(launched), launched
+    launched.clear()
     torch._dynamo.reset()
     try:
         compiled = torch.compile(model, fullgraph=True)
         c_loss, c_grads = _loss_and_grads(model, compiled, ids, mask)
     finally:
         torch._dynamo.reset()
+    assert {"sparse_attention_fwd", "sparse_attention_bwd"} <= set(launched), launched
     assert torch.isfinite(c_loss)
     assert abs(c_loss.item() - loss.item()) <= 2e-2 * abs(loss.item()), (c_loss, loss)
     assert grads and any(".indexer." not in n and g.abs().sum() > 0 for n, g in grads.items())
