@@ -18,10 +18,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
+from bench_indexer import decode_inputs  # noqa: E402
 from dsa_plugins.bench.runner import capture_graph, interleaved_graph_ms, ratio_text  # noqa: E402
 from dsa_plugins.kernels import indexer as K  # noqa: E402
-from dsa_plugins.reference.indexer import quantize_fp8_rows  # noqa: E402
 
 
 def main() -> None:
@@ -36,17 +37,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
     B, ctx, hi, di = args.batch, args.context, args.heads, 128
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(B, hi, di, device="cuda", generator=g).bfloat16()
-    kk = torch.randn(B * ctx, di, device="cuda", generator=g).bfloat16()
-    w = torch.randn(B, hi, device="cuda", generator=g) * (hi * di) ** -0.5
-    k_scale = None
-    if args.fp8:
-        kk, k_scale = quantize_fp8_rows(kk)
-        q, q_scale = quantize_fp8_rows(q)
-        w = w * q_scale
-    ks = torch.arange(B, device="cuda", dtype=torch.int32) * ctx
-    ke = ks + ctx
+    q, kk, w, k_scale, ks, ke = decode_inputs(B, ctx, hi, di, args.fp8)
     base = K.default_config(hi, di, args.fp8, rows=B)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     counts = [max(1, int(s[:-3]) * sms // B) if s.endswith("/sm") else int(s) for s in args.splits.split(",")]

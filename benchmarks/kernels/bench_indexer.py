@@ -131,13 +131,10 @@ def _hbm_bandwidth() -> float:
     return next((bw for key, bw in HBM_BYTES_PER_S.items() if key in name), float("nan"))
 
 
-def bench_decode(batch, context, hi, di, k, fp8=False):
-    """Generation step: one query row per sequence over its whole cache (packed keys, batched layout
-    declared), top-k included. ``ms``: the shipped plan (one row per CTA, each row's buffer spans its
-    own cache, no host sync); ``graph_ms``: the same call replayed from a CUDA graph (no host time);
-    ``ms_prefill_tiling``: the prefill tiling without the layout (4 rows of 4 sequences per CTA, a
-    buffer over their union: the plan before). Bandwidth: index_k bytes read / graph time."""
-    g = torch.Generator(device="cuda").manual_seed(1)
+def decode_inputs(batch, context, hi, di, fp8=False, seed=1):
+    """A generation step's indexer inputs: one query row per sequence over its own ``context`` keys (packed), fp8
+    quantised as the fp8 index cache does. Returns (q, k, weights, k_scale or None, key_start, key_end)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(batch, hi, di, device="cuda", generator=g).bfloat16()
     kk = torch.randn(batch * context, di, device="cuda", generator=g).bfloat16()
     w = torch.randn(batch, hi, device="cuda", generator=g) * (hi**-0.5 * di**-0.5)
@@ -147,7 +144,16 @@ def bench_decode(batch, context, hi, di, k, fp8=False):
 
         q, kk, k_scale, w = quantize_indexer_fp8(q, kk, w)
     ks = (torch.arange(batch, device="cuda", dtype=torch.int32) * context).contiguous()
-    ke = ks + context
+    return q, kk, w, k_scale, ks, ks + context
+
+
+def bench_decode(batch, context, hi, di, k, fp8=False):
+    """Generation step: one query row per sequence over its whole cache (packed keys, batched layout
+    declared), top-k included. ``ms``: the shipped plan (one row per CTA, each row's buffer spans its
+    own cache, no host sync); ``graph_ms``: the same call replayed from a CUDA graph (no host time);
+    ``ms_prefill_tiling``: the prefill tiling without the layout (4 rows of 4 sequences per CTA, a
+    buffer over their union: the plan before). Bandwidth: index_k bytes read / graph time."""
+    q, kk, w, k_scale, ks, ke = decode_inputs(batch, context, hi, di, fp8)
     fn = lambda: K.indexer_topk(q, kk, w, ks, ke, k, index_k_scale=k_scale, entries=(1, context))  # noqa: E731
     out = fn()
     t = bench(fn)

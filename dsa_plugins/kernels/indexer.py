@@ -705,13 +705,11 @@ def _splits(query_blocks: int, width_blocks: int, device, one_row_blocks: bool =
     (whose last CTAs, past one wave, ran alone): B 1 x 128K 1.29 / 1.33x (bf16 / fp8 keys), B 8 1.10 / 1.24x at
     32K and 1.02 / 1.06x at 128K, B 32 1.02 / 1.07x and 1.04 / 1.08x, B 64 x 32K 1.16 / 1.07x; never slower where
     measured (B 1-64; ab_indexer_decode.py, indexer_decode.md)."""
-    if one_row_blocks:
-        target = 2 * _sm_count(device)
-        return 1 if query_blocks >= target else max(1, min(target // max(query_blocks, 1), width_blocks))
-    target = 4 * _sm_count(device)
+    target = (2 if one_row_blocks else 4) * _sm_count(device)
     if query_blocks >= target:
         return 1
-    return max(1, min(-(-target // max(query_blocks, 1)), width_blocks))
+    qb = max(query_blocks, 1)
+    return max(1, min(target // qb if one_row_blocks else -(-target // qb), width_blocks))
 
 
 class _Plan:

@@ -49,13 +49,10 @@ def _query_step(q: Tensor, indices: Tensor, dv: int, batch: int) -> int:
     return min(max(1, _MAX_KERNEL_ELEMENTS // (batch * _query_elements(q, indices, dv))), _MAX_GRID_ROWS)
 
 
-def _batch_chunks(kv: Tensor, whole_kv: bool = False) -> list[tuple[int, int]]:
+def _batch_chunks(kv: Tensor) -> list[tuple[int, int]]:
     """Ranges of the batch axis whose kv slice stays under 2**31 elements (one range, the whole
-    batch, unless the caches are long and many: B 32 x 128K tokens x 576 needs two). ``whole_kv``: the
-    kernel addresses kv in 64 bits (the forward), one range."""
+    batch, unless the caches are long and many: B 32 x 128K tokens x 576 needs two)."""
     b, t, d = kv.shape
-    if whole_kv:
-        return [(0, b)]
     step = max(1, _MAX_KERNEL_ELEMENTS // max(1, t * d))
     return [(a, min(a + step, b)) for a in range(0, b, step)]
 
@@ -74,7 +71,7 @@ def _kernel_chunks(q: Tensor, kv: Tensor, indices: Tensor, dv: int,
     # whole entries per block: their q / out / indices under the bound, the batch (the grid's z axis) under 65536
     entries = min(_MAX_KERNEL_ELEMENTS // (s * _query_elements(q, indices, dv)), _MAX_GRID_ROWS) if s else 1
     blocks = []
-    for b0, b1 in _batch_chunks(kv, whole_kv):
+    for b0, b1 in [(0, kv.shape[0])] if whole_kv else _batch_chunks(kv):
         if entries >= 1 and s <= _MAX_GRID_ROWS:
             blocks += [(a, min(a + entries, b1), 0, s) for a in range(b0, b1, entries)]
             continue
