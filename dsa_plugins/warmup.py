@@ -221,7 +221,7 @@ def jobs_for(dims: ModelDims | None, training: bool = True, notes: list | None =
         jobs.append(KernelJob(f"radix top-k {cfg['threads']} threads{agg}{split}{', lse' if cfg.get('lse') else ''}", tk,
                               "build_topk", (dict(cfg),),
                               gpu_target="auto", seconds=9))
-    jobs.append(KernelJob("top-k tie fill", tk, "build_tie_fill", gpu_target="auto", seconds=7))
+    jobs.append(KernelJob("top-k finish (ties, order)", tk, "build_finish", gpu_target="auto", seconds=7))
     if training and attn:
         for cfg in bwd_cfgs:  # one job per program: they compile side by side
             for name in sparse_attention_bwd.bwd_program_names(cfg):

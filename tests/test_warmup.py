@@ -83,7 +83,7 @@ def test_a_config_without_dsa_is_refused_with_a_message(tmp_path, capsys):
 
 @pytest.mark.skipif(not HAS_TILELANG, reason="TileLang is not installed")
 def test_a_job_compiles_for_sm90a_in_a_worker_process():
-    (job,) = [j for j in warmup.jobs_for(None) if j.function == "build_tie_fill"]
+    (job,) = [j for j in warmup.jobs_for(None) if j.function == "build_finish"]
     ((label, seconds, error),) = warmup.compile_jobs([job], workers=1, on_gpu=False)
     assert error is None and label == job.label and seconds > 0
 
@@ -100,9 +100,9 @@ def test_first_build_in_a_process_says_so_once(caplog):
     reset_warnings()
     topk._BUILT.clear()
     with caplog.at_level(logging.WARNING, logger="dsa_plugins"):
-        topk.build_tie_fill(target=dict(CPU_COMPILE_TARGET))
+        topk.build_finish(target=dict(CPU_COMPILE_TARGET))
         topk._BUILT.clear()
-        topk.build_tie_fill(target=dict(CPU_COMPILE_TARGET))
+        topk.build_finish(target=dict(CPU_COMPILE_TARGET))
     notes = [r.getMessage() for r in caplog.records if "building TileLang kernels" in r.getMessage()]
     assert len(notes) == 1 and "dsa_plugins warmup" in notes[0]
 

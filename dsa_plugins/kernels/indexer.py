@@ -846,8 +846,8 @@ def indexer_topk(index_q, index_k, weights, key_start, key_end, topk: int, *, co
 
     Returns [Tq, topk] int32: the rows s of the ``topk`` largest I[t, s] inside the window,
     -1 in the slots beyond the window size when the window holds fewer than ``topk`` keys.
-    Order inside a row: unspecified (radix-select output order, not sorted by score; a
-    window of at most ``topk`` keys comes back in ascending key order followed by -1).
+    Order inside a row: ascending key order, -1 padding last (``topk.radix_finish``), whatever the
+    configuration, chunking or rows beside it.
     Among equal scores the lowest key wins (-0.0 ties with +0.0), so a row's set depends on its own
     scores only, never on chunking, key-range splits or the rows packed beside it. Keys outside the
     window are never selected.

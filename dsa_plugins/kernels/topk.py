@@ -11,11 +11,14 @@ k-th largest key is found digit by digit (12 + 10 + 10 bits):
    (``cap`` entries; otherwise the later rounds re-read the row from global memory);
 3. two 10-bit rounds over that candidate set fix the exact 32-bit threshold key;
 4. a last pass emits the candidates above the threshold, and every column of the threshold key
-   when all of them are needed. When more columns share that key than are still needed, the row is
-   left to a second program, ``radix_tie_fill``, which re-reads it in column order and ranks the
-   ties with a block-wide prefix count: the lowest columns win. It is a program of its own because
-   its scan would cost the select program registers (48 -> 82 at 256 threads) and occupancy; rows
-   without excess ties leave it at once (H100: 0.005 ms for 64 rows, the select 0.027 ms).
+   when all of them are needed. The selected columns are marked in a bitmap of the row's range in
+   shared memory and written from it in ascending column order (one block scan of per-thread counts);
+5. a second program, ``radix_finish``, completes the rest: when more columns share the threshold
+   key than are still needed, it re-reads the row in column order and ranks the ties with a
+   block-wide prefix count (the lowest columns win) and writes the row in order again; rows too long
+   for the select program's bitmap (emitted at slots taken from atomics) are ordered there too. It
+   is a program of its own because its scans would cost the select program registers (48 -> 82 at
+   256 threads) and occupancy; other rows leave it at once.
 
 The result is exact and canonical (DSA.md 2): the same set as a stable sort by score, descending,
 where among equal scores the lowest column wins and -0.0 ties with +0.0. A row's selection so
@@ -23,11 +26,12 @@ depends on its own scores only, never on how rows are packed, chunked or launche
 The CTA size is chosen from the row count and length (``config_for_rows``). H200: 64 rows
 x 32768, k 2048: 0.028 ms (torch.topk 0.114 ms); H100 with the tie rule: 0.027 + 0.005 ms.
 Rows whose valid range holds at most ``topk`` columns return all of them followed by -1.
-The order of the indices inside a row is unspecified (it is not sorted).
+Each row comes in ascending column order, -1 padding last: the sparse attention sums its slots in
+index order, so this order is what makes its output bits the same alone, in a batch, and from run to run.
 
 TileLang is imported lazily so that this module imports without TileLang or a GPU.
 
-Size: one file for the family (the select programs and the tie-fill program share the key order,
+Size: one file for the family (the select programs and the finish program share the key order,
 the row loads, the digit search and the tie pass; the configurations and the wrappers sit with them).
 """
 
@@ -53,11 +57,11 @@ SHIPPED_CONFIGS: list = [
     {"threads": 512, "cap": 4096, "unroll": 4, "agg": True},
 ]
 #: each also with ``lse``: it writes every row's logsumexp of the scores it selects (the indexer KL loss
-#: takes it instead of recomputing the logits); ties at the threshold enter by count, so the tie-fill
+#: takes it instead of recomputing the logits); ties at the threshold enter by count, so the finish
 #: program needs no change
 SHIPPED_CONFIGS += [{**cfg, "lse": True} for cfg in SHIPPED_CONFIGS]
 #: the split program (``parts`` CTAs per row, one cluster; no lse): few long rows, the generation steps.
-#: H100, indexer-like scores, k 2048, select + tie-fill from a CUDA graph (one CTA per row -> split):
+#: H100, indexer-like scores, k 2048, select + finish from a CUDA graph (one CTA per row -> split):
 #: 1 x 131072 59.9 -> 29.9 us, 8 x 131072 56.5 -> 29.4, 16 x 131072 62.9 -> 37.8 (4 parts), 1 / 8 x 32768
 #: 25.6 / 26.9 -> 22.8 / 23.1 (4 parts; 8 parts 26.8 / 27.2): both programs are a chain of latency-bound phases
 #: of 20-25 us per row; past 16 rows the clusters no longer fit in one wave (32 x 32768: 25.6 -> 41.8)
@@ -102,6 +106,16 @@ def config_for_rows(rows: int, max_cols: int, lse: bool = False) -> dict:
         return DEFAULT_CONFIG
     return MANY_SHORT_ROWS_CONFIG if max_cols <= SHORT_ROW_MAX else MANY_LONG_ROWS_CONFIG
 
+
+#: the finish program orders rows of up to SORT_MAX_K selected columns in shared memory (32 KB), marking
+#: SORT_WINDOW_BITS columns at a time in a bitmap (8 KB); larger k is ordered by the caller (torch.sort)
+SORT_MAX_K = 8192
+SORT_WINDOW_BITS = 65536
+#: the select programs write a row in ascending column order themselves when its range (radix_topk) or a CTA's
+#: slice of it (split) fits a bitmap of this many words (32 columns a word) in shared memory; the finish program
+#: orders longer rows
+ORDER_WORDS = {256: 1024, 512: 2048, 1024: 4096}
+SPLIT_ORDER_WORDS = 2048
 
 _NB1 = 4096  # bins of the first (12-bit) digit
 _NB2 = 1024  # bins of the two later (10-bit) digits
@@ -228,6 +242,83 @@ def _threshold_macro(T, threads: int):
     return find_threshold
 
 
+def _order_macros(T, threads: int):
+    """The pieces that write a row's selection in ascending column order from a bitmap in shared memory
+    (bit b of word w: column first + 32 w + b), shared by the select programs and the finish program.
+    ``sc`` is a local int32 scratch of 3: [0] this thread's count, [1] its inclusive block prefix, [2] a slot;
+    ``wv`` a local uint32 scratch of 1."""
+    nwarps = threads // 32
+    u32 = T.uint32
+    i32 = T.int32
+
+    @T.macro
+    def mark_nibble(bits, nib, idx4, nwords, tx, wv, accumulate: bool = False):
+        # the flags of the 4 consecutive columns of float4 `idx4` (bits 0-3 of nib; idx4 counted from the bitmap's
+        # first column, so the 8 lanes tx // 8 * 8 ... + 7 hold one word) into word idx4 // 8: the 8 lanes OR their
+        # nibbles and the first of them stores it (``accumulate``: ORs it into the word). One writer per word, and
+        # pass 2 stores every word of the range, so the bitmap needs no clearing. Every lane of the warp must call
+        # it.
+        wv[0] = T.cast(nib, u32) << T.cast((tx % 8) * 4, u32)
+        wv[0] = wv[0] | T.shfl_xor(wv[0], 1)
+        wv[0] = wv[0] | T.shfl_xor(wv[0], 2)
+        wv[0] = wv[0] | T.shfl_xor(wv[0], 4)
+        if tx % 8 == 0 and idx4 // 8 < nwords:
+            if accumulate:
+                bits[idx4 // 8] = bits[idx4 // 8] | wv[0]
+            else:
+                bits[idx4 // 8] = wv[0]
+
+    @T.macro
+    def count_and_scan(bits, nwords, tx, wsum, sc):
+        # sc[0] <- the set bits of this thread's words [tx * wpt, (tx + 1) * wpt), sc[1] <- their inclusive prefix
+        # over the block; wsum[w] <- warp w's total. Has a barrier.
+        sc[0] = 0
+        for j in T.serial(T.ceildiv(nwords, threads)):
+            if tx * T.ceildiv(nwords, threads) + j < nwords:
+                sc[0] = sc[0] + T.cast(T.popcount(bits[tx * T.ceildiv(nwords, threads) + j]), i32)
+        sc[1] = sc[0]
+        for s_ in T.unroll(5):
+            sc[2] = T.shfl_up(sc[1], 1 << s_)
+            if (tx % 32) >= (1 << s_):
+                sc[1] = sc[1] + sc[2]
+        if tx % 32 == 31:
+            wsum[tx // 32] = sc[1]
+        T.sync_threads()
+        for w in T.unroll(nwarps):
+            if w < tx // 32:
+                sc[1] = sc[1] + wsum[w]
+
+    @T.macro
+    def write_in_order(bits, nwords, tx, sc, first, Out, row, wv):
+        # this thread's set bits, in column order, to Out[row, sc[2]...] (sc[2]: its first slot)
+        for j in T.serial(T.ceildiv(nwords, threads)):
+            if tx * T.ceildiv(nwords, threads) + j < nwords:
+                wv[0] = bits[tx * T.ceildiv(nwords, threads) + j]
+                for _ in T.serial(T.cast(T.popcount(bits[tx * T.ceildiv(nwords, threads) + j]), i32)):
+                    Out[row, sc[2]] = first + (tx * T.ceildiv(nwords, threads) + j) * 32 + (
+                        T.__ffs(T.reinterpret(wv[0], i32)) - 1)
+                    sc[2] = sc[2] + 1
+                    wv[0] = wv[0] & (wv[0] - T.uint32(1))
+
+    @T.macro
+    def block_total(wsum, tot):
+        # tot[0] <- the block's total (after count_and_scan)
+        tot[0] = 0
+        for w in T.unroll(nwarps):
+            tot[0] = tot[0] + wsum[w]
+
+    return mark_nibble, count_and_scan, write_in_order, block_total
+
+
+# an OR into a word of the shared bitmap by its 32-bit shared address (red.shared, no returned value). TileLang
+# 0.1.15's T.atomic_or emits red.global, which faults on a shared address (CUDA_ERROR_INVALID_ADDRESS_SPACE).
+_ORDER_PRELUDE = r"""
+__device__ __forceinline__ void dsa_shared_or(unsigned* word, unsigned bits) {
+  asm volatile("red.shared.or.b32 [%0], %1;" :: "r"((unsigned)__cvta_generic_to_shared(word)), "r"(bits) : "memory");
+}
+"""
+
+
 # the split program: 4 consecutive histogram bins summed over the cluster's CTAs (16-byte loads from each peer's
 # shared memory, all issued before the first add)
 _SPLIT_PRELUDE = r"""
@@ -265,6 +356,8 @@ def _factory():
         u32 = T.uint32
         i32 = T.int32
         ordered, load_chunk, _ = _row_macros(T, threads, unroll)
+        mark_nibble, count_and_scan, write_in_order, _ = _order_macros(T, threads)
+        owords = ORDER_WORDS[threads]
 
         find_threshold = _threshold_macro(T, threads)
 
@@ -275,6 +368,16 @@ def _factory():
             # the float of an order-preserving key (the inverse of `ordered`; -0.0 comes back as +0.0)
             return T.reinterpret(T.if_then_else((key >> T.uint32(31)) == T.uint32(1), key & T.uint32(0x7FFFFFFF),
                                                 key ^ T.uint32(0xFFFFFFFF)), f32)
+
+        @T.macro
+        def emit_one(col, use_bits, bits, c0, ctl, Out, bx, out_offset, sc):
+            # one selected column of the final pass: a bit of the bitmap, or a slot from the shared counter
+            if use_bits == 1:
+                T.call_extern("handle", "dsa_shared_or", T.address_of(bits[(col - c0 * 4) >> 5]),
+                              T.uint32(1) << T.cast((col - c0 * 4) & 31, u32))
+            else:
+                sc[2] = T.atomic_add(ctl[0], 1, return_prev=True)
+                Out[bx, sc[2]] = col + out_offset
 
         @T.macro
         def lse_add(run, x):
@@ -325,13 +428,19 @@ def _factory():
             Ties: T.Tensor([R, 2], T.int32),
             Lse: T.Tensor([R] if lse else [1], T.float32),
         ):
-            with T.Kernel(R, threads=threads) as bx:
+            with T.Kernel(R, threads=threads, prelude=_ORDER_PRELUDE) as bx:
+                # 64 registers a thread at most (the 256-thread program took 71 with the ordering bitmap, one CTA
+                # per SM fewer than without it; capped: no spills)
+                T.annotate_min_blocks_per_sm(max(1, 65536 // (threads * 64)))
                 tx = T.get_thread_binding()
                 hist = T.alloc_shared([_NB1], i32)
                 ckey = T.alloc_shared([cap], u32)
                 cidx = T.alloc_shared([cap], i32)
                 wsum = T.alloc_shared([32], i32)
                 ctl = T.alloc_shared([8], i32)
+                bits = T.alloc_shared([owords], u32)  # the selected columns, c0 * 4 + 32 w + b (use_bits)
+                sc = T.alloc_local([3], i32)
+                wv = T.alloc_local([1], u32)
                 vals = T.alloc_local([unroll * 4], T.float32)
                 if lse:
                     lse_m = T.alloc_shared([32], f32)
@@ -352,6 +461,10 @@ def _factory():
                 key = T.alloc_var(u32)
                 col = T.alloc_var(i32)
                 pos = T.alloc_var(i32)
+                use_bits = T.alloc_var(i32)
+                nwords = T.alloc_var(i32)
+                nib = T.alloc_var(i32)
+                sel = T.alloc_var(i32)
                 if agg:
                     lane = T.alloc_var(i32)
                     lt = T.alloc_var(u32)
@@ -371,7 +484,7 @@ def _factory():
                 start = T.max(Starts[bx], 0)
                 end = T.min(Ends[bx], n4 * 4)
                 if tx == 0:
-                    Ties[bx, 1] = 0  # no ties left for the tie-fill program (set below otherwise)
+                    Ties[bx, 1] = 0  # no ties left for the finish program (set below otherwise)
                 if end - start <= K:
                     # Everything valid is selected; pad with -1.
                     for it in T.serial(T.ceildiv(K, threads)):
@@ -387,6 +500,10 @@ def _factory():
                 else:
                     c0 = start // 4
                     c1 = (end + 3) // 4
+                    # the selection in ascending column order straight from a bitmap of the range when it fits
+                    # (else the finish program orders the row)
+                    nwords = T.ceildiv(c1 - c0, 8)
+                    use_bits = T.if_then_else(nwords <= owords, 1, 0)
                     for j in T.serial(_NB1 // threads):
                         hist[j * threads + tx] = 0
                     if tx < 8:
@@ -411,17 +528,19 @@ def _factory():
                     for j in T.serial(_NB2 // threads):
                         hist[j * threads + tx] = 0
 
-                    # ---- pass 2: emit digits above b1, gather digit == b1 -------------
+                    # ---- pass 2: emit digits above b1 (bits, or slots), gather digit == b1 -----
                     for it in T.serial(T.ceildiv(c1 - c0, threads * unroll)):
                         load_chunk(S, bx, c0, c1, it, tx, vals)
                         for u in T.unroll(unroll):
+                            nib = 0
                             for v in T.unroll(4):
                                 col = (c0 + (it * unroll + u) * threads + tx) * 4 + v
                                 if agg:
                                     # one shared atomic per warp and output: slots from ballots
                                     key = ordered(vals[u * 4 + v])
-                                    f1 = T.if_then_else(
+                                    sel = T.if_then_else(
                                         col >= start and col < end and (key >> T.uint32(20)) > b1, 1, 0)
+                                    f1 = sel * (1 - use_bits)
                                     f2 = T.if_then_else(
                                         col >= start and col < end and (key >> T.uint32(20)) == b1 and use_cand == 1,
                                         1, 0)
@@ -440,23 +559,28 @@ def _factory():
                                     bB = T.shfl_sync(bB, 0)
                                     if f1 == 1:
                                         Out[bx, bA + T.cast(T.popcount(m1 & lt), i32)] = col + out_offset
-                                        if lse:
-                                            lse_add(run, vals[u * 4 + v])
                                     if f2 == 1:
                                         ckey[bB + T.cast(T.popcount(m2 & lt), i32)] = key
                                         cidx[bB + T.cast(T.popcount(m2 & lt), i32)] = col
                                 else:
+                                    sel = 0
                                     if col >= start and col < end:
                                         key = ordered(vals[u * 4 + v])
                                         if (key >> T.uint32(20)) > b1:
-                                            pos = T.atomic_add(ctl[0], 1, return_prev=True)
-                                            Out[bx, pos] = col + out_offset
-                                            if lse:
-                                                lse_add(run, vals[u * 4 + v])
+                                            sel = 1
+                                            if use_bits == 0:
+                                                pos = T.atomic_add(ctl[0], 1, return_prev=True)
+                                                Out[bx, pos] = col + out_offset
                                         elif (key >> T.uint32(20)) == b1 and use_cand == 1:
                                             pos = T.atomic_add(ctl[1], 1, return_prev=True)
                                             ckey[pos] = key
                                             cidx[pos] = col
+                                if lse:
+                                    if sel == 1:
+                                        lse_add(run, vals[u * 4 + v])
+                                nib = nib | (sel << v)
+                            if use_bits == 1:  # uniform over the CTA
+                                mark_nibble(bits, nib, (it * unroll + u) * threads + tx, nwords, tx, wv)
                     T.sync_threads()
                     ncand = ctl[1]
                     prefix = b1
@@ -502,47 +626,75 @@ def _factory():
                             if it * threads + tx < ncand:
                                 key = ckey[it * threads + tx]
                                 if key > prefix or (key == prefix and ctl[5] == 0):
-                                    pos = T.atomic_add(ctl[0], 1, return_prev=True)
-                                    Out[bx, pos] = cidx[it * threads + tx] + out_offset
+                                    emit_one(cidx[it * threads + tx], use_bits, bits, c0, ctl, Out, bx, out_offset, sc)
                                     if lse and key > prefix:  # ties are counted once below
                                         lse_add(run, unordered(key))
                     else:
                         for it in T.serial(T.ceildiv(c1 - c0, threads * unroll)):
                             load_chunk(S, bx, c0, c1, it, tx, vals)
                             for u in T.unroll(unroll):
+                                nib = 0
                                 for v in T.unroll(4):
                                     col = (c0 + (it * unroll + u) * threads + tx) * 4 + v
+                                    sel = 0
                                     if col >= start and col < end:
                                         key = ordered(vals[u * 4 + v])
                                         if (key >> T.uint32(20)) == b1 and (
                                             key > prefix or (key == prefix and ctl[5] == 0)
                                         ):
-                                            pos = T.atomic_add(ctl[0], 1, return_prev=True)
-                                            Out[bx, pos] = col + out_offset
+                                            sel = 1
+                                            if use_bits == 0:
+                                                pos = T.atomic_add(ctl[0], 1, return_prev=True)
+                                                Out[bx, pos] = col + out_offset
                                             if lse and key > prefix:
                                                 lse_add(run, vals[u * 4 + v])
-                    # ---- more ties than still needed: the tie-fill program takes the lowest columns
-                    # (a separate program: its scan would cost this one registers and occupancy)
+                                    nib = nib | (sel << v)
+                                # (nibbles, not a shared OR per column: per-column addresses took the 256-thread
+                                # program from 64 to 80 registers)
+                                if use_bits == 1:
+                                    mark_nibble(bits, nib, (it * unroll + u) * threads + tx, nwords, tx, wv, True)
+                    # ---- the bitmap's columns to slots [0, K - ties left) in ascending order
+                    if use_bits == 1:
+                        T.sync_threads()
+                        count_and_scan(bits, nwords, tx, wsum, sc)
+                        sc[2] = sc[1] - sc[0]
+                        write_in_order(bits, nwords, tx, sc, c0 * 4 + out_offset, Out, bx, wv)
+                    # ---- more ties than still needed: the finish program takes the lowest columns
+                    # (a separate program: its scan would cost this one registers and occupancy) and writes the
+                    # row in order again; a row too long for the bitmap is ordered there too (-1)
                     if ctl[5] > 0 and tx == 0:
                         Ties[bx, 0] = T.reinterpret(prefix, i32)
                         Ties[bx, 1] = need
+                    elif use_bits == 0 and tx == 0:
+                        Ties[bx, 1] = -1
                     if lse:  # `need` columns of the threshold key are selected, here or by the tie fill
                         lse_combine(run, lse_m, lse_s, tx, need, unordered(prefix), Lse, bx)
 
         return main
 
     @tilelang.jit(pass_configs=_pass_configs())
-    def radix_tie_fill(threads: int = 256, unroll: int = 4):
-        # Rows the select program left with ``need`` > 0 ties of key ``prefix`` (Ties[r] = (prefix,
-        # need)): the ``need`` lowest such columns go to Out[r, K - need:]. Other rows return at once.
+    def radix_finish(threads: int = 256, unroll: int = 4, order: bool = True):
+        # After a select program, one CTA per row:
+        # 1. rows left with ``need`` > 0 ties of key ``prefix`` (Ties[r] = (prefix, need)): the ``need`` lowest such
+        #    columns go to Out[r, K - need:];
+        # 2. (``order``) the rows the select program could not write in ascending column order (Ties[r, 1] != 0:
+        #    the ties just filled, or -1: a range longer than the select program's bitmap, whose columns it emitted
+        #    at slots taken from atomics) are rewritten in that order. The attention sums its slots in index order,
+        #    so only a canonical order gives the same bits alone and in a batch. The K entries are kept in shared
+        #    memory; windows of SORT_WINDOW_BITS columns are marked in a bitmap and compacted (one block scan of the
+        #    per-thread counts per window). K > SORT_MAX_K is left to the caller.
         R = T.dynamic("R")
         n4 = T.dynamic("n4")
         K = T.dynamic("K")
         n_off = T.dynamic("n_off")
+        i32 = T.int32
+        u32 = T.uint32
+        words = SORT_WINDOW_BITS // 32
         ordered, load_chunk, emit_ties_in_column_order = _row_macros(T, threads, unroll)
+        _, count_and_scan, write_in_order, block_total = _order_macros(T, threads)
 
         @T.prim_func
-        def fill(
+        def finish(
             S: T.Tensor([R, n4, 4], T.float32),
             Starts: T.Tensor([R], T.int32),
             Ends: T.Tensor([R], T.int32),
@@ -551,26 +703,66 @@ def _factory():
             offset_stride: T.int32,
             Out: T.Tensor([R, K], T.int32),
         ):
-            with T.Kernel(R, threads=threads) as bx:
+            with T.Kernel(R, threads=threads, prelude=_ORDER_PRELUDE) as bx:
                 tx = T.get_thread_binding()
-                wsum = T.alloc_shared([32], T.int32)
-                ctl = T.alloc_shared([8], T.int32)
+                wsum = T.alloc_shared([32], i32)
+                ctl = T.alloc_shared([8], i32)
                 vals = T.alloc_local([unroll * 4], T.float32)
-                need = T.alloc_var(T.int32)
-                start = T.alloc_var(T.int32)
-                end = T.alloc_var(T.int32)
+                need = T.alloc_var(i32)
+                start = T.alloc_var(i32)
+                end = T.alloc_var(i32)
                 need = Ties[bx, 1]
+                start = T.max(Starts[bx], 0)
+                end = T.min(Ends[bx], n4 * 4)
                 if need > 0:  # uniform over the CTA
-                    start = T.max(Starts[bx], 0)
-                    end = T.min(Ends[bx], n4 * 4)
                     if tx < 8:
                         ctl[tx] = 0
                     T.sync_threads()
                     emit_ties_in_column_order(S, bx, start // 4, (end + 3) // 4, start, end,
                                               T.reinterpret(Ties[bx, 0], T.uint32), need, tx, vals, wsum, ctl,
                                               Offsets[bx * offset_stride], Out, K)
+                if order:
+                    stash = T.alloc_shared([SORT_MAX_K], i32)
+                    bitmap = T.alloc_shared([words], u32)
+                    sc = T.alloc_local([3], i32)
+                    wv = T.alloc_local([1], u32)
+                    tot = T.alloc_local([1], i32)
+                    lo = T.alloc_var(i32)
+                    nbits = T.alloc_var(i32)
+                    d = T.alloc_var(i32)
+                    # rows the select program left unordered (Ties[r, 1] != 0: ties filled above, or -1: a range
+                    # longer than its bitmap) that hold K distinct columns (uniform over the CTA)
+                    if need != 0 and end - start > K and K <= SORT_MAX_K:
+                        T.sync_threads()  # the tie fill's stores are seen by the whole CTA
+                        for j in T.serial(T.ceildiv(K, threads)):
+                            if j * threads + tx < K:
+                                stash[j * threads + tx] = Out[bx, j * threads + tx]
+                        if tx == 0:
+                            ctl[6] = 0  # entries written back so far
+                        for w in T.serial(T.ceildiv(end - start, SORT_WINDOW_BITS)):
+                            lo = start + Offsets[bx * offset_stride] + w * SORT_WINDOW_BITS
+                            nbits = T.min(SORT_WINDOW_BITS, end - start - w * SORT_WINDOW_BITS)
+                            for j in T.serial(T.ceildiv(T.ceildiv(nbits, 32), threads)):
+                                if j * threads + tx < T.ceildiv(nbits, 32):
+                                    bitmap[j * threads + tx] = T.uint32(0)
+                            T.sync_threads()
+                            for j in T.serial(T.ceildiv(K, threads)):
+                                if j * threads + tx < K:
+                                    d = stash[j * threads + tx] - lo
+                                    if d >= 0 and d < nbits:
+                                        T.call_extern("handle", "dsa_shared_or", T.address_of(bitmap[d >> 5]),
+                                                      T.uint32(1) << T.cast(d & 31, u32))
+                            T.sync_threads()
+                            count_and_scan(bitmap, T.ceildiv(nbits, 32), tx, wsum, sc)
+                            sc[2] = ctl[6] + sc[1] - sc[0]
+                            write_in_order(bitmap, T.ceildiv(nbits, 32), tx, sc, lo, Out, bx, wv)
+                            block_total(wsum, tot)
+                            T.sync_threads()
+                            if tx == 0:
+                                ctl[6] = ctl[6] + tot[0]
+                            T.sync_threads()
 
-        return fill
+        return finish
 
     @tilelang.jit(pass_configs=_pass_configs())
     def radix_topk_split(threads: int = 1024, parts: int = 8, cap: int = 4096, unroll: int = 4):
@@ -578,7 +770,7 @@ def _factory():
         # histograms are summed through distributed shared memory (every CTA sums all of them, so each finds
         # the same digits), each CTA emits its own selected columns at output slots taken from a counter in
         # the shared memory of the cluster's CTA 0, and keeps its own candidates. Same sets as ``radix_topk``
-        # (rows with more threshold ties than needed go to the tie-fill program the same way); no lse.
+        # (rows with more threshold ties than needed go to the finish program the same way); no lse.
         assert threads % 32 == 0 and _NB2 % threads == 0 and parts in (2, 4, 8), (threads, parts)
         bpt1 = _NB1 // threads
         bpt2 = _NB2 // threads
@@ -590,6 +782,7 @@ def _factory():
         i32 = T.int32
         ordered, load_chunk, _ = _row_macros(T, threads, unroll)
         find_threshold = _threshold_macro(T, threads)
+        mark_nibble, count_and_scan, write_in_order, block_total = _order_macros(T, threads)
 
         def peer(buf, j, rank):
             return T.call_extern(i32, "dsa_peer_i32", T.address_of(buf[j]), rank)
@@ -619,6 +812,16 @@ def _factory():
                 if flag == 1:
                     Out[row, slot[1] + T.cast(T.popcount(T.cast(slot[0], u32) & lt), i32)] = col + out_offset
 
+        @T.macro
+        def emit_final(flag, col, use_bits, bits, p0, ctl, lane, lt, slot, Out, row, out_offset):
+            # a selected column of the final pass: a bit of the slice's bitmap, or a slot from CTA 0's counter
+            if use_bits == 1:  # uniform over the cluster
+                if flag == 1:
+                    T.call_extern("handle", "dsa_shared_or", T.address_of(bits[(col - p0 * 4) >> 5]),
+                                  T.uint32(1) << T.cast((col - p0 * 4) & 31, u32))
+            else:
+                emit(flag, col, ctl, lane, lt, slot, Out, row, out_offset)
+
         @T.prim_func
         def split(
             S: T.Tensor([R, n4, 4], T.float32),
@@ -629,7 +832,7 @@ def _factory():
             Out: T.Tensor([R, K], T.int32),
             Ties: T.Tensor([R, 2], T.int32),
         ):
-            with T.Kernel(R * parts, threads=threads, prelude=CLUSTER_PRELUDE + _SPLIT_PRELUDE,
+            with T.Kernel(R * parts, threads=threads, prelude=CLUSTER_PRELUDE + _SPLIT_PRELUDE + _ORDER_PRELUDE,
                           cluster_dims=(parts, 1, 1)) as bx:
                 tx = T.get_thread_binding()
                 row = bx // parts
@@ -660,6 +863,13 @@ def _factory():
                 col = T.alloc_var(i32)
                 flag = T.alloc_var(i32)
                 slot = T.alloc_local([2], i32)
+                bits = T.alloc_shared([SPLIT_ORDER_WORDS], u32)  # this CTA's selected columns, p0 * 4 + 32 w + b
+                sc = T.alloc_local([3], i32)
+                wv = T.alloc_local([1], u32)
+                btot = T.alloc_local([1], i32)
+                use_bits = T.alloc_var(i32)
+                nwords = T.alloc_var(i32)
+                nib = T.alloc_var(i32)
                 m2 = T.alloc_var(u32)
                 bB = T.alloc_var(i32)
                 lane = T.alloc_var(i32)
@@ -687,6 +897,10 @@ def _factory():
                     p1 = T.min(p0 + T.ceildiv(c1 - c0, parts), c1)
                     lo = T.max(start, p0 * 4)  # the columns this CTA counts and emits
                     hi = T.min(end, p1 * 4)
+                    # each CTA's selection in ascending column order from a bitmap of its slice, placed after the
+                    # lower ranks' (uniform over the cluster; else the finish program orders the row)
+                    nwords = T.ceildiv(p1 - p0, 8)
+                    use_bits = T.if_then_else(T.ceildiv(T.ceildiv(c1 - c0, parts), 8) <= SPLIT_ORDER_WORDS, 1, 0)
                     for j in T.serial(bpt1):
                         hist[j * threads + tx] = 0
                     for j in T.serial(2 * bpt2):
@@ -719,12 +933,15 @@ def _factory():
                         if T.ceildiv(p1 - p0, threads * unroll) > 1:  # else pass 1's values are still in vals
                             load_chunk(S, row, p0, p1, it, tx, vals)
                         for u in T.unroll(unroll):
+                            nib = 0
                             for v in T.unroll(4):
                                 col = (p0 + (it * unroll + u) * threads + tx) * 4 + v
                                 key = ordered(vals[u * 4 + v])
                                 flag = T.if_then_else(col >= lo and col < hi and (key >> T.uint32(20)) > b1,
                                                       1, 0)
-                                emit(flag, col, ctl, lane, lt, slot, Out, row, out_offset)
+                                if use_bits == 0:  # uniform over the cluster
+                                    emit(flag, col, ctl, lane, lt, slot, Out, row, out_offset)
+                                nib = nib | (flag << v)
                                 flag = T.if_then_else(
                                     col >= lo and col < hi and (key >> T.uint32(20)) == b1 and use_cand == 1, 1, 0)
                                 m2 = T.cast(T.ballot_sync(flag), u32)
@@ -736,6 +953,8 @@ def _factory():
                                     if flag == 1:
                                         ckey[bB + T.cast(T.popcount(m2 & lt), i32)] = key
                                         cidx[bB + T.cast(T.popcount(m2 & lt), i32)] = col
+                            if use_bits == 1:
+                                mark_nibble(bits, nib, (it * unroll + u) * threads + tx, nwords, tx, wv)
                     T.sync_threads()
                     ncand = ctl[1]
                     prefix = b1
@@ -779,8 +998,8 @@ def _factory():
                             key = ckey[T.min(it * threads + tx, cap - 1)]
                             flag = T.if_then_else(
                                 it * threads + tx < ncand and (key > prefix or (key == prefix and ctl[5] == 0)), 1, 0)
-                            emit(flag, cidx[T.min(it * threads + tx, cap - 1)], ctl, lane, lt, slot, Out, row,
-                                 out_offset)
+                            emit_final(flag, cidx[T.min(it * threads + tx, cap - 1)], use_bits, bits, p0, ctl, lane,
+                                       lt, slot, Out, row, out_offset)
                     else:
                         for it in T.serial(T.ceildiv(p1 - p0, threads * unroll)):
                             load_chunk(S, row, p0, p1, it, tx, vals)
@@ -791,15 +1010,31 @@ def _factory():
                                     flag = T.if_then_else(
                                         col >= lo and col < hi and (key >> T.uint32(20)) == b1
                                         and (key > prefix or (key == prefix and ctl[5] == 0)), 1, 0)
-                                    emit(flag, col, ctl, lane, lt, slot, Out, row, out_offset)
+                                    emit_final(flag, col, use_bits, bits, p0, ctl, lane, lt, slot, Out, row,
+                                               out_offset)
+                    # ---- each CTA's bits to its slots, after the lower ranks' (ctl[7]: this CTA's count)
+                    if use_bits == 1:
+                        T.sync_threads()
+                        count_and_scan(bits, nwords, tx, wsum, sc)
+                        block_total(wsum, btot)
+                        if tx == 0:
+                            ctl[7] = btot[0]
+                        T.call_extern("handle", "dsa_cluster_sync")
+                        sc[2] = sc[1] - sc[0]
+                        for p in T.unroll(parts):
+                            if p < rank:
+                                sc[2] = sc[2] + peer(ctl, 7, p)
+                        write_in_order(bits, nwords, tx, sc, p0 * 4 + out_offset, Out, row, wv)
                     if ctl[5] > 0 and rank == 0 and tx == 0:
                         Ties[row, 0] = T.reinterpret(prefix, i32)
                         Ties[row, 1] = need
+                    elif use_bits == 0 and rank == 0 and tx == 0:
+                        Ties[row, 1] = -1  # the finish program orders the row
                     T.call_extern("handle", "dsa_cluster_sync")  # CTA 0's counter outlives every peer's adds
 
         return split
 
-    return {"radix_topk": radix_topk, "radix_tie_fill": radix_tie_fill, "radix_topk_split": radix_topk_split}
+    return {"radix_topk": radix_topk, "radix_finish": radix_finish, "radix_topk_split": radix_topk_split}
 
 
 def _config_key(config: dict) -> tuple:
@@ -818,8 +1053,8 @@ _BUILD_LOCK = threading.Lock()
 _BUILT: dict = {}
 
 
-#: the tie-fill program's CTA shape (one program serves every select configuration)
-TIE_FILL_CONFIG = {"threads": 256, "unroll": 4}
+#: the finish program's CTA shape (one program serves every select configuration)
+FINISH_CONFIG = {"threads": 256, "unroll": 4, "order": True}
 
 
 def _build(name: str, key: tuple, params: dict, target):
@@ -848,15 +1083,17 @@ def build_topk(config: dict | None = None, target=None):
     return _build("radix_topk", key, dict(threads=threads, cap=cap, unroll=unroll, agg=agg, lse=lse), target)
 
 
-def build_tie_fill(target=None):
-    """Compile the tie-fill program (rows with more ties at the threshold than still needed)."""
-    params = dict(TIE_FILL_CONFIG)
-    return _build("radix_tie_fill", tuple(params.values()), params, target)
+def build_finish(target=None, order: bool = True):
+    """Compile the finish program: rows with more ties at the threshold than still needed take the lowest
+    columns, and (``order``; False only to measure what ordering costs) the rows the select program left
+    unordered are rewritten in ascending column order."""
+    params = {**FINISH_CONFIG, "order": bool(order)}
+    return _build("radix_finish", tuple(params.values()), params, target)
 
 
 def build_all(target=None) -> list:
-    """Every shipped program: the select configurations and the tie-fill program."""
-    return [build_topk(cfg, target=target) for cfg in SHIPPED_CONFIGS] + [build_tie_fill(target=target)]
+    """Every shipped program: the select configurations and the finish program."""
+    return [build_topk(cfg, target=target) for cfg in SHIPPED_CONFIGS] + [build_finish(target=target)]
 
 
 def _check_cuda(name, t, dtype):
@@ -902,8 +1139,19 @@ def topk_rows_ranges(scores, starts, ends, topk: int, row_offsets=None, out=None
             assert lse.dtype == torch.float32 and lse.shape == (R,) and lse.stride(0) == 1
         build_topk(cfg)(view, starts, ends, offsets, stride, out, ties,
                         lse if lse is not None else unread_arg(1, torch.float32, scores.device))
-    build_tie_fill()(view, starts, ends, ties, offsets, stride, out)
+    build_finish()(view, starts, ends, ties, offsets, stride, out)
+    if topk > SORT_MAX_K:  # the finish program leaves such rows unordered: the same canonical order here
+        out.copy_(_ascending_then_padding(out))
     return out
+
+
+def _ascending_then_padding(rows):
+    """Each row's entries in ascending order with the -1 padding last (int32 [R, k])."""
+    import torch
+
+    big = torch.iinfo(torch.int32).max
+    ordered = torch.where(rows < 0, big, rows).sort(dim=1).values
+    return torch.where(ordered == big, -1, ordered)
 
 
 def topk_rows(scores, lengths, topk: int, *, config=None):
@@ -911,8 +1159,8 @@ def topk_rows(scores, lengths, topk: int, *, config=None):
 
     scores [R, N] fp32 CUDA; lengths [R] int32 (valid columns 0..lengths[r]-1) or None (all N).
     Returns [R, topk] int32 column indices of the ``topk`` largest valid scores, -1 padding
-    when lengths[r] < topk. Among equal scores the lowest column wins (-0.0 ties with +0.0); the
-    order of the indices inside a row is unspecified (not sorted).
+    when lengths[r] < topk. Among equal scores the lowest column wins (-0.0 ties with +0.0). Each
+    row comes in ascending column order, -1 padding last.
     """
     import torch
 

@@ -132,8 +132,9 @@ def indexer_topk(
     quantize_indexer_fp8. Non-finite inputs give unspecified selections.
     Returns [T, topk] int32 global rows of index_k; -1 where the window has fewer than topk keys.
     Among equal scores the lowest row wins (-0.0 ties with +0.0), on every backend, so a row's
-    selection does not depend on batching, padding, chunking or context-parallel shards. The order
-    of the selected keys inside a row is unspecified (compare as sets). Inside torch.autocast, float32
+    selection does not depend on batching, padding, chunking or context-parallel shards. The TileLang
+    path returns each row in ascending key order, -1 last (so the attention's bits do not depend on
+    batching either); the torch path by score, descending (compare as sets across backends). Inside torch.autocast, float32
     index_q and index_k are scored in the autocast dtype (weights stay float32).
     return_lse=True: returns (rows, lse), lse [T] (batched: [B, S]) float32 the logsumexp of each row's
     selected scores (-inf for a row without a key): pass it to the sparse indexer KL loss
@@ -254,7 +255,8 @@ def tilelang_indexer_topk(
 
 def topk_rows(scores: Tensor, lengths: Tensor | None, topk: int, backend: str | None = None) -> Tensor:
     """Exact top-k per row: scores [R, N] float32, lengths [R] int32 (valid columns 0..len-1) or None.
-    Returns [R, topk] int32 column indices, -1 padded. Order inside a row unspecified."""
+    Returns [R, topk] int32 column indices, -1 padded: ascending on the TileLang path, by score
+    (descending) on the torch path."""
     check_tensor("scores", scores, ndim=2, dtypes=FLOAT_DTYPES)
     if lengths is not None:
         check_tensor("lengths", lengths, ndim=1, dtypes=INDEX_DTYPES, device=scores.device, shape={0: scores.shape[0]})

@@ -34,7 +34,7 @@ def compiled():
     _need_toolchain()
     jobs = [("indexer", i, c) for i, c in enumerate(K.SHIPPED_CONFIGS)]
     jobs += [("topk", i, c) for i, c in enumerate(TK.SHIPPED_CONFIGS)]
-    jobs += [("tie_fill", 0, None)]
+    jobs += [("finish", 0, None)]
     jobs += [("ranges", i, c) for i, c in enumerate(RANGE_TILINGS)]
     jobs += [(f"grads_{side}", i, c) for side in ("query", "key") for i, c in enumerate(K.GRAD_CONFIGS)]
 
@@ -43,8 +43,8 @@ def compiled():
         try:
             if kind == "ranges":
                 return K.build_block_ranges(*cfg, target=SM90).get_kernel_source()
-            if kind == "tie_fill":
-                return TK.build_tie_fill(target=SM90).get_kernel_source()
+            if kind == "finish":
+                return TK.build_finish(target=SM90).get_kernel_source()
             if kind.startswith("grads_"):
                 return K.build_score_grads(kind[len("grads_"):], cfg, target=SM90).get_kernel_source()
             fn = K.build_indexer if kind == "indexer" else TK.build_topk
@@ -102,6 +102,9 @@ def test_topk_configs_compile(compiled, i):
     # the split program: histograms summed and slots taken through the cluster's shared memory
     split = bool(TK.SHIPPED_CONFIGS[i].get("parts"))
     assert ("dsa_peer_i32(" in src and "dsa_peer_add_i32(" in src and "dsa_cluster_sync();" in src) == split
+    # the ordering bitmap: nibbles OR-ed over 8 lanes, red.shared ORs (TileLang's AtomicOr is
+    # red.global), the compaction's popcounts and bit scans
+    assert "__shfl_xor_sync" in src and "dsa_shared_or(" in src and "AtomicOr(" not in src and "__ffs(" in src
 
 
 def test_split_topk_configuration_rules():
@@ -142,9 +145,11 @@ def test_gradient_tiling_follows_the_score_buffers():
 
 
 @pytest.mark.slow
-def test_topk_tie_fill_program_compiles(compiled):
-    src = _src(compiled, ("tie_fill", 0))
-    assert "__global__" in src and "__shfl_up_sync" in src  # the column-ordered rank scan
+def test_topk_finish_program_compiles(compiled):
+    src = _src(compiled, ("finish", 0))
+    assert "__global__" in src and "__shfl_up_sync" in src  # the column-ordered scans (ties, order)
+    assert "dsa_shared_or(" in src and "__ffs" in src and "__popc" in src  # the ordering bitmap and its compaction
+    assert "AtomicOr(" not in src  # TileLang's atomic_or is red.global: it faults on the shared bitmap
 
 
 def test_supported_shapes_and_configs():

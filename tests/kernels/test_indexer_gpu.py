@@ -219,11 +219,51 @@ def test_split_topk_matches_one_cta_per_row(kind, split):
     offsets = torch.randint(0, 1000, (R,), dtype=torch.int32, device="cuda", generator=g)
     got = TK.topk_rows_ranges(x, starts, ends, k, row_offsets=offsets, config=split)
     ref = TK.topk_rows_ranges(x, starts, ends, k, row_offsets=offsets, config=TK.DEFAULT_CONFIG)
-    assert torch.equal(got.sort(1).values, ref.sort(1).values)
+    assert torch.equal(got, ref)  # the same sets in the same (ascending) order
+    assert_ascending_then_padding(got)
     assert TK.config_for_rows(R, N) == TK.SPLIT_CONFIG and not TK.config_for_rows(R, N, lse=True).get("parts")
 
 
+@pytest.mark.parametrize("N", [70000, 9000, 300000])
+def test_topk_rows_bitwise_alone_and_batched(N):
+    """A row's output is bit for bit the same alone (split program at 64K+ columns), among 32 rows (two-CTA
+    split), among 300 (256- or 512-thread CTAs) and from run to run: the entries come in ascending order, so
+    the attention that sums them in slot order gives the same bits however the rows were batched."""
+    g = torch.Generator(device="cuda").manual_seed(N)
+    x = torch.randn(300, N, device="cuda", generator=g)
+    x[5] = torch.randint(-2, 3, (N,), device="cuda", generator=g).float()  # more threshold ties than needed
+    k = 2048
+    configs = {TK.config_for_rows(r, N)["threads"] * 10 + TK.config_for_rows(r, N).get("parts", 0)
+               for r in (1, 32, 300)}
+    assert len(configs) >= 2, "the row counts must pick different programs"
+    many = TK.topk_rows(x, None, k)
+    assert_ascending_then_padding(many)
+    for rows in (slice(0, 1), slice(5, 6), slice(0, 32), slice(0, 300)):
+        for _ in range(3):
+            assert torch.equal(TK.topk_rows(x[rows].contiguous(), None, k), many[rows])
+
+
+def test_topk_rows_k_above_the_finish_programs_buffer():
+    """k > SORT_MAX_K: the rows are ordered by the wrapper, the same order."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    k = TK.SORT_MAX_K + 100
+    x = torch.randn(3, k + 5000, device="cuda", generator=g)
+    lens = torch.tensor([k + 5000, k - 7, k + 1], dtype=torch.int32, device="cuda")
+    _check_topk(x, lens, k, TK.topk_rows(x, lens, k))
+
+
+def assert_ascending_then_padding(out):
+    """Each row: its valid indices strictly ascending, then only -1 (the finish program's canonical order)."""
+    valid = out >= 0
+    n = valid.sum(1, keepdim=True)
+    slot = torch.arange(out.shape[1], device=out.device)[None]
+    assert torch.equal(valid, slot < n), "-1 padding must come last"
+    step = out[:, 1:].long() - out[:, :-1].long()
+    assert bool(((step > 0) | ~valid[:, 1:]).all()), "valid indices must be strictly ascending"
+
+
 def _check_topk(x, lens, k, out):
+    assert_ascending_then_padding(out)
     R, N = x.shape
     n = torch.full((R,), N, device="cuda") if lens is None else lens.long()
     kk = n.clamp(max=k)
