@@ -370,16 +370,6 @@ def _factory():
                                                 key ^ T.uint32(0xFFFFFFFF)), f32)
 
         @T.macro
-        def emit_one(col, use_bits, bits, c0, ctl, Out, bx, out_offset, sc):
-            # one selected column of the final pass: a bit of the bitmap, or a slot from the shared counter
-            if use_bits == 1:
-                T.call_extern("handle", "dsa_shared_or", T.address_of(bits[(col - c0 * 4) >> 5]),
-                              T.uint32(1) << T.cast((col - c0 * 4) & 31, u32))
-            else:
-                sc[2] = T.atomic_add(ctl[0], 1, return_prev=True)
-                Out[bx, sc[2]] = col + out_offset
-
-        @T.macro
         def lse_add(run, x):
             # run[0], run[1]: this thread's running max and rescaled sum of exp over the selected scores it
             # emits (``lse``); a NaN score is passed over by the max but makes the sum NaN
@@ -626,7 +616,14 @@ def _factory():
                             if it * threads + tx < ncand:
                                 key = ckey[it * threads + tx]
                                 if key > prefix or (key == prefix and ctl[5] == 0):
-                                    emit_one(cidx[it * threads + tx], use_bits, bits, c0, ctl, Out, bx, out_offset, sc)
+                                    col = cidx[it * threads + tx]
+                                    if use_bits == 1:  # a bit of the bitmap, or a slot from the shared counter
+                                        T.call_extern("handle", "dsa_shared_or",
+                                                      T.address_of(bits[(col - c0 * 4) >> 5]),
+                                                      T.uint32(1) << T.cast((col - c0 * 4) & 31, u32))
+                                    else:
+                                        pos = T.atomic_add(ctl[0], 1, return_prev=True)
+                                        Out[bx, pos] = col + out_offset
                                     if lse and key > prefix:  # ties are counted once below
                                         lse_add(run, unordered(key))
                     else:
@@ -673,11 +670,11 @@ def _factory():
         return main
 
     @tilelang.jit(pass_configs=_pass_configs())
-    def radix_finish(threads: int = 256, unroll: int = 4, order: bool = True):
+    def radix_finish(threads: int = 256, unroll: int = 4):
         # After a select program, one CTA per row:
         # 1. rows left with ``need`` > 0 ties of key ``prefix`` (Ties[r] = (prefix, need)): the ``need`` lowest such
         #    columns go to Out[r, K - need:];
-        # 2. (``order``) the rows the select program could not write in ascending column order (Ties[r, 1] != 0:
+        # 2. the rows the select program could not write in ascending column order (Ties[r, 1] != 0:
         #    the ties just filled, or -1: a range longer than the select program's bitmap, whose columns it emitted
         #    at slots taken from atomics) are rewritten in that order. The attention sums its slots in index order,
         #    so only a canonical order gives the same bits alone and in a batch. The K entries are kept in shared
@@ -721,46 +718,45 @@ def _factory():
                     emit_ties_in_column_order(S, bx, start // 4, (end + 3) // 4, start, end,
                                               T.reinterpret(Ties[bx, 0], T.uint32), need, tx, vals, wsum, ctl,
                                               Offsets[bx * offset_stride], Out, K)
-                if order:
-                    stash = T.alloc_shared([SORT_MAX_K], i32)
-                    bitmap = T.alloc_shared([words], u32)
-                    sc = T.alloc_local([3], i32)
-                    wv = T.alloc_local([1], u32)
-                    tot = T.alloc_local([1], i32)
-                    lo = T.alloc_var(i32)
-                    nbits = T.alloc_var(i32)
-                    d = T.alloc_var(i32)
-                    # rows the select program left unordered (Ties[r, 1] != 0: ties filled above, or -1: a range
-                    # longer than its bitmap) that hold K distinct columns (uniform over the CTA)
-                    if need != 0 and end - start > K and K <= SORT_MAX_K:
-                        T.sync_threads()  # the tie fill's stores are seen by the whole CTA
+                stash = T.alloc_shared([SORT_MAX_K], i32)
+                bitmap = T.alloc_shared([words], u32)
+                sc = T.alloc_local([3], i32)
+                wv = T.alloc_local([1], u32)
+                tot = T.alloc_local([1], i32)
+                lo = T.alloc_var(i32)
+                nbits = T.alloc_var(i32)
+                d = T.alloc_var(i32)
+                # rows the select program left unordered (Ties[r, 1] != 0: ties filled above, or -1: a range
+                # longer than its bitmap) that hold K distinct columns (uniform over the CTA)
+                if need != 0 and end - start > K and K <= SORT_MAX_K:
+                    T.sync_threads()  # the tie fill's stores are seen by the whole CTA
+                    for j in T.serial(T.ceildiv(K, threads)):
+                        if j * threads + tx < K:
+                            stash[j * threads + tx] = Out[bx, j * threads + tx]
+                    if tx == 0:
+                        ctl[6] = 0  # entries written back so far
+                    for w in T.serial(T.ceildiv(end - start, SORT_WINDOW_BITS)):
+                        lo = start + Offsets[bx * offset_stride] + w * SORT_WINDOW_BITS
+                        nbits = T.min(SORT_WINDOW_BITS, end - start - w * SORT_WINDOW_BITS)
+                        for j in T.serial(T.ceildiv(T.ceildiv(nbits, 32), threads)):
+                            if j * threads + tx < T.ceildiv(nbits, 32):
+                                bitmap[j * threads + tx] = T.uint32(0)
+                        T.sync_threads()
                         for j in T.serial(T.ceildiv(K, threads)):
                             if j * threads + tx < K:
-                                stash[j * threads + tx] = Out[bx, j * threads + tx]
+                                d = stash[j * threads + tx] - lo
+                                if d >= 0 and d < nbits:
+                                    T.call_extern("handle", "dsa_shared_or", T.address_of(bitmap[d >> 5]),
+                                                  T.uint32(1) << T.cast(d & 31, u32))
+                        T.sync_threads()
+                        count_and_scan(bitmap, T.ceildiv(nbits, 32), tx, wsum, sc)
+                        sc[2] = ctl[6] + sc[1] - sc[0]
+                        write_in_order(bitmap, T.ceildiv(nbits, 32), tx, sc, lo, Out, bx, wv)
+                        block_total(wsum, tot)
+                        T.sync_threads()
                         if tx == 0:
-                            ctl[6] = 0  # entries written back so far
-                        for w in T.serial(T.ceildiv(end - start, SORT_WINDOW_BITS)):
-                            lo = start + Offsets[bx * offset_stride] + w * SORT_WINDOW_BITS
-                            nbits = T.min(SORT_WINDOW_BITS, end - start - w * SORT_WINDOW_BITS)
-                            for j in T.serial(T.ceildiv(T.ceildiv(nbits, 32), threads)):
-                                if j * threads + tx < T.ceildiv(nbits, 32):
-                                    bitmap[j * threads + tx] = T.uint32(0)
-                            T.sync_threads()
-                            for j in T.serial(T.ceildiv(K, threads)):
-                                if j * threads + tx < K:
-                                    d = stash[j * threads + tx] - lo
-                                    if d >= 0 and d < nbits:
-                                        T.call_extern("handle", "dsa_shared_or", T.address_of(bitmap[d >> 5]),
-                                                      T.uint32(1) << T.cast(d & 31, u32))
-                            T.sync_threads()
-                            count_and_scan(bitmap, T.ceildiv(nbits, 32), tx, wsum, sc)
-                            sc[2] = ctl[6] + sc[1] - sc[0]
-                            write_in_order(bitmap, T.ceildiv(nbits, 32), tx, sc, lo, Out, bx, wv)
-                            block_total(wsum, tot)
-                            T.sync_threads()
-                            if tx == 0:
-                                ctl[6] = ctl[6] + tot[0]
-                            T.sync_threads()
+                            ctl[6] = ctl[6] + tot[0]
+                        T.sync_threads()
 
         return finish
 
@@ -1054,7 +1050,7 @@ _BUILT: dict = {}
 
 
 #: the finish program's CTA shape (one program serves every select configuration)
-FINISH_CONFIG = {"threads": 256, "unroll": 4, "order": True}
+FINISH_CONFIG = {"threads": 256, "unroll": 4}
 
 
 def _build(name: str, key: tuple, params: dict, target):
@@ -1083,11 +1079,10 @@ def build_topk(config: dict | None = None, target=None):
     return _build("radix_topk", key, dict(threads=threads, cap=cap, unroll=unroll, agg=agg, lse=lse), target)
 
 
-def build_finish(target=None, order: bool = True):
+def build_finish(target=None):
     """Compile the finish program: rows with more ties at the threshold than still needed take the lowest
-    columns, and (``order``; False only to measure what ordering costs) the rows the select program left
-    unordered are rewritten in ascending column order."""
-    params = {**FINISH_CONFIG, "order": bool(order)}
+    columns, and the rows the select program left unordered are rewritten in ascending column order."""
+    params = dict(FINISH_CONFIG)
     return _build("radix_finish", tuple(params.values()), params, target)
 
 
