@@ -26,6 +26,23 @@ def _loss_and_grads(model, forward, ids, mask):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _skip_if_eager_cannot_trace_either(model_type, ids, mask, ours_error):
+    """The contract is "traces whenever eager attention does": when ours failed, the same step with eager attention
+    decides. Some transformers releases cannot trace these models' training step at all (5.17's MoE fallback
+    branches on a data-dependent expert count in its backward): then the test skips, naming the error."""
+    torch._dynamo.reset()
+    eager = tiny.tiny_model(model_type, attn_implementation="eager", seed=1)
+    eager.config.use_cache = False
+    try:
+        _loss_and_grads(eager, torch.compile(eager, fullgraph=True, backend="aot_eager"), ids, mask)
+    except Exception as eager_error:
+        first = (str(eager_error).strip().splitlines() or [type(eager_error).__name__])[0][:200]
+        pytest.skip(f"transformers {__import__('transformers').__version__} cannot trace a {model_type} training step "
+                    f"with eager attention either: {first}")
+    finally:
+        torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("model_type", list(tiny.SPECS))
 def test_fullgraph_training_step_matches_eager(registered, model_type, make_batch):
     """A batch whose second sequence is left-padded (the mask's padding path; the first is a plain causal row)."""
@@ -37,7 +54,11 @@ def test_fullgraph_training_step_matches_eager(registered, model_type, make_batc
     loss, grads = _loss_and_grads(model, model, ids, mask)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    c_loss, c_grads = _loss_and_grads(model, compiled, ids, mask)
+    try:
+        c_loss, c_grads = _loss_and_grads(model, compiled, ids, mask)
+    except Exception as ours_error:
+        _skip_if_eager_cannot_trace_either(model_type, ids, mask, ours_error)
+        raise
     torch.testing.assert_close(c_loss, loss, rtol=1e-5, atol=1e-6)
     assert grads, "the eager step gave no gradient"
     for name, g in grads.items():

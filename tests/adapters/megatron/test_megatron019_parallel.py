@@ -16,6 +16,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "mcore019_worker.py")
 def test_cp2_matches_cp1(tmp_path):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     env["PYTHONPATH"] = os.pathsep.join([os.getcwd(), env.get("PYTHONPATH", "")])
+    env["CUDA_VISIBLE_DEVICES"] = ""  # CPU workers on a GPU machine too (megatron puts RoPE on a visible GPU)
     procs = {cp: subprocess.Popen([sys.executable, WORKER, str(cp), str(tmp_path / f"cp{cp}.pt")], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for cp in (1, 2)}
     for cp, proc in procs.items():
