@@ -28,6 +28,8 @@ x 32768, k 2048: 0.028 ms (torch.topk 0.114 ms); H100 with the tie rule: 0.027 +
 Rows whose valid range holds at most ``topk`` columns return all of them followed by -1.
 Each row comes in ascending column order, -1 padding last: the sparse attention sums its slots in
 index order, so this order is what makes its output bits the same alone, in a batch, and from run to run.
+The same holds for the optional lse (the logsumexp of a row's selected scores, for the indexer loss): the
+candidates' scores enter it from a bitmap in column order, or (a row past the bitmap) from a re-read of the row.
 
 TileLang is imported lazily so that this module imports without TileLang or a GPU.
 
@@ -49,16 +51,21 @@ logger = logging.getLogger("dsa_plugins")
 SHIPPED_CONFIGS: list = [
     # 1024-thread CTA, warp-aggregated output slots
     {"threads": 1024, "cap": 8192, "unroll": 4, "agg": True},
-    # 256-thread CTA: several rows share an SM (best for many rows of up to 32K columns)
-    {"threads": 256, "cap": 2048, "unroll": 4, "agg": True},
+    # 256-thread CTA: several rows share an SM (best for many rows of up to 32K columns). 5 CTAs per SM (48
+    # registers, no spills) with 2 float4 loads per step: H200, a causal prefill's indexer scores, T 8K / 32K,
+    # 1.10 / 1.11x faster than 4 CTAs of 4 loads (64 registers); 6 CTAs (40 registers, spilling) 1.10 / 1.10x with
+    # 2 loads, 1.08 / 1.06x with 4; 4 CTAs of 2 loads 1.02 / 1.02x (bench_topk_configs.py --prefill)
+    {"threads": 256, "cap": 2048, "unroll": 2, "agg": True, "min_blocks": 5},
     # 1024-thread CTA, per-element shared atomics (best when there are few rows)
     {"threads": 1024, "cap": 8192, "unroll": 4, "agg": False},
-    # 512-thread CTA (best for many rows longer than 32K columns)
-    {"threads": 512, "cap": 4096, "unroll": 4, "agg": True},
+    # 512-thread CTA (best for many rows longer than 32K columns); 3 CTAs per SM (40 registers, a few spilled) with 2
+    # float4 loads per step: H200, 1024 / 4096 x 65536 and 1024 x 131072: 1.13 / 1.19 / 1.16x 2 CTAs of 4 loads
+    {"threads": 512, "cap": 4096, "unroll": 2, "agg": True, "min_blocks": 3},
 ]
 #: each also with ``lse``: it writes every row's logsumexp of the scores it selects (the indexer KL loss
 #: takes it instead of recomputing the logits); ties at the threshold enter by count, so the finish
-#: program needs no change
+#: program needs no change. Each thread adds the scores of its own columns, in column order, and the threads'
+#: sums are combined in a fixed tree: the same bits from run to run (never the order of the shared atomics)
 SHIPPED_CONFIGS += [{**cfg, "lse": True} for cfg in SHIPPED_CONFIGS]
 #: the split program (``parts`` CTAs per row, one cluster; no lse): few long rows, the generation steps.
 #: H100, indexer-like scores, k 2048, select + finish from a CUDA graph (one CTA per row -> split):
@@ -344,7 +351,8 @@ def _factory():
     import tilelang.language as T
 
     @tilelang.jit(pass_configs=_pass_configs())
-    def radix_topk(threads: int = 1024, cap: int = 8192, unroll: int = 4, agg: bool = False, lse: bool = False):
+    def radix_topk(threads: int = 1024, cap: int = 8192, unroll: int = 4, agg: bool = False, lse: bool = False,
+                   min_blocks: int = 0):
         assert threads % 32 == 0 and _NB2 % threads == 0, "threads must be a multiple of 32 dividing 1024"
         nwarps = threads // 32
         bpt1 = _NB1 // threads
@@ -358,6 +366,8 @@ def _factory():
         ordered, load_chunk, _ = _row_macros(T, threads, unroll)
         mark_nibble, count_and_scan, write_in_order, _ = _order_macros(T, threads)
         owords = ORDER_WORDS[threads]
+        # CTAs per SM that the register cap is set for (ptxas then keeps to 65536 / (threads * blocks))
+        blocks_per_sm = min_blocks if min_blocks > 0 else max(1, 65536 // (threads * 64))
 
         find_threshold = _threshold_macro(T, threads)
 
@@ -419,9 +429,9 @@ def _factory():
             Lse: T.Tensor([R] if lse else [1], T.float32),
         ):
             with T.Kernel(R, threads=threads, prelude=_ORDER_PRELUDE) as bx:
-                # 64 registers a thread at most (the 256-thread program took 71 with the ordering bitmap, one CTA
-                # per SM fewer than without it; capped: no spills)
-                T.annotate_min_blocks_per_sm(max(1, 65536 // (threads * 64)))
+                # registers capped for `blocks_per_sm` CTAs per SM (by default 64 a thread: uncapped, the 256-thread
+                # program took 71 with the ordering bitmap, one CTA per SM fewer than without it)
+                T.annotate_min_blocks_per_sm(blocks_per_sm)
                 tx = T.get_thread_binding()
                 hist = T.alloc_shared([_NB1], i32)
                 ckey = T.alloc_shared([cap], u32)
@@ -429,6 +439,10 @@ def _factory():
                 wsum = T.alloc_shared([32], i32)
                 ctl = T.alloc_shared([8], i32)
                 bits = T.alloc_shared([owords], u32)  # the selected columns, c0 * 4 + 32 w + b (use_bits)
+                if lse:
+                    # the columns the last pass selects from the candidates (their order there depends on the
+                    # atomics that gathered them): their scores enter the lse from this bitmap, in column order
+                    cbits = T.alloc_shared([owords], u32)
                 sc = T.alloc_local([3], i32)
                 wv = T.alloc_local([1], u32)
                 vals = T.alloc_local([unroll * 4], T.float32)
@@ -496,6 +510,9 @@ def _factory():
                     use_bits = T.if_then_else(nwords <= owords, 1, 0)
                     for j in T.serial(_NB1 // threads):
                         hist[j * threads + tx] = 0
+                    if lse:
+                        for j in T.serial(owords // threads):
+                            cbits[j * threads + tx] = T.uint32(0)
                     if tx < 8:
                         ctl[tx] = 0
                     T.sync_threads()
@@ -610,7 +627,11 @@ def _factory():
                         T.sync_threads()
 
                     # ---- final pass: keys above the threshold; every tie when all are needed --------
-                    # (at most `cap` candidates, or few emits per row: per-element slots)
+                    # (at most `cap` candidates, or few emits per row: per-element slots). With lse, a row without
+                    # the bitmaps re-reads itself instead: each thread then adds its own columns, so the lse's bits
+                    # do not depend on the order the candidates were gathered in
+                    if lse:
+                        use_cand = T.if_then_else(use_cand == 1 and use_bits == 1, 1, 0)
                     if use_cand == 1:
                         for it in T.serial(T.ceildiv(ncand, threads)):
                             if it * threads + tx < ncand:
@@ -624,8 +645,10 @@ def _factory():
                                     else:
                                         pos = T.atomic_add(ctl[0], 1, return_prev=True)
                                         Out[bx, pos] = col + out_offset
-                                    if lse and key > prefix:  # ties are counted once below
-                                        lse_add(run, unordered(key))
+                                    if lse and key > prefix:  # (use_bits here) ties are counted once below
+                                        T.call_extern("handle", "dsa_shared_or",
+                                                      T.address_of(cbits[(col - c0 * 4) >> 5]),
+                                                      T.uint32(1) << T.cast((col - c0 * 4) & 31, u32))
                     else:
                         for it in T.serial(T.ceildiv(c1 - c0, threads * unroll)):
                             load_chunk(S, bx, c0, c1, it, tx, vals)
@@ -653,6 +676,18 @@ def _factory():
                     # ---- the bitmap's columns to slots [0, K - ties left) in ascending order
                     if use_bits == 1:
                         T.sync_threads()
+                        if lse:  # the last pass's selections, each thread its own words in column order
+                            for j in T.serial(T.ceildiv(nwords, threads)):
+                                if tx * T.ceildiv(nwords, threads) + j < nwords:
+                                    wv[0] = cbits[tx * T.ceildiv(nwords, threads) + j]
+                                    # (the trip count from the shared word: a bound on wv, which the loop clears
+                                    # bit by bit, would be evaluated again at every step)
+                                    for _ in T.serial(T.cast(T.popcount(cbits[tx * T.ceildiv(nwords, threads) + j]),
+                                                             i32)):
+                                        col = c0 * 4 + (tx * T.ceildiv(nwords, threads) + j) * 32 + (
+                                            T.__ffs(T.reinterpret(wv[0], i32)) - 1)
+                                        lse_add(run, S[bx, col // 4, col % 4])
+                                        wv[0] = wv[0] & (wv[0] - T.uint32(1))
                         count_and_scan(bits, nwords, tx, wsum, sc)
                         sc[2] = sc[1] - sc[0]
                         write_in_order(bits, nwords, tx, sc, c0 * 4 + out_offset, Out, bx, wv)
@@ -1041,8 +1076,11 @@ def _config_key(config: dict) -> tuple:
         raise ValueError(f"the split top-k (parts={parts}) writes no lse and aggregates its slots itself, got {config}")
     if parts not in (0, 2, 4, 8):
         raise ValueError(f"parts must be 0 (one CTA per row), 2, 4 or 8, got {parts}")
+    if parts and cfg.get("min_blocks"):
+        raise ValueError(f"the split top-k (parts={parts}) runs one cluster per row, so min_blocks does not apply, got "
+                         f"{config}")
     return (int(cfg["threads"]), int(cfg["cap"]), int(cfg["unroll"]), bool(cfg.get("agg", False)),
-            bool(cfg.get("lse", False)), parts)
+            bool(cfg.get("lse", False)), parts, int(cfg.get("min_blocks", 0) or 0))
 
 
 _BUILD_LOCK = threading.Lock()
@@ -1073,10 +1111,11 @@ def build_topk(config: dict | None = None, target=None):
     """Compile the radix top-k select program for ``config`` (a SHIPPED_CONFIGS entry) and
     ``target`` (default: the current CUDA device; ``{"kind": "cuda", "arch": "sm_90a"}`` compiles
     on CPU)."""
-    threads, cap, unroll, agg, lse, parts = key = _config_key(config)
+    threads, cap, unroll, agg, lse, parts, min_blocks = key = _config_key(config)
     if parts:
         return _build("radix_topk_split", key, dict(threads=threads, parts=parts, cap=cap, unroll=unroll), target)
-    return _build("radix_topk", key, dict(threads=threads, cap=cap, unroll=unroll, agg=agg, lse=lse), target)
+    return _build("radix_topk", key, dict(threads=threads, cap=cap, unroll=unroll, agg=agg, lse=lse,
+                                          min_blocks=min_blocks), target)
 
 
 def build_finish(target=None):

@@ -4,10 +4,12 @@ Needs TileLang and nvcc (no GPU). Also checks the pure-Python chunk planner.
 """
 
 import os
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
 import pytest
 import torch
 
@@ -105,6 +107,14 @@ def test_topk_configs_compile(compiled, i):
     # the ordering bitmap: nibbles OR-ed over 8 lanes, red.shared ORs (TileLang's AtomicOr is
     # red.global), the compaction's popcounts and bit scans
     assert "__shfl_xor_sync" in src and "dsa_shared_or(" in src and "AtomicOr(" not in src and "__ffs(" in src
+    cfg = TK.SHIPPED_CONFIGS[i]
+    if not split:  # the register cap: the CTAs per SM the configuration asks for (TileLang once folded it to 1)
+        blocks = cfg.get("min_blocks") or max(1, 65536 // (cfg["threads"] * 64))
+        assert f"__launch_bounds__({cfg['threads']}, {blocks})" in src
+    if cfg.get("lse"):  # the last pass's scores summed from their own bitmap, in column order
+        assert "cbits" in src
+        # every bit loop takes its trip count from the shared word, never from the register it clears bit by bit
+        assert re.search(r"__popc\(\(\(uint\*\)cbits\)", src) and not re.search(r"< \(\(int\)__popc\(wv", src)
 
 
 def test_split_topk_configuration_rules():
@@ -120,6 +130,8 @@ def test_split_topk_configuration_rules():
         TK._config_key({**TK.SPLIT_CONFIG, "lse": True})
     with pytest.raises(ValueError, match="parts must be"):
         TK._config_key({**TK.SPLIT_CONFIG, "parts": 3})
+    with pytest.raises(ValueError, match="min_blocks does not apply"):
+        TK._config_key({**TK.SPLIT_CONFIG, "min_blocks": 2})
 
 
 @pytest.mark.slow

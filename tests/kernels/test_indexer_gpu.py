@@ -150,6 +150,33 @@ def test_topk_rows_lse(kind, cfg):
         assert bool(lse[0].isnan()) and bool(torch.isfinite(lse[4:]).all())
 
 
+@pytest.mark.parametrize("cfg", [c for c in TK.SHIPPED_CONFIGS if c.get("lse")],
+                         ids=lambda c: f"t{c['threads']}c{c['cap']}{'a' if c.get('agg') else ''}")
+@pytest.mark.parametrize("N", [9000, 40000, 140000])
+def test_topk_rows_lse_is_the_same_bits_every_run(N, cfg):
+    """The lse of a row is summed in an order fixed by its columns, never by the order in which the candidates of
+    the threshold digit were gathered (shared atomics): four runs give the same bits. N: rows within every
+    configuration's bitmap, past the 256-thread one's (32K columns: the row re-read for the last pass), past the
+    512-thread one's (64K) and the 1024-thread one's (128K)."""
+    g = torch.Generator(device="cuda").manual_seed(N)
+    R, k = 24, 2048
+    x = torch.randn(R, N, device="cuda", generator=g) * 4  # some hundreds of candidates in the threshold digit
+    starts = torch.zeros(R, dtype=torch.int32, device="cuda")
+    ends = torch.full((R,), N, dtype=torch.int32, device="cuda")
+    runs = []
+    for _ in range(4):
+        lse = torch.empty(R, device="cuda")
+        out = TK.topk_rows_ranges(x, starts, ends, k, config=cfg, lse=lse)
+        runs.append((out, lse))
+    for out, lse in runs[1:]:
+        assert torch.equal(out, runs[0][0])
+        assert torch.equal(lse.view(torch.int32), runs[0][1].view(torch.int32)), (lse - runs[0][1]).abs().max()
+    out, lse = runs[0]
+    want = torch.logsumexp(x.double().gather(1, out.long()), 1)
+    err = (lse.double() - want).abs().max().item()
+    assert err <= 2e-6 * max(1.0, want.abs().max().item()), f"lse max abs err {err:.3e}"
+
+
 @TOPK_CONFIGS
 @pytest.mark.parametrize(
     "R,N,k",
