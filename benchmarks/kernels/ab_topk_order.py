@@ -1,12 +1,15 @@
-"""What the top-k's canonical order costs: the shipped top-k (each row in ascending column order) beside an
-earlier top-k module (rows in the order its atomics gave), same inputs, each case from a CUDA graph (the indexer
-cases, which plan on the host: median_ms of eager calls), timed in alternating rounds; the sets checked equal.
+"""The shipped top-k beside an earlier top-k module (what the canonical order cost, against 06a3055, whose rows
+came in the order its atomics gave; what a change of the programs' shapes gains), same inputs, each case from a
+CUDA graph (the indexer cases, which plan on the host: median_ms of eager calls), timed in alternating rounds; the
+sets checked equal, the shipped rows in ascending column order.
 
     git show 06a3055:dsa_plugins/kernels/topk.py > /tmp/topk_before.py
     python benchmarks/kernels/ab_topk_order.py --baseline /tmp/topk_before.py [--rounds 7] [--indexer 8192,32768]
+        [--lse]
 
 Cases: top-k alone over random rows (generation steps: 1 / 32 / 64 long rows; prefill-like: thousands of rows),
-and the causal indexer + top-k (Hi 64, Di 128, k 2048, bf16) at the given lengths, as issue 14 measures it.
+and the causal indexer + top-k (Hi 64, Di 128, k 2048, bf16) at the given lengths, as issue 14 measures it
+(``--lse``: also with the selected scores' logsumexp, as the indexer loss's training step asks for it).
 """
 
 import argparse
@@ -49,6 +52,7 @@ def main() -> None:
     ap.add_argument("--baseline", required=True, help="an earlier dsa_plugins/kernels/topk.py")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--indexer", default="8192,32768", help="causal lengths of the indexer + top-k cases")
+    ap.add_argument("--lse", action="store_true", help="the indexer cases with return_lse=True too")
     args = ap.parse_args()
     before = _load_baseline(args.baseline)
     k = 2048
@@ -61,6 +65,9 @@ def main() -> None:
         q, kk, w, ks, ke = inputs(t, 64, 128)
         cases.append((f"indexer_topk causal T{t} Hi64", False, lambda m, q=q, kk=kk, w=w, ks=ks, ke=ke:
                       _with_topk(m, lambda: K.indexer_topk(q, kk, w, ks, ke, k))))
+        if args.lse:
+            cases.append((f"indexer_topk lse causal T{t} Hi64", False, lambda m, q=q, kk=kk, w=w, ks=ks, ke=ke:
+                          _with_topk(m, lambda: K.indexer_topk(q, kk, w, ks, ke, k, return_lse=True)[0])))
     for name, graphed, fn in cases:
         new, old = fn(TK), fn(before)
         assert torch.equal(new.sort(1).values, old.sort(1).values), name
@@ -76,7 +83,7 @@ def main() -> None:
                     times[i].append(median_ms(lambda: fn((TK, before)[i])))
         t_new, t_old = times
         new_us, old_us = statistics.median(t_new) * 1e3, statistics.median(t_old) * 1e3
-        print(f"{name:<34} ordered {new_us:9.1f} us  before {old_us:9.1f} us  ordered / before time "
+        print(f"{name:<34} shipped {new_us:9.1f} us  baseline {old_us:9.1f} us  shipped / baseline time "
               f"{ratio_text(t_new, t_old)}", flush=True)
         torch.cuda.empty_cache()
 

@@ -34,22 +34,29 @@ def scores(kind, rows, cols, g):
     return (x * w).sum(-1)
 
 
-def prefill(T: int, k: int, configs: list, rounds: int = 7, replays: int = 20) -> None:
+def prefill(T: int, k: int, configs: list, rounds: int = 7, replays: int = 20, lse: bool = False) -> None:
     """The top-k of a causal prefill's indexer scores (T rows, Hi 64, Di 128, the score program's own buffer) with
-    each configuration, captured in CUDA graphs and timed in alternating rounds; the sets checked equal."""
+    each configuration, captured in CUDA graphs and timed in alternating rounds; the rows checked equal (``lse``:
+    the programs that also write each row's logsumexp, as the indexer loss asks; the lse checked equal too)."""
     import statistics
 
     from bench_indexer import inputs
     from dsa_plugins.bench.runner import interleaved_graph_ms, ratio_text
     from dsa_plugins.kernels import indexer as K
 
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, len(configs))) as pool:  # nvcc runs outside the GIL
+        list(pool.map(TK.build_topk, configs))
     plan = K._Plan(*inputs(T, 64, 128), None, 1 << 62)
     r0, r1, buf = plan.chunk_scores(plan.chunks[0])
     outs = [torch.empty(T, k, dtype=torch.int32, device="cuda") for _ in configs]
-    graphs = [capture_graph(lambda cfg=cfg, out=out: plan.chunk_topk(r0, r1, buf, k, out, config=cfg))
-              for cfg, out in zip(configs, outs)]
-    for cfg, out in zip(configs, outs):
-        assert torch.equal(out.sort(1).values, outs[0].sort(1).values), cfg
+    lses = [torch.empty(T, device="cuda") if lse else None for _ in configs]
+    graphs = [capture_graph(lambda cfg=cfg, out=out, ls=ls: plan.chunk_topk(r0, r1, buf, k, out, config=cfg, lse=ls))
+              for cfg, out, ls in zip(configs, outs, lses)]
+    for cfg, out, ls in zip(configs, outs, lses):  # the same rows, in the same (ascending column) order
+        assert torch.equal(out, outs[0]), cfg
+        assert ls is None or torch.equal(ls, lses[0]), cfg
     times = interleaved_graph_ms(graphs, rounds, replays)
     for cfg, t in zip(configs, times):
         print(f"prefill T{T} k{k} {json.dumps(cfg)}: {1e3 * statistics.median(t):.1f} us, first/this "
@@ -66,10 +73,12 @@ def main() -> None:
                     "(then --extra); each is completed from the default one")
     ap.add_argument("--prefill", default="", help="comma list of T: a causal prefill's indexer scores instead, the "
                     "configuration picked for them first, then --extra")
+    ap.add_argument("--lse", action="store_true", help="with --prefill: the programs that write the lse too")
     args = ap.parse_args()
     if args.prefill:
         for T in (int(t) for t in args.prefill.split(",")):
-            prefill(T, args.k, [TK.config_for_rows(T, T)] + json.loads(args.extra))
+            extra = [{**c, "lse": True} if args.lse else c for c in json.loads(args.extra)]
+            prefill(T, args.k, [TK.config_for_rows(T, T, lse=args.lse)] + extra, lse=args.lse)
         return
     g = torch.Generator(device="cuda").manual_seed(0)
     shipped = [c for c in TK.SHIPPED_CONFIGS if not c.get("lse")]
@@ -97,7 +106,7 @@ def main() -> None:
                 fn = lambda: TK.topk_rows_ranges(x, starts, ends, args.k, out=out, config=cfg)  # noqa: E731
                 graph = capture_graph(fn)
                 times.append(1e3 * graph_replay_ms(graph, 50))
-                got = out.sort(1).values
+                got = out.clone()  # rows come in ascending column order: compared as they are
                 ref = got if ref is None else ref
                 assert torch.equal(got, ref), (kind, rows, cols, cfg)
             pick = TK.config_for_rows(rows, cols)
