@@ -233,8 +233,9 @@ class DSAttention(MegatronModule):
             output = out.reshape(batch, seqlen, -1).transpose(0, 1).contiguous()
 
         if need_loss and fused_loss is None:
-            loss = self._indexer_loss(index_q, index_k, weights, q, kv if absorbed else None, rows,
-                                      key_start, key_end, query, key, batch, seqlen, absorbed, packed)
+            with deterministic_for(self.config):  # the standalone loss's backward too (d_index_k summed in order)
+                loss = self._indexer_loss(index_q, index_k, weights, q, kv if absorbed else None, rows,
+                                          key_start, key_end, query, key, batch, seqlen, absorbed, packed)
             mcore_dsa.DSAIndexerLossLoggingHelper.save_loss_to_tracker(
                 loss=loss, layer_number=self.layer_number, num_layers=self.config.num_layers
             )

@@ -303,11 +303,18 @@ def test_shared_topk_layers_train(megatron_env, tiny_config):
         get_dsa_decoder_block_spec(config, indexer_types=["full", "shared"])
 
 
+@pytest.mark.parametrize("sparse_loss,fused", [(True, True), (True, False), (False, True)],
+                         ids=["sparse-fused", "sparse-standalone", "dense-stage"])
 @pytest.mark.parametrize("deterministic_mode", [False, True])
 def test_megatron_deterministic_mode_takes_the_deterministic_backward(megatron_env, tiny_config, monkeypatch,
-                                                                     deterministic_mode):
-    """megatron's ``config.deterministic_mode`` puts DSAttention's attention ops (and the fused indexer loss)
-    under dsa_plugins.deterministic(): their backward is the bitwise-reproducible one."""
+                                                                     deterministic_mode, sparse_loss, fused):
+    """megatron's ``config.deterministic_mode`` puts DSAttention's attention ops and the indexer loss (fused into
+    the attention backward, or the standalone op: ``fuse_indexer_loss = False`` or the dense warm-up stage) under
+    dsa_plugins.deterministic(): their backward is the bitwise-reproducible one. (The standalone loss once ran
+    after the deterministic block: its d_index_k took the atomic sum.)"""
+    from dsa_plugins import ops
+    from dsa_plugins.adapters.megatron.attention import DSAttention
+    from dsa_plugins.common import settings
     from dsa_plugins.megatron import get_dsa_layer_spec
     from dsa_plugins.ops import attention_custom_ops, fused_indexer_loss
 
@@ -315,9 +322,22 @@ def test_megatron_deterministic_mode_takes_the_deterministic_backward(megatron_e
     for mod in (attention_custom_ops, fused_indexer_loss):
         real = mod.deterministic_enabled
         monkeypatch.setattr(mod, "deterministic_enabled", lambda real=real: seen.append(real()) or seen[-1])
-    config = tiny_config(dsa_indexer_loss_coeff=0.5, deterministic_mode=deterministic_mode)
+    standalone = []
+    real_loss = ops.indexer_kl_loss
+
+    def indexer_kl_loss(*args, **kwargs):  # the switch as the op reads it (on a GPU it picks the kernel's sum)
+        standalone.append(settings.deterministic_enabled())
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "indexer_kl_loss", indexer_kl_loss)
+    config = tiny_config(dsa_indexer_loss_coeff=0.5, deterministic_mode=deterministic_mode,
+                         dsa_indexer_use_sparse_loss=sparse_loss)
     torch.manual_seed(0)
     model = _gpt(config, get_dsa_layer_spec(config, model="glm5"))
+    for m in model.modules():
+        if isinstance(m, DSAttention):
+            m.fuse_indexer_loss = fused
     tok, pos = _tokens(3)
     model(tok, pos, None).float().square().mean().backward()
     assert seen and all(v == deterministic_mode for v in seen)
+    assert bool(standalone) != (sparse_loss and fused) and all(v == deterministic_mode for v in standalone)
