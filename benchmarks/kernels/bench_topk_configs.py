@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -34,6 +35,12 @@ def scores(kind, rows, cols, g):
     return (x * w).sum(-1)
 
 
+def build_in_parallel(configs: list) -> None:
+    """Compile the configurations' programs up front, in threads (nvcc runs outside the GIL)."""
+    with ThreadPoolExecutor(max_workers=max(1, len(configs))) as pool:
+        list(pool.map(TK.build_topk, configs))
+
+
 def prefill(T: int, k: int, configs: list, rounds: int = 7, replays: int = 20, lse: bool = False) -> None:
     """The top-k of a causal prefill's indexer scores (T rows, Hi 64, Di 128, the score program's own buffer) with
     each configuration, captured in CUDA graphs and timed in alternating rounds; the rows checked equal (``lse``:
@@ -44,10 +51,7 @@ def prefill(T: int, k: int, configs: list, rounds: int = 7, replays: int = 20, l
     from dsa_plugins.bench.runner import interleaved_graph_ms, ratio_text
     from dsa_plugins.kernels import indexer as K
 
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=max(1, len(configs))) as pool:  # nvcc runs outside the GIL
-        list(pool.map(TK.build_topk, configs))
+    build_in_parallel(configs)
     plan = K._Plan(*inputs(T, 64, 128), None, 1 << 62)
     r0, r1, buf = plan.chunk_scores(plan.chunks[0])
     outs = [torch.empty(T, k, dtype=torch.int32, device="cuda") for _ in configs]
@@ -86,11 +90,7 @@ def main() -> None:
         shipped = [{**TK.DEFAULT_CONFIG, **c} for c in json.loads(args.configs)]
     configs = shipped + json.loads(args.extra)
     cases = [tuple(int(n) for n in c.split("x")) for c in args.cases.split(",")] if args.cases else CASES
-    # compile every configuration first, in parallel (nvcc runs outside the GIL)
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=max(1, len(configs))) as pool:
-        list(pool.map(TK.build_topk, configs + [TK.config_for_rows(r, c) for r, c in cases]))
+    build_in_parallel(configs + [TK.config_for_rows(r, c) for r, c in cases])
     print("| scores | rows | columns | " + " | ".join(f"{c['threads']}t agg={c.get('agg')}" + (f" parts={c['parts']}" if c.get('parts') else "")
                                            for c in configs)
           + " | picked |")
