@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .sparse_attention import gather_valid_rows
+from .sparse_attention import add_rows_in_order, gather_valid_rows
 
 _CHUNK_ELEMS = 1 << 25
 
@@ -131,7 +131,7 @@ class IndexerKLLoss(torch.autograd.Function):
             d_logits = d_scores.unsqueeze(1) * w.unsqueeze(-1) * ~(logits <= 0)  # [c, Hi, n]
             d_iq[t0:t1] = torch.einsum("chn,cnd->chd", d_logits, ik_rows)
             contrib = torch.einsum("chn,chd->cnd", d_logits, iq)
-            d_ik.index_add_(0, rows[valid], contrib[valid])
+            add_rows_in_order(d_ik, rows[valid], contrib[valid])
         return (d_iq.to(index_q.dtype), d_ik.to(index_k.dtype), d_w.to(weights.dtype)) + (None,) * 10
 
 

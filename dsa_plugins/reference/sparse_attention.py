@@ -52,6 +52,18 @@ def gather_valid_rows(x: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, 
     return torch.where(valid.unsqueeze(-1), x[rows.clamp(0, x.shape[0] - 1)].to(cdt), 0.0)
 
 
+def add_rows_in_order(dst: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """dst[rows[i]] += values[i] (dst [N, D], rows [M] int64, values [M, D]), summed in the same order on every
+    run: on the CPU ``index_add_`` adds the rows one after the other; on CUDA its atomics would add them in
+    whichever order the threads reach them (bits that change from run to run), so the rows go through
+    ``index_put_`` with ``accumulate=True``, which sorts them first. The torch path's gradients are then as
+    reproducible as the kernels' deterministic mode, whatever torch's own determinism setting is."""
+    if dst.is_cuda:
+        dst.index_put_((rows,), values, accumulate=True)
+    else:
+        dst.index_add_(0, rows, values)
+
+
 def _slot_probs(scores: torch.Tensor, norm: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """exp(scores - norm) at valid slots, exactly 0 at invalid ones (also where norm is +-inf)."""
     return torch.where(valid.unsqueeze(1), torch.exp(scores - norm.unsqueeze(-1)), 0.0)
@@ -132,7 +144,7 @@ def sparse_attention_backward(q, kv, indices, out, lse, dout, scale: float, sink
         dq[sl] = (torch.einsum("chk,ckd->chd", ds, kv_rows) * scale).to(q.dtype)
         contrib = torch.einsum("chk,chd->ckd", ds, qc) * scale
         contrib[..., :dv] += torch.einsum("chk,chd->ckd", p, do)
-        dkv.index_add_(0, rows[sl][vmask], contrib[vmask])
+        add_rows_in_order(dkv, rows[sl][vmask], contrib[vmask])
         if dsink is not None:
             p_sink = torch.where(empty, 0.0, torch.exp(z - norm))  # [c, H]
             dsink -= (delta * p_sink).sum(0)
