@@ -115,6 +115,8 @@ def test_topk_configs_compile(compiled, i):
         assert "cbits" in src
         # every bit loop takes its trip count from the shared word, never from the register it clears bit by bit
         assert re.search(r"__popc\(\(\(uint\*\)cbits\)", src) and not re.search(r"< \(\(int\)__popc\(wv", src)
+        # two bitmap walks: the row within the bitmap, and a row past it one window at a time (no re-read of the row)
+        assert len(re.findall(r"__popc\(\(\(uint\*\)cbits\)", src)) == 2
 
 
 def test_split_topk_configuration_rules():

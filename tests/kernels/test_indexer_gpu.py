@@ -156,8 +156,8 @@ def test_topk_rows_lse(kind, cfg):
 def test_topk_rows_lse_is_the_same_bits_every_run(N, cfg):
     """The lse of a row is summed in an order fixed by its columns, never by the order in which the candidates of
     the threshold digit were gathered (shared atomics): four runs give the same bits. N: rows within every
-    configuration's bitmap, past the 256-thread one's (32K columns: the row re-read for the last pass), past the
-    512-thread one's (64K) and the 1024-thread one's (128K)."""
+    configuration's bitmap, past the 256-thread one's (32K columns: the candidates walked a window of the bitmap at
+    a time, 2 windows), past the 512-thread one's (64K: 3 windows at 140000) and the 1024-thread one's (128K)."""
     g = torch.Generator(device="cuda").manual_seed(N)
     R, k = 24, 2048
     x = torch.randn(R, N, device="cuda", generator=g) * 4  # some hundreds of candidates in the threshold digit
