@@ -44,7 +44,8 @@ def build_in_parallel(configs: list) -> None:
 def prefill(T: int, k: int, configs: list, rounds: int = 7, replays: int = 20, lse: bool = False) -> None:
     """The top-k of a causal prefill's indexer scores (T rows, Hi 64, Di 128, the score program's own buffer) with
     each configuration, captured in CUDA graphs and timed in alternating rounds; the rows checked equal (``lse``:
-    the programs that also write each row's logsumexp, as the indexer loss asks; the lse checked equal too)."""
+    the programs that also write each row's logsumexp, as the indexer loss asks; the lse checked close: its bits are
+    the same from run to run, not across CTA shapes, whose threads sum other columns)."""
     import statistics
 
     from bench_indexer import inputs
@@ -60,7 +61,8 @@ def prefill(T: int, k: int, configs: list, rounds: int = 7, replays: int = 20, l
               for cfg, out, ls in zip(configs, outs, lses)]
     for cfg, out, ls in zip(configs, outs, lses):  # the same rows, in the same (ascending column) order
         assert torch.equal(out, outs[0]), cfg
-        assert ls is None or torch.equal(ls, lses[0]), cfg
+        if ls is not None:
+            torch.testing.assert_close(ls, lses[0], rtol=4e-6, atol=4e-6, msg=lambda m, cfg=cfg: f"{cfg}: {m}")
     times = interleaved_graph_ms(graphs, rounds, replays)
     for cfg, t in zip(configs, times):
         print(f"prefill T{T} k{k} {json.dumps(cfg)}: {1e3 * statistics.median(t):.1f} us, first/this "

@@ -9,7 +9,6 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-
 import pytest
 import torch
 
