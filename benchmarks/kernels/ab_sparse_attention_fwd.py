@@ -2,6 +2,7 @@
 
     python benchmarks/kernels/ab_sparse_attention_fwd.py '[{"tma_io": false}]' [--shapes prefill|decode]
         [--rounds 7] [--replays 15] [--jobs 8] [--batches 1,8,64] [--cache 32768] [--models mla,v4]
+    python benchmarks/kernels/ab_sparse_attention_fwd.py '[{"cluster": "heads"}]' --shapes long
 
 Single runs of a benchmark move by a few percent from one process to the next, so a compile-time
 variant is judged here against the default in the same process: each program is captured in a CUDA
@@ -10,7 +11,8 @@ program, in alternating order. Printed per shape: the default's median time, eac
 default / variant time ratio per round as median [min, max] (> 1: the variant is faster).
 
 Shapes: ``prefill`` the peers benchmark's k sweep (V4 D512 sink, H 64, k 256-2048) and 8K shapes (B1
-S4096 Skv8192); ``decode`` one query per sequence over a 32K cache (``--cache``), k 2048, H 64 / 128, MLA 576/512
+S4096 Skv8192); ``long`` its MLA H128 k2048 shapes over 32K / 64K / 128K cache rows (past L2: the gathers come
+from HBM); ``decode`` one query per sequence over a 32K cache (``--cache``), k 2048, H 64 / 128, MLA 576/512
 and with ``--models mla,v4`` also DeepSeek-V4's D512 with sink, B 1 / 8 / 64 (``--batches``; caches of 2**31 elements or more too: the gathers are addressed in 64 bits).
 """
 
@@ -42,7 +44,7 @@ def _decode_inputs(b: int, skv: int, h: int, dqk: int, k: int, sink: bool = Fals
 def cases(which: str, batches=(1, 8, 64), cache: int = 32768, models=("mla",)):
     """(label, (q, kv, idx, sink), dv) per shape, inputs made lazily; ``batches``, ``cache`` and ``models``
     (keys of DECODE_DIMS) for decode."""
-    from bench_attention_peers import SHAPES_8K, SHAPES_K, make_inputs
+    from bench_attention_peers import SHAPES_8K, SHAPES_K, SHAPES_LONG, make_inputs
 
     if which == "decode":
         for dqk, dv, sink in (DECODE_DIMS[m] for m in models):
@@ -51,7 +53,7 @@ def cases(which: str, batches=(1, 8, 64), cache: int = 32768, models=("mla",)):
                     yield (f"B{b} S1 H{h} D{dqk}/{dv}{' sink' if sink else ''} k2048 cache{cache}",
                            lambda b=b, h=h, dqk=dqk, sink=sink: _decode_inputs(b, cache, h, dqk, 2048, sink), dv)
         return
-    for _op, s, skv, h, dqk, dv, k, sink in SHAPES_K + SHAPES_8K[:3]:
+    for _op, s, skv, h, dqk, dv, k, sink in (SHAPES_LONG if which == "long" else SHAPES_K + SHAPES_8K[:3]):
         yield (f"B1 S{s} Skv{skv} H{h} D{dqk}/{dv} k{k}",
                lambda a=(s, skv, h, dqk, dv, k, sink): make_inputs(*a), dv)
 
@@ -80,7 +82,7 @@ def precompile(which: str, variants, jobs: int) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("variants", help='JSON list of compile-time overrides, e.g. [{"tma_io": false}]')
-    ap.add_argument("--shapes", default="prefill", choices=["prefill", "decode"])
+    ap.add_argument("--shapes", default="prefill", choices=["prefill", "long", "decode"])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--replays", type=int, default=15)
     ap.add_argument("--jobs", type=int, default=0, help="compile the programs this many at a time first")
