@@ -182,6 +182,11 @@ def test_config_validation():
         mod._normalise_config({"cluster": "quad"})
     with pytest.raises(ValueError, match="cluster takes the plain grid"):
         mod._normalise_config({"cluster": "rows", "persistent_ctas": 132})
+    # together with a gather hint the program faulted on an H200 (illegal instruction): refused with both names
+    for hint in ("l2_256", "l2_256_keep"):
+        with pytest.raises(ValueError, match=f"cluster='heads' cannot be combined with load_hint='{hint}'"):
+            mod._normalise_config({"cluster": "heads", "load_hint": hint})
+    assert mod._normalise_config({"load_hint": "l2_256_keep"})["load_hint"] == "l2_256_keep"
     cfg = mod.config_for(576, 512, False, torch.bfloat16)
     assert cfg["dim_qk"] == 576 and cfg["dtype"] == "bfloat16"
     with pytest.raises(ValueError, match="bfloat16 or float16"):
