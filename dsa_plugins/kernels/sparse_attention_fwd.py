@@ -351,10 +351,11 @@ def _check_config(cfg: dict) -> dict:
     if cfg["cluster"] and cfg["persistent_ctas"]:
         raise ValueError("cluster takes the plain grid (persistent_ctas=0)")
     if cfg["cluster"] and cfg["load_hint"]:
-        # both experiments, both off by default: together they stopped an H200 with an illegal instruction at
-        # S 4096 x Skv 32768 (H 128, seesaw), each alone did not (fwd_fixed_cost_h100.md)
-        raise ValueError(f"cluster={cfg['cluster']!r} cannot be combined with load_hint={cfg['load_hint']!r} "
-                         "(that program faulted on an H200); use one of the two")
+        # both experiments, both off by default: cluster "heads" with "l2_256_keep" stopped an H200 with an illegal
+        # instruction at S 4096 x Skv 32768 (H 128, seesaw), each alone did not (fwd_fixed_cost_h100.md); "l2_256"
+        # with a cluster was not run at that size, so it is refused too
+        raise ValueError(f"cluster={cfg['cluster']!r} cannot be combined with load_hint={cfg['load_hint']!r} (a "
+                         "clustered launch with the evict_last gathers faulted on an H200); use one of the two")
     parts = int(cfg["cluster_parts"] or 0)
     cfg["cluster_parts"] = 0 if parts == 1 else parts
     if parts not in (0, 1, 2, 4, 8):
