@@ -30,7 +30,8 @@ MLA H128, 1.010x V4 H128, 1.022x V4 H64, same bits, 2026-11-28). A patch may edi
                  sm_90 issues at a quarter of the FP32 rate. H200, --det, same bits: MLA H64 0.999x [0.968, 1.004],
                  MLA H128 1.026x [1.021, 1.168], V4 H128 0.987x, V4 H64 0.981x; not shipped (2026-11-29)
   reduce_nosafe  the reduce without TileLang's safe-memory legalisation (bounds tests and zero fills around the loads
-                 whose row comes from Rows: every index is in bounds by construction): the int16 loop 167 -> 106
+                 whose row comes from Rows: every index is in bounds by construction, the slot order naming valid
+                 rows only and the column tests and exponent clamp being the program's own): the int16 loop 167 -> 106
                  instructions a row (sm_90a SASS, CPU, 2026-11-29); not yet timed. reduce_nosafe_v8 adds reduce_v8
                  (103 instructions)
 """
@@ -64,7 +65,7 @@ _NEW_EXPS_AB = """      // lanes q and q ^ 2 hold adjacent bytes of rows a and b
 _OLD_VEC = """    vec = 2 if contrib_dtype == "float32" else 4  # columns per lane and run: 8 bytes"""
 _NEW_VEC = """    vec = 2 if contrib_dtype == "float32" else 8 if (scaled and perm) else 4  # columns per lane and run"""
 
-# reduce_no_i2f: each int16 value made exact fp32 by integer ops and one FADD instead of I2F (quarter rate on sm_90)
+# reduce_no_i2f: each int16 value made exact fp32 without I2F (see the module docstring)
 _OLD_I2F = """                                        acc[r * vec + c] += T.cast(Contrib[base + hb * kp, r * width + lane * vec + c],
                                                                    f32) * sc
 """
@@ -73,10 +74,7 @@ _NEW_I2F = """                                        acc[r * vec + c] += (T.rei
                                             T.uint32(0x4B008000)), f32) - T.float32(8421376.0)) * sc
 """
 
-# reduce_nosafe: the reduce compiled without TileLang's safe-memory legalisation, which wraps every load whose index
-# comes from memory (the contribution rows named by Rows) in a bounds test and a zero fill: 167 -> 106 instructions in
-# the int16 loop per row (sm_90a SASS, CPU); every index there is in bounds by construction (the slot order names
-# valid rows only, the column tests and the exponent clamp are the program's own)
+# reduce_nosafe: the reduce compiled without TileLang's safe-memory legalisation (see the module docstring)
 _OLD_JIT = "prog = tilelang.jit(target=target)(reduce_body)(*key[1:])"
 _NEW_JIT = ("prog = tilelang.jit(target=target, pass_configs={\"tl.disable_safe_memory_legalize\": True})"
             "(reduce_body)(*key[1:])")
