@@ -29,6 +29,10 @@ MLA H128, 1.010x V4 H128, 1.022x V4 H64, same bits, 2026-11-28). A patch may edi
                  flipped placed in the mantissa of 2^23, then 2^23 + 2^15 subtracted: exact) instead of I2F, which
                  sm_90 issues at a quarter of the FP32 rate. H200, --det, same bits: MLA H64 0.999x [0.968, 1.004],
                  MLA H128 1.026x [1.021, 1.168], V4 H128 0.987x, V4 H64 0.981x; not shipped (2026-11-29)
+  rows_reversed  the ws program's CTAs take query rows from the last back, so that causal rows (the last ones the
+                 longest) start longest first. H200, atomic (dkv's last bits differ, rel 1e-6): MLA H64 causal
+                 1.002x [0.990, 1.090], MLA H128 causal 0.981x, MLA H64 1.007x, V4 H128 0.998x; not shipped
+                 (2026-11-29: the row order is not what costs causal rows their TFLOP/s)
 The reduce without TileLang's safe-memory legalisation (bounds tests and zero fills around the loads whose row comes
 from Rows) was measured with this tool and is shipped: the int16 loop 167 -> 106 instructions a row; H200, --det, same
 bits: MLA H64 1.051x, MLA H128 1.092x, V4 H128 1.005x, V4 H64 1.012x (2026-11-29). reduce_v8 on top of it measured
