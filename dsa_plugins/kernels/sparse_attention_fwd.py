@@ -156,11 +156,6 @@ DEFAULT_CONFIG: dict = {
     # same values wherever P >= 2^-126 (NaN stays NaN, -inf gives 0). H100, interleaved A/B under CUDA graphs
     # against exp2f: MLA H128 / H64 k2048 1.04x, V4 H128 1.02x, V4 H64 k256-2048 1.00-1.02x; decode 1.03-1.07x
     "fast_exp2": True,
-    # seesaw only: when the producer fetches the indices of the next trip's slot block (a trip before it gathers
-    # them), one lane per row asks L2 for that whole kv row (cp.async.bulk.prefetch.L2), so that at long caches,
-    # where the selected rows come from HBM (Skv 128K: 8 GB read at 37% of the H200's bandwidth, L2 hit rate 36%;
-    # 8K: 97%), the gathers find them in L2. Opt-in
-    "l2_prefetch": False,
 }
 
 # The schedule of the programs that cut a generation step's row into parts (cluster_parts, partial): they
@@ -200,7 +195,7 @@ _SCHEDULE_REGS = {
 }
 _COMPILE_KEYS = ("dim_qk", "dim_v", "has_sink", "dtype", "block_h", "block_k", "schedule", "producer_regs",
                  "consumer_regs", "skip_tail", "load_hint", "partial", "persistent_ctas", "tma_io", "cluster",
-                 "cluster_parts", "auto_sync", "fast_exp2", "l2_prefetch")
+                 "cluster_parts", "auto_sync", "fast_exp2")
 _LOAD_HINTS = {None: 0, "l2_256": 1, "l2_256_keep": 2}
 _CLUSTER_DIMS = {None: None, "heads": (2, 1, 1), "rows": (1, 2, 1)}
 
@@ -218,11 +213,6 @@ __device__ __forceinline__ void dsa_cp_async16(const void* smem, const void* gme
   } else {
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" :: "r"(dst), "l"(gmem), "r"(n) : "memory");
   }
-}
-
-// the whole of one gathered row into L2 ahead of its cp.async copies (bytes: a multiple of 16)
-__device__ __forceinline__ void dsa_prefetch_l2(const void* gmem, int bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(gmem), "r"(bytes) : "memory");
 }
 """
 
@@ -353,9 +343,6 @@ def _check_config(cfg: dict) -> dict:
     cfg["tma_io"] = bool(cfg["tma_io"]) and not cfg["partial"] and not cfg["persistent_ctas"]
     cfg["auto_sync"] = cfg["schedule"] != "seesaw" if cfg["auto_sync"] is None else bool(cfg["auto_sync"])
     cfg["fast_exp2"] = True if cfg["fast_exp2"] is None else bool(cfg["fast_exp2"])
-    cfg["l2_prefetch"] = bool(cfg["l2_prefetch"])
-    if cfg["l2_prefetch"] and cfg["schedule"] != "seesaw":
-        raise ValueError(f"l2_prefetch is built into the seesaw producer only, got schedule {cfg['schedule']!r}")
     if not cfg["auto_sync"] and cfg["schedule"] != "seesaw":
         raise ValueError(f"auto_sync=False is verified for the seesaw schedule only (its barriers order its shared "
                          f"memory), got schedule {cfg['schedule']!r}")
@@ -381,7 +368,7 @@ def _check_config(cfg: dict) -> dict:
 
 def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, producer_regs, consumer_regs,
              skip_tail=False, load_hint=None, partial=False, persistent_ctas=0, tma_io=False, cluster=None,
-             cluster_parts=0, auto_sync=True, fast_exp2=False, l2_prefetch=False):
+             cluster_parts=0, auto_sync=True, fast_exp2=False):
     """The TileLang prim_func of one configuration (imported lazily). ``auto_sync`` is not read here: it is a
     pass option of the compile (``_jit_for_target``), an argument so that it keys the caches."""
     import tilelang.language as T
@@ -717,15 +704,6 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
                                        T.access_ptr(KV[bz, src, dim_v + col], "r", VEC), ok)
 
     @T.macro
-    def prefetch_rows(KV, bz, idx_reg, ptx):
-        # lane r of each row's 8 threads asks L2 for the row of pass r (waits for its index load)
-        for r in pass_ids:
-            if ptx % 8 == r:
-                if (idx_reg[r] >= 0) and (idx_reg[r] < SKV):
-                    T.call_extern("handle", "dsa_prefetch_l2", T.access_ptr(KV[bz, idx_reg[r], 0], "r", dim_qk),
-                                  dim_qk * (2 if dtype in ("bfloat16", "float16") else 4))
-
-    @T.macro
     def seesaw_producer(Indices, KV, bz, by, n_trips, idx0, idx1, stages, valid, ready, free, ptx):
         # per trip: block 2t left, block 2t+1 right, block 2t right, block 2t+1 left. Each half has
         # its own barriers: a half is reloaded as soon as its last reader is done with it, and each
@@ -742,8 +720,6 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
                 if not first:  # this block's indices are done with: the next trip's, in flight
                     if t + 1 < n_trips:
                         fetch_indices(Indices, bz, by, 2 * t + 2 + st, idx0 if st == 0 else idx1, ptx)
-                        if l2_prefetch:
-                            prefetch_rows(KV, bz, idx0 if st == 0 else idx1, ptx)
 
     @T.macro
     def seesaw_issue(Q_l, Q_r, Q_t, stage, ready, st, t, acc_s, which):
@@ -963,7 +939,7 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
         cur[3] = RowTrips[cur[2], cur[1]] if skip_tail else KP // (2 * BK)
 
     n_blk = 2 if split else 1
-    prelude = "".join(([_FWD_PRELUDE] if hint or l2_prefetch else []) + ([_CLUSTER_PRELUDE] if cluster_parts else [])
+    prelude = "".join(([_FWD_PRELUDE] if hint else []) + ([_CLUSTER_PRELUDE] if cluster_parts else [])
                       + ([_ex2.PRELUDE] if fast_exp2 else [])) or None
     cluster_dims = (1, cluster_parts, 1) if cluster_parts else _CLUSTER_DIMS[cluster]
     grid = (persistent_ctas, 1, 1) if persistent_ctas else (T.ceildiv(H, HB), SO, B)
