@@ -571,7 +571,6 @@ def test_contribution_reduce_compiles_with_warps_taking_slots_in_turn(dqk, heads
     assert "float2" in loop and ("< 3)" in loop) == (dqk == 96)  # the partial run: 1.5 runs of 64 (3 halves)
 
 
-
 @pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
 def test_contribution_reduce_loads_rows_without_safe_memory_guards():
     """The reduce is compiled without TileLang's safe-memory pass (1.05-1.09x at MLA, deterministic mode, H200): the
@@ -584,6 +583,7 @@ def test_contribution_reduce_loads_rows_without_safe_memory_guards():
     assert "min(" in loop  # the exponent byte's block index, clamped by the program itself
     partial = contrib_reduce.build_reduce(96, 1, "float32", target=SM90A).get_kernel_source()
     assert "< 96)" in partial or "< 3)" in partial  # a partial last run keeps its column test
+
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
