@@ -391,6 +391,20 @@ def _factory():
                 T.if_then_else(run[0] == neg_inf, 0.0, run[1] * T.exp(m_old - run[0]) + T.exp(x - run[0])))
 
         @T.macro
+        def lse_walk(S, bx, run, cbits, wv, tx, per_thread, col0, nwords_left):
+            # the scores of the columns marked in this thread's `per_thread` words of cbits (words tx * per_thread
+            # + j, those below nwords_left; bit b of word w is column col0 + 32 w + b) enter run in column order
+            for j in T.serial(per_thread):
+                if tx * per_thread + j < nwords_left:
+                    wv[0] = cbits[tx * per_thread + j]
+                    # (the trip count from the shared word: a bound on wv, which the loop clears bit by bit, would
+                    # be evaluated again at every step)
+                    for _ in T.serial(T.cast(T.popcount(cbits[tx * per_thread + j]), i32)):
+                        col = col0 + (tx * per_thread + j) * 32 + (T.__ffs(T.reinterpret(wv[0], i32)) - 1)
+                        lse_add(run, S[bx, col // 4, col % 4])
+                        wv[0] = wv[0] & (wv[0] - T.uint32(1))
+
+        @T.macro
         def lse_combine(run, lse_m, lse_s, tx, ties, thr, Lse, bx):
             # the block's logsumexp of the emitted scores, plus `ties` more scores equal to thr (threshold
             # ties, whichever program emits them), to Lse[bx]; -inf when nothing was selected
@@ -688,28 +702,12 @@ def _factory():
                                         T.call_extern("handle", "dsa_shared_or", T.address_of(cbits[col >> 5]),
                                                       T.uint32(1) << T.cast(col & 31, u32))
                             T.sync_threads()
-                            for j in T.serial(owords // threads):
-                                wv[0] = cbits[tx * (owords // threads) + j]
-                                for _ in T.serial(T.cast(T.popcount(cbits[tx * (owords // threads) + j]), i32)):
-                                    col = c0 * 4 + (win * owords + tx * (owords // threads) + j) * 32 + (
-                                        T.__ffs(T.reinterpret(wv[0], i32)) - 1)
-                                    lse_add(run, S[bx, col // 4, col % 4])
-                                    wv[0] = wv[0] & (wv[0] - T.uint32(1))
+                            lse_walk(S, bx, run, cbits, wv, tx, owords // threads, c0 * 4 + win * owords * 32, owords)
                     # ---- the bitmap's columns to slots [0, K - ties left) in ascending order
                     if use_bits == 1:
                         T.sync_threads()
                         if lse:  # the last pass's selections, each thread its own words in column order
-                            for j in T.serial(T.ceildiv(nwords, threads)):
-                                if tx * T.ceildiv(nwords, threads) + j < nwords:
-                                    wv[0] = cbits[tx * T.ceildiv(nwords, threads) + j]
-                                    # (the trip count from the shared word: a bound on wv, which the loop clears
-                                    # bit by bit, would be evaluated again at every step)
-                                    for _ in T.serial(T.cast(T.popcount(cbits[tx * T.ceildiv(nwords, threads) + j]),
-                                                             i32)):
-                                        col = c0 * 4 + (tx * T.ceildiv(nwords, threads) + j) * 32 + (
-                                            T.__ffs(T.reinterpret(wv[0], i32)) - 1)
-                                        lse_add(run, S[bx, col // 4, col % 4])
-                                        wv[0] = wv[0] & (wv[0] - T.uint32(1))
+                            lse_walk(S, bx, run, cbits, wv, tx, T.ceildiv(nwords, threads), c0 * 4, nwords)
                         count_and_scan(bits, nwords, tx, wsum, sc)
                         sc[2] = sc[1] - sc[0]
                         write_in_order(bits, nwords, tx, sc, c0 * 4 + out_offset, Out, bx, wv)
