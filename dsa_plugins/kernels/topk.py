@@ -76,7 +76,9 @@ SPLIT_CONFIG = {"threads": 1024, "cap": 4096, "unroll": 4, "parts": 8}
 SPLIT4_CONFIG = {"threads": 1024, "cap": 4096, "unroll": 4, "parts": 4}
 #: two CTAs per row still fit one wave up to 64 rows. H200, indexer-like scores, k 2048, one CTA per row -> two
 #: parts: 32 x 65536 35.6 -> 31.1 us, 32 x 131072 55.6 -> 42.7, 64 x 131072 56.6 -> 43.9 (four parts of 512 or
-#: 1024 threads lose past 16 rows: 32 x 131072 65.1 / 55.0; bench_topk_configs.py, logs/h200_topk_split2_*.log)
+#: 1024 threads lose past 16 rows: 32 x 131072 65.1 / 55.0; bench_topk_configs.py, logs/h200_topk_split2_*.log);
+#: rows of 32K too: 16 / 32 / 48 / 64 x 32768 25.8 / 25.7 / 25.9 / 25.8 -> 22.4 / 23.1 / 22.9 / 23.2
+#: (logs/h200_topk_split2_32k_d2bb8f6.log; a generation step of B 16-64 over 32K caches)
 SPLIT2_CONFIG = {"threads": 1024, "cap": 4096, "unroll": 4, "parts": 2}
 SHIPPED_CONFIGS += [SPLIT_CONFIG, SPLIT4_CONFIG, SPLIT2_CONFIG]
 
@@ -87,7 +89,7 @@ MANY_LONG_ROWS_CONFIG = SHIPPED_CONFIGS[3]
 FEW_ROWS = 264
 #: the split program's rows: up to SPLIT8_MAX_ROWS rows of at least SPLIT8_MIN_COLS columns take 8 parts; 4 parts
 #: take up to SPLIT8_MAX_ROWS rows of at least SPLIT_MIN_COLS and up to SPLIT_MAX_ROWS of at least SPLIT8_MIN_COLS;
-#: 2 parts up to SPLIT2_MAX_ROWS rows of at least SPLIT8_MIN_COLS
+#: 2 parts up to SPLIT2_MAX_ROWS rows of at least SPLIT_MIN_COLS
 SPLIT_MAX_ROWS = 16
 SPLIT2_MAX_ROWS = 64
 SPLIT8_MAX_ROWS = 8
@@ -107,7 +109,7 @@ def config_for_rows(rows: int, max_cols: int, lse: bool = False) -> dict:
             return SPLIT_CONFIG
         if rows <= SPLIT8_MAX_ROWS or max_cols >= SPLIT8_MIN_COLS:
             return SPLIT4_CONFIG
-    if not lse and rows <= SPLIT2_MAX_ROWS and max_cols >= SPLIT8_MIN_COLS:
+    if not lse and rows <= SPLIT2_MAX_ROWS and max_cols >= SPLIT_MIN_COLS:
         return SPLIT2_CONFIG
     if rows < FEW_ROWS:
         return DEFAULT_CONFIG

@@ -124,9 +124,12 @@ def test_split_topk_configuration_rules():
     assert TK.config_for_rows(1, 32768) == TK.SPLIT4_CONFIG == TK.config_for_rows(8, 65535)
     assert TK.config_for_rows(1, 131072, lse=True) == TK.DEFAULT_CONFIG  # the split program writes no lse
     assert TK.config_for_rows(TK.SPLIT_MAX_ROWS + 1, 131072) == TK.SPLIT2_CONFIG == TK.config_for_rows(64, 65536)
-    assert TK.config_for_rows(TK.SPLIT2_MAX_ROWS + 1, 131072) == TK.DEFAULT_CONFIG == TK.config_for_rows(32, 65535)
+    # two parts from 32K columns: a generation step of 9-64 rows over 32K caches (the batched layout's buffer is
+    # one key block wider than the cache)
+    assert TK.config_for_rows(9, 32768) == TK.SPLIT2_CONFIG == TK.config_for_rows(64, 32768 + 64)
+    assert TK.config_for_rows(TK.SPLIT2_MAX_ROWS + 1, 131072) == TK.DEFAULT_CONFIG == TK.config_for_rows(32, 32767)
     assert TK.config_for_rows(32, 131072, lse=True) == TK.DEFAULT_CONFIG
-    assert TK.config_for_rows(9, 32768) == TK.DEFAULT_CONFIG == TK.config_for_rows(1, 32767)
+    assert TK.config_for_rows(1, 32767) == TK.DEFAULT_CONFIG
     with pytest.raises(ValueError, match="writes no lse"):
         TK._config_key({**TK.SPLIT_CONFIG, "lse": True})
     with pytest.raises(ValueError, match="parts must be"):
@@ -192,7 +195,7 @@ def test_supported_shapes_and_configs():
     assert all(c["block_k"] == 64 and c["block_q"] * c["heads"] == 256 for c in K.PREFILL_CONFIGS if c.get("pingpong"))
     with pytest.raises(ValueError, match="pingpong"):
         K.build_indexer({**K.PREFILL_CONFIGS[0], "relu_max": False}, target=SM90)
-    assert TK.config_for_rows(64, 32768) == TK.DEFAULT_CONFIG
+    assert TK.config_for_rows(65, 32768) == TK.DEFAULT_CONFIG == TK.config_for_rows(64, 32767)
     assert TK.config_for_rows(8192, 8192) == TK.MANY_SHORT_ROWS_CONFIG
     assert TK.config_for_rows(4096, 65536) == TK.MANY_LONG_ROWS_CONFIG
     for cfg in (TK.DEFAULT_CONFIG, TK.MANY_SHORT_ROWS_CONFIG, TK.MANY_LONG_ROWS_CONFIG):
