@@ -19,10 +19,12 @@ fp8 = "fp8" in sys.argv[4:]
 di, k = 128, 2048
 print(f"B {B} context {ctx} index heads {hi}{' fp8' if fp8 else ''}")
 g = torch.Generator(device="cuda").manual_seed(0)
-q = torch.randn(B, hi, di, device="cuda", generator=g).bfloat16()
-kk = torch.randn(B * ctx, di, device="cuda", generator=g).bfloat16()
-w = torch.randn(B, hi, device="cuda", generator=g) * (hi * di) ** -0.5
-ks = torch.arange(B, device="cuda", dtype=torch.int32) * ctx
+# the batched layout the models pass (one query row per sequence, windows of each entry's own keys): the score
+# buffer is one cache wide, as in a generation step
+q = torch.randn(B, 1, hi, di, device="cuda", generator=g).bfloat16()
+kk = torch.randn(B, ctx, di, device="cuda", generator=g).bfloat16()
+w = torch.randn(B, 1, hi, device="cuda", generator=g) * (hi * di) ** -0.5
+ks = torch.zeros(B, 1, device="cuda", dtype=torch.int32)
 ke = ks + ctx
 k_scale = None
 if fp8:  # per-key scales; the queries' own scales fold into the weights, as the fp8 index cache does

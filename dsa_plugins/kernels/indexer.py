@@ -346,23 +346,32 @@ def _factory():
     def block_ranges(block_q: int, block_k: int, threads: int = 128):
         """Windows -> per query block key-block ranges, in one launch (the plan of every call).
 
-        KS/KE [nq] int32 windows -> per query block Lo/Hi [nqb]: the key blocks [Lo, Hi) covering
+        KS/KE [nw] int32 windows -> per query block Lo/Hi [nqb]: the key blocks [Lo, Hi) covering
         its rows' non-empty windows (0, 0 when all are empty); per row Base [nq] = Lo * block_k, the
         key of its first score column, and KSo/KEo the window clamped to [0, n_keys] relative to
-        Base (0, 0 when empty)."""
+        Base (0, 0 when empty). Off [nq]: what the top-k adds to a score column, Base, or with
+        entry-relative windows (rows_per_entry > 0: row r is row r % rows_per_entry of batch entry
+        r // rows_per_entry, whose keys are global rows [e * keys_per_entry, (e + 1) * keys_per_entry);
+        its window KS/KE[r % nw] counts that entry's keys, clamped to them) Base less the entry's first key:
+        the selection in the entry's own columns. nw is nq, or rows_per_entry (one set of windows for
+        every entry)."""
         nq = T.dynamic("nq")
+        nw = T.dynamic("nw")
         nqb = T.dynamic("nqb")
         i32 = T.int32
         big = 2**31 - 1
 
         @T.prim_func
         def main(
-            KS: T.Tensor([nq], i32),
-            KE: T.Tensor([nq], i32),
+            KS: T.Tensor([nw], i32),
+            KE: T.Tensor([nw], i32),
             n_keys: i32,
+            rows_per_entry: i32,
+            keys_per_entry: i32,
             KSo: T.Tensor([nq], i32),
             KEo: T.Tensor([nq], i32),
             Base: T.Tensor([nq], i32),
+            Off: T.Tensor([nq], i32),
             Lo: T.Tensor([nqb], i32),
             Hi: T.Tensor([nqb], i32),
         ):
@@ -371,15 +380,28 @@ def _factory():
                 qb = bx * threads + tx
                 lo = T.alloc_var(i32, init=big)
                 hi = T.alloc_var(i32, init=0)
+                # each row's window in global key rows (clamped, start <= end) and its entry's first key (0
+                # without entry-relative windows), found once: both loads issued before either is used
+                st = T.alloc_local([block_q], i32)
+                en = T.alloc_local([block_q], i32)
+                first = T.alloc_local([block_q], i32)
+                wrow = T.alloc_local([1], i32)  # the row's window: row, or row % nw (windows shared by the entries)
+                lim = T.if_then_else(rows_per_entry > 0, keys_per_entry, n_keys)
                 if qb < nqb:
                     for r in T.unroll(block_q):
                         row = qb * block_q + r
                         if row < nq:
-                            st = T.min(T.max(KS[row], 0), n_keys)
-                            en = T.max(T.min(T.max(KE[row], 0), n_keys), st)
-                            if en > st:
-                                lo = T.min(lo, st)
-                                hi = T.max(hi, en)
+                            first[r] = T.if_then_else(rows_per_entry > 0,
+                                                      row // T.max(rows_per_entry, 1) * keys_per_entry, 0)
+                            wrow[0] = T.if_then_else(nw == nq, row, row % nw)
+                            st[r] = KS[wrow[0]]
+                            en[r] = KE[wrow[0]]
+                            st[r] = T.min(T.max(st[r], 0), lim)
+                            en[r] = T.max(T.min(T.max(en[r], 0), lim), st[r]) + first[r]
+                            st[r] = st[r] + first[r]
+                            if en[r] > st[r]:
+                                lo = T.min(lo, st[r])
+                                hi = T.max(hi, en[r])
                     blo = T.if_then_else(hi > 0, lo // block_k, 0)
                     bhi = T.if_then_else(hi > 0, (hi + block_k - 1) // block_k, 0)
                     Lo[qb] = blo
@@ -387,11 +409,10 @@ def _factory():
                     for r in T.unroll(block_q):
                         row = qb * block_q + r
                         if row < nq:
-                            st = T.min(T.max(KS[row], 0), n_keys)
-                            en = T.max(T.min(T.max(KE[row], 0), n_keys), st)
                             Base[row] = blo * block_k
-                            KSo[row] = T.if_then_else(en > st, st - blo * block_k, 0)
-                            KEo[row] = T.if_then_else(en > st, en - blo * block_k, 0)
+                            Off[row] = blo * block_k - first[r]
+                            KSo[row] = T.if_then_else(en[r] > st[r], st[r] - blo * block_k, 0)
+                            KEo[row] = T.if_then_else(en[r] > st[r], en[r] - blo * block_k, 0)
 
         return main
 
@@ -715,10 +736,12 @@ def _splits(query_blocks: int, width_blocks: int, device, one_row_blocks: bool =
 class _Plan:
     """Inputs normalised once, per-query-block key ranges, and the chunk split: one chunk when the whole
     buffer fits ``max_chunk_bytes``; otherwise chunks sized from the windows' block ranges (one host sync),
-    or with ``sync_free`` from the sizes alone (every chunk as wide as the whole key range)."""
+    or with ``sync_free`` from the sizes alone (every chunk as wide as the whole key range).
+    ``entry_windows`` (with ``entries``): the windows count each batch entry's own keys, [Tq] or one set
+    [rows per entry] for every entry, and the top-k writes the entry's own columns (see indexer_topk)."""
 
     def __init__(self, index_q, index_k, weights, key_start, key_end, config, max_chunk_bytes, index_k_scale=None,
-                 entries=None, sync_free=False):
+                 entries=None, sync_free=False, entry_windows=False):
         import torch
 
         fp8 = isinstance(index_q, torch.Tensor) and index_q.dtype == torch.float8_e4m3fn
@@ -735,10 +758,18 @@ class _Plan:
             raise ValueError(f"weights must be [{Tq}, {Hi}], got {tuple(weights.shape)}")
         if weights.device != index_q.device or index_k.device != index_q.device:
             raise ValueError("index_q, index_k and weights must be on the same device")
+        rows_per_entry, keys_per_entry = (0, 0) if entries is None else (int(v) for v in entries)
+        if entries is not None and (rows_per_entry < 1 or keys_per_entry < 1 or Tq % rows_per_entry
+                                    or Tk % keys_per_entry or Tq // rows_per_entry != Tk // keys_per_entry):
+            raise ValueError(f"entries=({rows_per_entry}, {keys_per_entry}) must split the {Tq} query rows and "
+                             f"{Tk} keys into the same number of batch entries")
+        if entry_windows and entries is None:
+            raise ValueError("entry_windows needs entries=(rows, keys) per batch entry")
+        n_windows = (Tq, rows_per_entry) if entry_windows else (Tq,)
         for name, t in (("key_start", key_start), ("key_end", key_end)):
             _check(name, t, torch.int32, 1)
-            if t.shape[0] != Tq:
-                raise ValueError(f"{name} must be [{Tq}], got {tuple(t.shape)}")
+            if t.shape[0] not in n_windows:
+                raise ValueError(f"{name} must be [{' or '.join(map(str, n_windows))}], got {tuple(t.shape)}")
         self.Tq, self.Hi, self.Di, self.Tk = Tq, Hi, Di, Tk
         self.device = index_q.device
         if fp8:
@@ -772,23 +803,20 @@ class _Plan:
         self.ks = torch.empty(Tq, dtype=torch.int32, device=self.device)  # windows relative to base
         self.ke = torch.empty_like(self.ks)
         self.base = torch.empty_like(self.ks)  # key row of each row's first score column
+        self.off = torch.empty_like(self.ks)  # what the top-k adds to a score column (entry_windows: entry-local)
         self.blk_lo = torch.empty(nqb, dtype=torch.int32, device=self.device)
         self.blk_hi = torch.empty_like(self.blk_lo)
         if Tq == 0:
             return
-        build_block_ranges(bq, bk)(key_start.contiguous(), key_end.contiguous(), Tk, self.ks, self.ke, self.base,
-                                   self.blk_lo, self.blk_hi)
+        build_block_ranges(bq, bk)(key_start.contiguous(), key_end.contiguous(), Tk,
+                                   rows_per_entry if entry_windows else 0, keys_per_entry, self.ks, self.ke, self.base,
+                                   self.off, self.blk_lo, self.blk_hi)
         if Tk == 0:
             return
         # Widest block range, known without looking at the windows: every key, or (batched layout)
         # the keys of the entries one block of rows can span, plus one block of misalignment
         width = (Tk + bk - 1) // bk
         if entries is not None:
-            rows_per_entry, keys_per_entry = (int(v) for v in entries)
-            if (rows_per_entry < 1 or keys_per_entry < 1 or Tq % rows_per_entry or Tk % keys_per_entry
-                    or Tq // rows_per_entry != Tk // keys_per_entry):
-                raise ValueError(f"entries=({rows_per_entry}, {keys_per_entry}) must split the {Tq} query rows and "
-                                 f"{Tk} keys into the same number of batch entries")
             spanned = 1 if rows_per_entry % bq == 0 else -(-(bq - 1) // rows_per_entry) + 1
             width = min(width, -(-spanned * keys_per_entry // bk) + 1)
         if Tq * width * bk * 4 <= max_chunk_bytes:
@@ -822,15 +850,15 @@ class _Plan:
         if scores is None:
             out[r0:r1].fill_(-1)
             return
-        # score columns -> key rows: + each row's base; the top-k never reads past the buffer (a
-        # window beyond the caller's bound is cut to it)
-        _topk.topk_rows_ranges(scores, self.ks[r0:r1], self.ke[r0:r1], topk, row_offsets=self.base[r0:r1],
+        # score columns -> key rows (or the entry's own columns): + each row's offset; the top-k never reads
+        # past the buffer (a window beyond the caller's bound is cut to it)
+        _topk.topk_rows_ranges(scores, self.ks[r0:r1], self.ke[r0:r1], topk, row_offsets=self.off[r0:r1],
                                out=out[r0:r1], config=config, lse=None if lse is None else lse[r0:r1])
 
 
 def indexer_topk(index_q, index_k, weights, key_start, key_end, topk: int, *, config=None,
                  max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, topk_config=None, index_k_scale=None,
-                 entries: tuple[int, int] | None = None, return_lse: bool = False):
+                 entries: tuple[int, int] | None = None, return_lse: bool = False, entry_windows: bool = False):
     """Lightning-indexer top-k over per-query key windows.
 
     index_q [Tq, Hi, Di] bf16 CUDA; index_k [Tk, Di] bf16; weights [Tq, Hi] fp32 (softmax
@@ -842,7 +870,10 @@ def indexer_topk(index_q, index_k, weights, key_start, key_end, topk: int, *, co
     or per-head q scales belong in weights. ``entries=(S, Tk_e)`` says the rows come from a batched
     layout: row t belongs to entry t // S and its window lies inside that entry's keys
     [e * Tk_e, (e + 1) * Tk_e); it bounds the score buffer without a host sync. A window outside
-    its entry then gives a wrong selection: pass None when that does not hold.
+    its entry then gives a wrong selection: pass None when that does not hold. ``entry_windows`` (with
+    ``entries``): the windows count the entry's own keys instead ([Tq], or [S]: the same windows for every
+    entry), clamped to them, and the result holds the entry's own columns s - e * Tk_e (the batched layout
+    of the ops, with no conversion before or after the launch).
 
     Returns [Tq, topk] int32: the rows s of the ``topk`` largest I[t, s] inside the window,
     -1 in the slots beyond the window size when the window holds fewer than ``topk`` keys.
@@ -863,7 +894,8 @@ def indexer_topk(index_q, index_k, weights, key_start, key_end, topk: int, *, co
 
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
-    plan = _Plan(index_q, index_k, weights, key_start, key_end, config, max_chunk_bytes, index_k_scale, entries)
+    plan = _Plan(index_q, index_k, weights, key_start, key_end, config, max_chunk_bytes, index_k_scale, entries,
+                 entry_windows=entry_windows)
     out = torch.empty(plan.Tq, topk, dtype=torch.int32, device=plan.device)
     lse = torch.full((plan.Tq,), float("-inf"), dtype=torch.float32, device=plan.device) if return_lse else None
     if plan.Tq == 0 or plan.Tk == 0:

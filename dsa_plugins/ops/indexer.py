@@ -32,16 +32,33 @@ __all__ = [
 def _run_indexer_topk(index_q, index_k, weights, key_start, key_end, topk, backend, index_k_scale, rows_per_entry,
                       keys_per_entry, return_lse):
     """The body of both indexer top-k custom ops: the kernels by the backend rules, else the reference.
-    rows_per_entry / keys_per_entry > 0: the rows come from a batched layout (see _batched_indexer_topk)."""
+    rows_per_entry / keys_per_entry > 0: the rows come from a batched layout whose windows count each entry's
+    own keys ([T], or [rows_per_entry] shared by the entries), and the result holds the entries' own columns
+    (see _batched_indexer_topk)."""
     reason = kernel_shape_reason("indexer_topk", num_heads=index_q.shape[1], head_dim=index_q.shape[2], topk=topk,
                                  dtype=index_q.dtype)
+    batched = rows_per_entry > 0
     if choose_kernel(backend, "indexer_topk", (index_q, index_k), reason):
-        entries = (rows_per_entry, keys_per_entry) if rows_per_entry > 0 else None
+        # the kernels' plan program clamps the windows, moves them to the entries' keys and writes the entries'
+        # own columns: no torch launches before or after it
         return load_kernel("indexer_topk")(index_q, index_k, weights, key_start, key_end, topk,
-                                           index_k_scale=index_k_scale, entries=entries, return_lse=return_lse)
-    # the kernels clamp each window to the keys themselves; the reference is handed clamped ones
-    start, end = _windows_within_keys(key_start, key_end, index_k.shape[0])
-    return indexer_topk_reference(index_q, index_k, weights, topk, start, end, index_k_scale, return_lse=return_lse)
+                                           index_k_scale=index_k_scale,
+                                           entries=(rows_per_entry, keys_per_entry) if batched else None,
+                                           return_lse=return_lse, entry_windows=batched)
+    # the reference takes global windows, clamped (as the kernels clamp them)
+    if not batched:
+        start, end = _windows_within_keys(key_start, key_end, index_k.shape[0])
+        return indexer_topk_reference(index_q, index_k, weights, topk, start, end, index_k_scale,
+                                      return_lse=return_lse)
+    rows = index_q.shape[0]
+    first = (torch.arange(rows, device=index_q.device, dtype=torch.int32) // rows_per_entry) * keys_per_entry
+    start, end = _windows_within_keys(key_start, key_end, keys_per_entry)
+    start, end = start.expand(rows // start.shape[0], -1).reshape(-1), end.expand(rows // end.shape[0], -1).reshape(-1)
+    result = indexer_topk_reference(index_q, index_k, weights, topk, start + first, end + first, index_k_scale,
+                                    return_lse=return_lse)
+    picked = result[0] if return_lse else result
+    picked = torch.where(picked >= 0, picked - first[:, None], picked)
+    return (picked, result[1]) if return_lse else picked
 
 
 @torch.library.custom_op("dsa_plugins::indexer_topk", mutates_args=())
@@ -99,7 +116,7 @@ def quantize_indexer_fp8(index_q: Tensor, index_k: Tensor, weights: Tensor,
 
 def _check_windows(key_start, key_end, tq: int, tk: int, device, range_checked: bool = False) -> tuple[Tensor, Tensor]:
     """``range_checked``: the caller has range-checked the windows already (the batched layout, in its entries'
-    own columns): no second check, and no second host sync."""
+    own columns): no second check, and no second host sync. ``tq``: the windows' length."""
     for name, t in (("key_start", key_start), ("key_end", key_end)):
         check_tensor(name, t, ndim=1, dtypes=INDEX_DTYPES, device=device, shape={0: tq}, unit_stride=False)
     if check_indices_enabled() and not range_checked:
@@ -153,7 +170,8 @@ def indexer_topk(
 def _packed_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, backend, index_k_scale,
                          entries: tuple[int, int] = (0, 0), return_lse: bool = False):
     """The packed layout: checks, then the custom op. ``entries`` (rows, keys) per batch entry when the
-    rows come from the batched layout (each window inside its entry's keys), else (0, 0)."""
+    rows come from the batched layout (windows of each entry's own keys, [T] or [rows] shared by the entries,
+    already range-checked; the result in the entries' own columns), else (0, 0)."""
     device = index_q.device
     tq, hi, di = index_q.shape
     check_tensor("index_k", index_k, ndim=2, dtypes=(index_q.dtype,), device=device, shape={1: di})
@@ -172,8 +190,10 @@ def _packed_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, ba
     topk = int(topk)
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
-    key_start, key_end = _check_windows(key_start, key_end, tq, index_k.shape[0], device,
-                                        range_checked=entries != (0, 0))
+    batched = entries != (0, 0)
+    n_windows = key_start.shape[0] if batched and key_start.dim() == 1 and key_start.shape[0] == entries[0] else tq
+    key_start, key_end = _check_windows(key_start, key_end, n_windows, entries[1] if batched else index_k.shape[0],
+                                        device, range_checked=batched)
     weights = weights.float() if weights.dtype != torch.float64 else weights
     args = (index_q.contiguous(), index_k.contiguous(), weights.contiguous(), key_start, key_end, topk,
             resolve_backend(backend), index_k_scale, *entries)
@@ -201,14 +221,15 @@ def _batched_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, b
     if check_indices_enabled():  # the opt-in strict mode: windows outside the entry's keys are an error, any batch
         for name, t in (("key_start", key_start), ("key_end", key_end)):
             check_index_range(name, t, tk + 1)
-    if b == 1:  # one entry: its windows are already rows of the packed keys (clamped by the callee)
-        base = None
-        start, end = key_start.reshape(s), key_end.reshape(s)
-    else:
-        base = (torch.arange(b, device=device, dtype=torch.int32) * tk)[:, None]  # [B, 1] (also for Tk 0)
-        start, end = _windows_within_keys(key_start, key_end, tk)  # clamped before the cast: no int64 wrap
-        start = (start.to(torch.int32).expand(b, s) + base).reshape(-1)
-        end = (end.to(torch.int32).expand(b, s) + base).reshape(-1)
+    # the windows as they are, in each entry's own columns ([B * S], or [S] shared by the entries): the op moves
+    # them to the packed keys and returns the entries' own columns itself (no launches around it)
+    shared = key_start.dim() == 1 and key_end.dim() == 1 and b > 1
+    start = key_start if shared else key_start.expand(b, s).reshape(-1)
+    end = key_end if shared else key_end.expand(b, s).reshape(-1)
+    if b * s == 0 or tk == 0:  # nothing to split into entries: every row gets -1
+        rows = torch.full((b, s, topk), -1, dtype=torch.int32, device=device)
+        lse = torch.full((b, s), float("-inf"), dtype=torch.float32, device=device)
+        return (rows, lse) if return_lse else rows
     result = _packed_indexer_topk(
         index_q.reshape(b * s, hi, di), index_k.reshape(b * tk, di), weights.reshape(b * s, hi), topk,
         start, end, backend,
@@ -216,7 +237,6 @@ def _batched_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, b
     )
     rows = result[0] if return_lse else result
     rows = rows.view(b, s, rows.shape[-1])  # (b, s, -1) is ambiguous without rows
-    rows = torch.where(rows >= 0, rows - base[..., None], rows) if base is not None else rows
     return (rows, result[1].view(b, s)) if return_lse else rows
 
 

@@ -522,6 +522,34 @@ def test_indexer_batched_entries_bound_the_buffer(rows_per_entry, block_q):
     assert torch.equal(out.sort(1).values, free.sort(1).values)
 
 
+@pytest.mark.parametrize("rows_per_entry,block_q", [(1, 1), (3, 1), (3, 4), (5, 4)])
+@pytest.mark.parametrize("shared", [False, True], ids=["per_row", "shared"])
+def test_indexer_entry_windows_are_the_batched_layout(rows_per_entry, block_q, shared):
+    """entry_windows: windows in each entry's own key columns (per row, or [S] shared by the entries; starts
+    below 0 and ends past the entry's keys clamped to them) and the result in those columns: bit for bit the
+    global-window call on the same rows, less each entry's first key (-1 kept)."""
+    B, tk, k = 6, 3000, 1024
+    S = rows_per_entry
+    cfg = K.default_config(64, 128) if block_q == 4 else None
+    q, kk, w = make_inputs(B * S, B * tk, 64, 128, seed=S + 7)
+    g = torch.Generator(device="cuda").manual_seed(S)
+    n = S if shared else B * S
+    lo = torch.randint(-50, tk, (n,), device="cuda", generator=g).int()
+    hi = lo + torch.randint(0, tk + 100, (n,), device="cuda", generator=g).int()
+    lo[0], hi[0] = 5, 5  # an empty window
+    first = (torch.arange(B * S, device="cuda", dtype=torch.int32) // S) * tk
+    rep = B if shared else 1
+    ks = lo.clamp(0, tk).repeat(rep) + first
+    ke = torch.maximum(hi.clamp(0, tk), lo.clamp(0, tk)).repeat(rep) + first
+    want = K.indexer_topk(q, kk, w, ks, ke, k, entries=(S, tk), config=cfg)
+    want = torch.where(want >= 0, want - first[:, None], want)
+    got = K.indexer_topk(q, kk, w, lo, hi, k, entries=(S, tk), config=cfg, entry_windows=True)
+    assert torch.equal(got, want)
+    got, lse = K.indexer_topk(q, kk, w, lo, hi, k, entries=(S, tk), config=cfg, entry_windows=True, return_lse=True)
+    _, want_lse = K.indexer_topk(q, kk, w, ks, ke, k, entries=(S, tk), config=cfg, return_lse=True)
+    assert torch.equal(got, want) and torch.equal(lse, want_lse)
+
+
 def test_indexer_generation_step_is_graph_capturable(monkeypatch):
     """A batched generation step through the public op (B 128, a 64K cache each: a [B, B * cache]
     buffer would take 4 GiB, over the 1 GiB budget, and need a host sync) plans one buffer of one
