@@ -227,7 +227,9 @@ def _batched_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, b
     start = key_start if shared else key_start.expand(b, s).reshape(-1)
     end = key_end if shared else key_end.expand(b, s).reshape(-1)
     if b * s == 0 or tk == 0:  # nothing to split into entries: every row gets -1
-        rows = torch.full((b, s, topk), -1, dtype=torch.int32, device=device)
+        if int(topk) < 1:
+            raise ValueError(f"topk must be >= 1, got {topk}")
+        rows = torch.full((b, s, int(topk)), -1, dtype=torch.int32, device=device)
         lse = torch.full((b, s), float("-inf"), dtype=torch.float32, device=device)
         return (rows, lse) if return_lse else rows
     result = _packed_indexer_topk(

@@ -178,6 +178,8 @@ def test_batched_layout_without_rows_or_keys_and_a_wrong_scale_shape():
         wins = (ks[: shape[1]], ke[: shape[1]].clamp(max=kk.shape[1]))
         rows, lse = ops.indexer_topk(qq, kk, ww, 3, *wins, return_lse=True)
         assert rows.shape == shape and (rows == -1).all() and torch.isneginf(lse).all()
+        with pytest.raises(ValueError, match="topk must be >= 1"):
+            ops.indexer_topk(qq, kk, ww, 0, *wins)
     q8, k8, k_scale, w8 = ops.quantize_indexer_fp8(iq, ik, w)
     with pytest.raises(ValueError, match="index_k_scale must have"):
         ops.indexer_topk(q8[None].expand(2, -1, -1, -1), k8[None].expand(2, -1, -1), w8[None].expand(2, -1, -1), 2,
