@@ -759,8 +759,9 @@ class _Plan:
         if weights.device != index_q.device or index_k.device != index_q.device:
             raise ValueError("index_q, index_k and weights must be on the same device")
         rows_per_entry, keys_per_entry = (0, 0) if entries is None else (int(v) for v in entries)
-        if entries is not None and (rows_per_entry < 1 or keys_per_entry < 1 or Tq % rows_per_entry
-                                    or Tk % keys_per_entry or Tq // rows_per_entry != Tk // keys_per_entry):
+        # (entries of no keys: Tk 0, every row gets -1)
+        if entries is not None and (rows_per_entry < 1 or keys_per_entry < 0 or Tq % rows_per_entry
+                                    or Tk != Tq // rows_per_entry * keys_per_entry):
             raise ValueError(f"entries=({rows_per_entry}, {keys_per_entry}) must split the {Tq} query rows and "
                              f"{Tk} keys into the same number of batch entries")
         if entry_windows and entries is None:

@@ -226,7 +226,7 @@ def _batched_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, b
     shared = key_start.dim() == 1 and key_end.dim() == 1 and b > 1
     start = key_start if shared else key_start.expand(b, s).reshape(-1)
     end = key_end if shared else key_end.expand(b, s).reshape(-1)
-    if b * s == 0 or tk == 0:  # nothing to split into entries: every row gets -1
+    if b * s == 0:  # no query row (a sequence of no keys, tk 0, goes to the op: tk may be data-dependent)
         if int(topk) < 1:
             raise ValueError(f"topk must be >= 1, got {topk}")
         rows = torch.full((b, s, int(topk)), -1, dtype=torch.int32, device=device)
