@@ -53,7 +53,8 @@ def _run_indexer_topk(index_q, index_k, weights, key_start, key_end, topk, backe
     rows = index_q.shape[0]
     first = (torch.arange(rows, device=index_q.device, dtype=torch.int32) // rows_per_entry) * keys_per_entry
     start, end = _windows_within_keys(key_start, key_end, keys_per_entry)
-    start, end = start.expand(rows // start.shape[0], -1).reshape(-1), end.expand(rows // end.shape[0], -1).reshape(-1)
+    if start.shape[0] != rows:  # one set of windows for every entry
+        start, end = start.repeat(rows // rows_per_entry), end.repeat(rows // rows_per_entry)
     result = indexer_topk_reference(index_q, index_k, weights, topk, start + first, end + first, index_k_scale,
                                     return_lse=return_lse)
     picked = result[0] if return_lse else result
@@ -226,12 +227,6 @@ def _batched_indexer_topk(index_q, index_k, weights, topk, key_start, key_end, b
     shared = key_start.dim() == 1 and key_end.dim() == 1 and b > 1
     start = key_start if shared else key_start.expand(b, s).reshape(-1)
     end = key_end if shared else key_end.expand(b, s).reshape(-1)
-    if b * s == 0:  # no query row (a sequence of no keys, tk 0, goes to the op: tk may be data-dependent)
-        if int(topk) < 1:
-            raise ValueError(f"topk must be >= 1, got {topk}")
-        rows = torch.full((b, s, int(topk)), -1, dtype=torch.int32, device=device)
-        lse = torch.full((b, s), float("-inf"), dtype=torch.float32, device=device)
-        return (rows, lse) if return_lse else rows
     result = _packed_indexer_topk(
         index_q.reshape(b * s, hi, di), index_k.reshape(b * tk, di), weights.reshape(b * s, hi), topk,
         start, end, backend,
