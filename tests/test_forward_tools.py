@@ -123,3 +123,13 @@ def test_backward_ab_patches_apply_to_the_backward_source():
         for part, text in src.items():
             if text is not None:
                 compile(text, f"ab_{part}_{name}.py", "exec")
+
+
+def test_trace_patches_apply_to_the_split_topk_source():
+    """The split top-k's phase stamps still find their anchors: 9 stamp sites (one in the rounds loop) and the
+    trace argument passed by the wrapper."""
+    tool = _load("trace_topk_split")
+    src = tool.traced_source()
+    compile(src, "traced_topk.py", "exec")  # still Python
+    assert src.count('T.call_extern(T.int64, "dsa_clock64")') == 9
+    assert "Trace: T.Tensor([R * parts, 10], T.int64)" in src and "ties, TRACE[0])" in src

@@ -9,7 +9,8 @@ k-th largest key is found digit by digit (12 + 10 + 10 bits):
 2. a second read of the row emits every column whose top digit is above the threshold
    digit, and gathers the columns of the threshold digit into shared memory when they fit
    (``cap`` entries; otherwise the later rounds re-read the row from global memory);
-3. two 10-bit rounds over that candidate set fix the exact 32-bit threshold key;
+3. two 10-bit rounds over that candidate set fix the exact 32-bit threshold key (the second is skipped when
+   the first leaves exactly as many keys of its 22-bit prefix as are still needed: all of them are taken);
 4. a last pass emits the candidates above the threshold, and every column of the threshold key
    when all of them are needed. The selected columns are marked in a bitmap of the row's range in
    shared memory and written from it in ascending column order (one block scan of per-thread counts);
@@ -485,6 +486,7 @@ def _factory():
                 nwords = T.alloc_var(i32)
                 nib = T.alloc_var(i32)
                 sel = T.alloc_var(i32)
+                kshift = T.alloc_var(u32)
                 if agg:
                     lane = T.alloc_var(i32)
                     lt = T.alloc_var(u32)
@@ -609,7 +611,11 @@ def _factory():
                     prefix = b1
 
                     # ---- rounds 2 and 3: 10-bit digits over the candidates ------------
+                    # (kshift 10: round 2 left exactly `need` keys of its 22-bit prefix, so every one of them is
+                    # selected and round 3 is skipped: the same set; not with lse, whose ties are counted at a key)
+                    kshift = 0
                     for r in T.unroll(2):
+                      if r == 0 or kshift == 0:
                         if use_cand == 1:
                             for it in T.serial(T.ceildiv(ncand, threads)):
                                 if it * threads + tx < ncand:
@@ -640,6 +646,9 @@ def _factory():
                         T.sync_threads()
                         for j in T.serial(_NB2 // threads):
                             hist[j * threads + tx] = 0
+                        if not lse:
+                            if r == 0 and ctl[5] == 0:
+                                kshift = 10
                         T.sync_threads()
 
                     # ---- final pass: keys above the threshold; every tie when all are needed --------
@@ -650,7 +659,7 @@ def _factory():
                         for it in T.serial(T.ceildiv(ncand, threads)):
                             if it * threads + tx < ncand:
                                 key = ckey[it * threads + tx]
-                                if key > prefix or (key == prefix and ctl[5] == 0):
+                                if (key >> kshift) > prefix or ((key >> kshift) == prefix and ctl[5] == 0):
                                     col = cidx[it * threads + tx]
                                     if use_bits == 1:  # a bit of the bitmap, or a slot from the shared counter
                                         T.call_extern("handle", "dsa_shared_or",
@@ -674,7 +683,7 @@ def _factory():
                                     if col >= start and col < end:
                                         key = ordered(vals[u * 4 + v])
                                         if (key >> T.uint32(20)) == b1 and (
-                                            key > prefix or (key == prefix and ctl[5] == 0)
+                                            (key >> kshift) > prefix or ((key >> kshift) == prefix and ctl[5] == 0)
                                         ):
                                             sel = 1
                                             if use_bits == 0:
@@ -925,6 +934,7 @@ def _factory():
                 nib = T.alloc_var(i32)
                 m2 = T.alloc_var(u32)
                 bB = T.alloc_var(i32)
+                kshift = T.alloc_var(u32)
                 lane = T.alloc_var(i32)
                 lt = T.alloc_var(u32)
                 lane = tx % 32
@@ -960,7 +970,9 @@ def _factory():
                         hist2[j * threads + tx] = 0
                     if tx < 8:
                         ctl[tx] = 0
-                    T.call_extern("handle", "dsa_cluster_sync")  # every counter is zero before any peer adds
+                    # (a block barrier: no peer reads or adds to this CTA's shared memory before the cluster barrier
+                    # after pass 1, which also makes sure that every CTA of the cluster has started)
+                    T.sync_threads()
 
                     # ---- pass 1: 12-bit histogram of the slice, summed over the cluster ----------
                     for it in T.serial(T.ceildiv(p1 - p0, threads * unroll)):
@@ -1014,8 +1026,11 @@ def _factory():
 
                     # ---- rounds 2 and 3: 10-bit digits, histograms summed over the cluster -------
                     # (the same count as radix_topk's rounds, written out again: one macro for both programs took
-                    # the 256-thread select from 56 to 63 registers and 1.3% slower, H100 A/B at 8192 x 8192)
+                    # the 256-thread select from 56 to 63 registers and 1.3% slower, H100 A/B at 8192 x 8192;
+                    # kshift 10: round 3 skipped as there, uniform over the cluster)
+                    kshift = 0
                     for r in T.unroll(2):
+                      if r == 0 or kshift == 0:
                         if use_cand == 1:
                             for it in T.serial(T.ceildiv(ncand, threads)):
                                 if it * threads + tx < ncand:
@@ -1044,13 +1059,16 @@ def _factory():
                         if tx == 0:  # after the last round: threshold-key columns beyond those still needed
                             ctl[5] = tot[ctl[3]] - need
                         T.sync_threads()
+                        if r == 0 and ctl[5] == 0:
+                            kshift = 10
 
                     # ---- final pass: keys above the threshold; every tie when all are needed --------
                     if use_cand == 1:
                         for it in T.serial(T.ceildiv(ncand, threads)):
                             key = ckey[T.min(it * threads + tx, cap - 1)]
                             flag = T.if_then_else(
-                                it * threads + tx < ncand and (key > prefix or (key == prefix and ctl[5] == 0)), 1, 0)
+                                it * threads + tx < ncand
+                                and ((key >> kshift) > prefix or ((key >> kshift) == prefix and ctl[5] == 0)), 1, 0)
                             emit_final(flag, cidx[T.min(it * threads + tx, cap - 1)], use_bits, bits, p0, ctl, lane,
                                        lt, slot, Out, row, out_offset)
                     else:
@@ -1062,7 +1080,8 @@ def _factory():
                                     key = ordered(vals[u * 4 + v])
                                     flag = T.if_then_else(
                                         col >= lo and col < hi and (key >> T.uint32(20)) == b1
-                                        and (key > prefix or (key == prefix and ctl[5] == 0)), 1, 0)
+                                        and ((key >> kshift) > prefix or ((key >> kshift) == prefix and ctl[5] == 0)),
+                                        1, 0)
                                     emit_final(flag, col, use_bits, bits, p0, ctl, lane, lt, slot, Out, row,
                                                out_offset)
                     # ---- each CTA's bits to its slots, after the lower ranks' (ctl[7]: this CTA's count)

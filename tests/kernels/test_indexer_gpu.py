@@ -219,6 +219,35 @@ def test_topk_rows_ties(cfg):
     _check_topk(x, None, k, TK.topk_rows(x, None, k, config=cfg))
 
 
+def _canonical_topk(x, k):
+    """The reference selection (DSA.md 2): a stable sort by score, descending (the lowest column wins a tie), the
+    first k columns in ascending order."""
+    order = torch.sort(x.double(), dim=1, descending=True, stable=True).indices[:, :k]
+    return order.sort(dim=1).values.int()
+
+
+@TOPK_CONFIGS
+@pytest.mark.parametrize("extra,dup", [(0, False), (3, False), (3, True)], ids=["exact", "more", "more_ties"])
+def test_topk_rows_threshold_group_of_22_bits(extra, dup, cfg):
+    """The columns left to select after the second digit share a 22-bit key prefix: when there are exactly as many
+    as still needed, the select programs skip the third digit and take them all; with more, the third digit (and
+    the finish program for equal keys) picks among them. Either way the canonical set, in ascending order."""
+    g = torch.Generator(device="cuda").manual_seed(extra + 10 * dup + cfg["threads"] + cfg.get("parts", 0))
+    R, N, k, need = 4, 40000, 300, 5
+    x = torch.rand(R, N, device="cuda", generator=g)  # far below the threshold
+    for r in range(R):
+        cols = torch.randperm(N, device="cuda", generator=g)[: k + extra]
+        x[r, cols[: k - need]] = 1000.0 + torch.arange(k - need, device="cuda", dtype=torch.float32)
+        low = torch.randperm(1024, device="cuda", generator=g)[: need + extra].int()
+        if dup:  # the need-th largest key three times: the lowest of its columns is taken
+            low = torch.tensor([1023, 1022, 1021, 1020, 500, 500, 500, 100], device="cuda", dtype=torch.int32)
+        group = (torch.full_like(low, 0x40400000) | low).view(torch.float32)  # 3.0 with its 10 low bits set
+        x[r, cols[k - need:]] = group
+    got = TK.topk_rows_ranges(x, torch.zeros(R, dtype=torch.int32, device="cuda"),
+                              torch.full((R,), N, dtype=torch.int32, device="cuda"), k, config=cfg)
+    assert torch.equal(got, _canonical_topk(x, k))
+
+
 @pytest.mark.parametrize("split", [TK.SPLIT_CONFIG, TK.SPLIT4_CONFIG, TK.SPLIT2_CONFIG], ids=lambda c: f"p{c['parts']}")
 @pytest.mark.parametrize("kind", ["random", "clustered", "few_values", "mostly_equal", "zeros_mixed_sign"])
 def test_split_topk_matches_one_cta_per_row(kind, split):
