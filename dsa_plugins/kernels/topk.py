@@ -79,7 +79,9 @@ SPLIT4_CONFIG = {"threads": 1024, "cap": 4096, "unroll": 4, "parts": 4}
 #: parts: 32 x 65536 35.6 -> 31.1 us, 32 x 131072 55.6 -> 42.7, 64 x 131072 56.6 -> 43.9 (four parts of 512 or
 #: 1024 threads lose past 16 rows: 32 x 131072 65.1 / 55.0; bench_topk_configs.py, logs/h200_topk_split2_*.log);
 #: rows of 32K too: 16 / 32 / 48 / 64 x 32768 25.8 / 25.7 / 25.9 / 25.8 -> 22.4 / 23.1 / 22.9 / 23.2
-#: (logs/h200_topk_split2_32k_d2bb8f6.log; a generation step of B 16-64 over 32K caches)
+#: (logs/h200_topk_split2_32k_d2bb8f6.log; a generation step of B 16-64 over 32K caches); and 1-8 rows of exactly
+#: 32768, whose halves are one load per thread (pass 2 reuses pass 1's values): 1 / 8 x 32768 21.8 / 21.6 -> 21.0 /
+#: 20.7 us against four parts (logs/h200_topk_gather_pdl.log)
 SPLIT2_CONFIG = {"threads": 1024, "cap": 4096, "unroll": 4, "parts": 2}
 SHIPPED_CONFIGS += [SPLIT_CONFIG, SPLIT4_CONFIG, SPLIT2_CONFIG]
 
@@ -108,7 +110,7 @@ def config_for_rows(rows: int, max_cols: int, lse: bool = False) -> dict:
     if not lse and rows <= SPLIT_MAX_ROWS and max_cols >= SPLIT_MIN_COLS:
         if rows <= SPLIT8_MAX_ROWS and max_cols >= SPLIT8_MIN_COLS:
             return SPLIT_CONFIG
-        if rows <= SPLIT8_MAX_ROWS or max_cols >= SPLIT8_MIN_COLS:
+        if (rows <= SPLIT8_MAX_ROWS and max_cols > SPLIT_MIN_COLS) or max_cols >= SPLIT8_MIN_COLS:
             return SPLIT4_CONFIG
     if not lse and rows <= SPLIT2_MAX_ROWS and max_cols >= SPLIT_MIN_COLS:
         return SPLIT2_CONFIG
@@ -932,7 +934,6 @@ def _factory():
                 use_bits = T.alloc_var(i32)
                 nwords = T.alloc_var(i32)
                 nib = T.alloc_var(i32)
-                m2 = T.alloc_var(u32)
                 bB = T.alloc_var(i32)
                 kshift = T.alloc_var(u32)
                 lane = T.alloc_var(i32)
@@ -999,6 +1000,24 @@ def _factory():
                             load_chunk(S, row, p0, p1, it, tx, vals)
                         for u in T.unroll(unroll):
                             nib = 0
+                            # the candidates of this float4 over the warp: a scan of the lanes' counts and one
+                            # shared atomic per warp (bB: this lane's first slot; a ballot and an atomic per
+                            # column took 1-4% longer, H200, 1-64 rows of 32K-128K)
+                            sc[0] = 0
+                            for v in T.unroll(4):
+                                col = (p0 + (it * unroll + u) * threads + tx) * 4 + v
+                                key = ordered(vals[u * 4 + v])
+                                sc[0] = sc[0] + T.if_then_else(
+                                    col >= lo and col < hi and (key >> T.uint32(20)) == b1 and use_cand == 1, 1, 0)
+                            sc[1] = sc[0]
+                            for s_ in T.unroll(5):
+                                sc[2] = T.shfl_up(sc[1], 1 << s_)
+                                if lane >= (1 << s_):
+                                    sc[1] = sc[1] + sc[2]
+                            bB = 0
+                            if lane == 31 and sc[1] > 0:
+                                bB = T.atomic_add(ctl[1], sc[1], return_prev=True)
+                            bB = T.shfl_sync(bB, 31) + sc[1] - sc[0]
                             for v in T.unroll(4):
                                 col = (p0 + (it * unroll + u) * threads + tx) * 4 + v
                                 key = ordered(vals[u * 4 + v])
@@ -1009,15 +1028,10 @@ def _factory():
                                 nib = nib | (flag << v)
                                 flag = T.if_then_else(
                                     col >= lo and col < hi and (key >> T.uint32(20)) == b1 and use_cand == 1, 1, 0)
-                                m2 = T.cast(T.ballot_sync(flag), u32)
-                                if m2 != T.uint32(0):  # the same in every lane of the warp
-                                    bB = 0
-                                    if lane == 0:
-                                        bB = T.atomic_add(ctl[1], T.cast(T.popcount(m2), i32), return_prev=True)
-                                    bB = T.shfl_sync(bB, 0)
-                                    if flag == 1:
-                                        ckey[bB + T.cast(T.popcount(m2 & lt), i32)] = key
-                                        cidx[bB + T.cast(T.popcount(m2 & lt), i32)] = col
+                                if flag == 1:
+                                    ckey[bB] = key
+                                    cidx[bB] = col
+                                    bB = bB + 1
                             if use_bits == 1:
                                 mark_nibble(bits, nib, (it * unroll + u) * threads + tx, nwords, tx, wv)
                     T.sync_threads()

@@ -121,7 +121,8 @@ def test_topk_configs_compile(compiled, i):
 def test_split_topk_configuration_rules():
     assert TK.config_for_rows(1, 131072) == TK.SPLIT_CONFIG == TK.config_for_rows(8, 65536)
     assert TK.config_for_rows(TK.SPLIT_MAX_ROWS, 131072) == TK.SPLIT4_CONFIG
-    assert TK.config_for_rows(1, 32768) == TK.SPLIT4_CONFIG == TK.config_for_rows(8, 65535)
+    assert TK.config_for_rows(1, 32768 + 4) == TK.SPLIT4_CONFIG == TK.config_for_rows(8, 65535)
+    assert TK.config_for_rows(1, 32768) == TK.SPLIT2_CONFIG == TK.config_for_rows(8, 32768)
     assert TK.config_for_rows(1, 131072, lse=True) == TK.DEFAULT_CONFIG  # the split program writes no lse
     assert TK.config_for_rows(TK.SPLIT_MAX_ROWS + 1, 131072) == TK.SPLIT2_CONFIG == TK.config_for_rows(64, 65536)
     # two parts from 32K columns: a generation step of 9-64 rows over 32K caches (the batched layout's buffer is
