@@ -91,8 +91,8 @@ MANY_LONG_ROWS_CONFIG = SHIPPED_CONFIGS[3]
 #: with fewer rows than this one big CTA per row is best (rows < SMs); measured on H200
 FEW_ROWS = 264
 #: the split program's rows: up to SPLIT8_MAX_ROWS rows of at least SPLIT8_MIN_COLS columns take 8 parts; 4 parts
-#: take up to SPLIT8_MAX_ROWS rows of at least SPLIT_MIN_COLS and up to SPLIT_MAX_ROWS of at least SPLIT8_MIN_COLS;
-#: 2 parts up to SPLIT2_MAX_ROWS rows of at least SPLIT_MIN_COLS
+#: take up to SPLIT8_MAX_ROWS rows of more than SPLIT_MIN_COLS and up to SPLIT_MAX_ROWS of at least SPLIT8_MIN_COLS;
+#: 2 parts up to SPLIT2_MAX_ROWS rows of at least SPLIT_MIN_COLS (so 1-8 rows of exactly SPLIT_MIN_COLS take 2)
 SPLIT_MAX_ROWS = 16
 SPLIT2_MAX_ROWS = 64
 SPLIT8_MAX_ROWS = 8

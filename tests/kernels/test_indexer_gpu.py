@@ -227,21 +227,28 @@ def _canonical_topk(x, k):
 
 
 @TOPK_CONFIGS
+@pytest.mark.parametrize("background", ["far", "same_digit"])
 @pytest.mark.parametrize("extra,dup", [(0, False), (3, False), (3, True)], ids=["exact", "more", "more_ties"])
-def test_topk_rows_threshold_group_of_22_bits(extra, dup, cfg):
+def test_topk_rows_threshold_group_of_22_bits(extra, dup, background, cfg):
     """The columns left to select after the second digit share a 22-bit key prefix: when there are exactly as many
     as still needed, the select programs skip the third digit and take them all; with more, the third digit (and
-    the finish program for equal keys) picks among them. Either way the canonical set, in ascending order."""
+    the finish program for equal keys) picks among them. Either way the canonical set, in ascending order.
+    ``same_digit``: every other column shares the group's first digit (a lower second one), more than any
+    program's candidate buffer holds, so the later digits re-read the row from global memory."""
     g = torch.Generator(device="cuda").manual_seed(extra + 10 * dup + cfg["threads"] + cfg.get("parts", 0))
     R, N, k, need = 4, 40000, 300, 5
-    x = torch.rand(R, N, device="cuda", generator=g)  # far below the threshold
+    if background == "far":
+        x = torch.rand(R, N, device="cuda", generator=g)  # far below the threshold
+    else:  # 3.0 + up to 0xFFBFF ulps: the group's 12-bit digit, a second digit below its 0x3FF
+        x = (torch.randint(0, 0xFFC00, (R, N), device="cuda", generator=g, dtype=torch.int32) | 0x40400000).view(
+            torch.float32)
     for r in range(R):
         cols = torch.randperm(N, device="cuda", generator=g)[: k + extra]
         x[r, cols[: k - need]] = 1000.0 + torch.arange(k - need, device="cuda", dtype=torch.float32)
         low = torch.randperm(1024, device="cuda", generator=g)[: need + extra].int()
         if dup:  # the need-th largest key three times: the lowest of its columns is taken
             low = torch.tensor([1023, 1022, 1021, 1020, 500, 500, 500, 100], device="cuda", dtype=torch.int32)
-        group = (torch.full_like(low, 0x40400000) | low).view(torch.float32)  # 3.0 with its 10 low bits set
+        group = (torch.full_like(low, 0x404FFC00) | low).view(torch.float32)  # 3.0 with its 20 low bits set
         x[r, cols[k - need:]] = group
     got = TK.topk_rows_ranges(x, torch.zeros(R, dtype=torch.int32, device="cuda"),
                               torch.full((R,), N, dtype=torch.int32, device="cuda"), k, config=cfg)
