@@ -256,7 +256,8 @@ def _threshold_macro(T, threads: int):
 
 def _order_macros(T, threads: int):
     """The pieces that write a row's selection in ascending column order from a bitmap in shared memory
-    (bit b of word w: column first + 32 w + b), shared by the select programs and the finish program.
+    (bit b of word w: column first + 32 w + b), shared by the select programs and the finish program, and the
+    warp scan under the block scan (also the split program's candidate slots).
     ``sc`` is a local int32 scratch of 3: [0] this thread's count, [1] its inclusive block prefix, [2] a slot;
     ``wv`` a local uint32 scratch of 1."""
     nwarps = threads // 32
@@ -281,6 +282,15 @@ def _order_macros(T, threads: int):
                 bits[idx4 // 8] = wv[0]
 
     @T.macro
+    def warp_scan(sc, lane):
+        # sc[1] <- the inclusive prefix of sc[0] over the lanes of the warp (sc[2]: scratch); every lane calls it
+        sc[1] = sc[0]
+        for s_ in T.unroll(5):
+            sc[2] = T.shfl_up(sc[1], 1 << s_)
+            if lane >= (1 << s_):
+                sc[1] = sc[1] + sc[2]
+
+    @T.macro
     def count_and_scan(bits, nwords, tx, wsum, sc):
         # sc[0] <- the set bits of this thread's words [tx * wpt, (tx + 1) * wpt), sc[1] <- their inclusive prefix
         # over the block; wsum[w] <- warp w's total. Has a barrier.
@@ -288,11 +298,7 @@ def _order_macros(T, threads: int):
         for j in T.serial(T.ceildiv(nwords, threads)):
             if tx * T.ceildiv(nwords, threads) + j < nwords:
                 sc[0] = sc[0] + T.cast(T.popcount(bits[tx * T.ceildiv(nwords, threads) + j]), i32)
-        sc[1] = sc[0]
-        for s_ in T.unroll(5):
-            sc[2] = T.shfl_up(sc[1], 1 << s_)
-            if (tx % 32) >= (1 << s_):
-                sc[1] = sc[1] + sc[2]
+        warp_scan(sc, tx % 32)
         if tx % 32 == 31:
             wsum[tx // 32] = sc[1]
         T.sync_threads()
@@ -319,7 +325,7 @@ def _order_macros(T, threads: int):
         for w in T.unroll(nwarps):
             tot[0] = tot[0] + wsum[w]
 
-    return mark_nibble, count_and_scan, write_in_order, block_total
+    return mark_nibble, count_and_scan, write_in_order, block_total, warp_scan
 
 
 # an OR into a word of the shared bitmap by its 32-bit shared address (red.shared, no returned value). TileLang
@@ -369,7 +375,7 @@ def _factory():
         u32 = T.uint32
         i32 = T.int32
         ordered, load_chunk, _ = _row_macros(T, threads, unroll)
-        mark_nibble, count_and_scan, write_in_order, _ = _order_macros(T, threads)
+        mark_nibble, count_and_scan, write_in_order, _, _ = _order_macros(T, threads)
         owords = ORDER_WORDS[threads]
         # CTAs per SM that the register cap is set for (ptxas then keeps to 65536 / (threads * blocks))
         blocks_per_sm = min_blocks if min_blocks > 0 else max(1, 65536 // (threads * 64))
@@ -756,7 +762,7 @@ def _factory():
         u32 = T.uint32
         words = SORT_WINDOW_BITS // 32
         ordered, load_chunk, emit_ties_in_column_order = _row_macros(T, threads, unroll)
-        _, count_and_scan, write_in_order, block_total = _order_macros(T, threads)
+        _, count_and_scan, write_in_order, block_total, _ = _order_macros(T, threads)
 
         @T.prim_func
         def finish(
@@ -846,7 +852,7 @@ def _factory():
         i32 = T.int32
         ordered, load_chunk, _ = _row_macros(T, threads, unroll)
         find_threshold = _threshold_macro(T, threads)
-        mark_nibble, count_and_scan, write_in_order, block_total = _order_macros(T, threads)
+        mark_nibble, count_and_scan, write_in_order, block_total, warp_scan = _order_macros(T, threads)
 
         def peer(buf, j, rank):
             return T.call_extern(i32, "dsa_peer_i32", T.address_of(buf[j]), rank)
@@ -1009,11 +1015,7 @@ def _factory():
                                 key = ordered(vals[u * 4 + v])
                                 sc[0] = sc[0] + T.if_then_else(
                                     col >= lo and col < hi and (key >> T.uint32(20)) == b1 and use_cand == 1, 1, 0)
-                            sc[1] = sc[0]
-                            for s_ in T.unroll(5):
-                                sc[2] = T.shfl_up(sc[1], 1 << s_)
-                                if lane >= (1 << s_):
-                                    sc[1] = sc[1] + sc[2]
+                            warp_scan(sc, lane)
                             bB = 0
                             if lane == 31 and sc[1] > 0:
                                 bB = T.atomic_add(ctl[1], sc[1], return_prev=True)
