@@ -65,3 +65,21 @@ def mla_checkpoint_keys(layers=3, experts=3, mtp=1, scale_inv=False):
     if scale_inv:
         keys += [k.replace(".weight", ".weight_scale_inv") for k in keys if k.endswith("proj.weight")]
     return keys
+
+
+def assert_waits_for_previous_grid(src: str) -> None:
+    """A cluster program's CUDA source calls ``dsa_grid_dependency_wait()`` (griddepcontrol.wait) once per kernel
+    and before its body indexes any pointer parameter: TileLang launches cluster programs with programmatic stream
+    serialization, so the program may start before the previous kernel's writes are visible."""
+    import re
+
+    kernels = list(re.finditer(r"__global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(([^)]*)\)\s*\{", src))  # definitions only
+    assert kernels, "no __global__ function defined in the source"
+    for n, m in enumerate(kernels):
+        body = src[m.end(): kernels[n + 1].start() if n + 1 < len(kernels) else len(src)]
+        params = re.findall(r"\*\s*(?:__restrict__\s*)?(\w+)\s*(?:,|$)", m.group(2))
+        assert params, f"{m.group(1)}: no pointer parameter found in {m.group(2)!r}"
+        assert body.count("dsa_grid_dependency_wait();") == 1, f"{m.group(1)}: expected one grid dependency wait"
+        before = body[: body.index("dsa_grid_dependency_wait();")]
+        used = [p for p in params if re.search(rf"\b{p}\[", before) or re.search(rf"\b{p}_desc\b", before)]
+        assert not used, f"{m.group(1)} reads {used} before its grid dependency wait"

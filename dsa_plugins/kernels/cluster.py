@@ -4,9 +4,18 @@
 shared-memory writes before it are visible to every peer after it), the address of a variable in a peer CTA's
 shared memory, and 32-bit loads and atomic adds there (distributed shared memory). The asm is volatile with a
 memory clobber so that no access moves across the barrier.
+
+A cluster program calls ``dsa_grid_dependency_wait`` before it touches global memory: TileLang (0.1.15) launches
+every cluster program with programmatic stream serialization, which lets it start as the previous kernel's CTAs
+exit, before that kernel's global writes are guaranteed visible; ``griddepcontrol.wait`` waits for them (a no-op
+when the launch did not allow the overlap).
 """
 
 CLUSTER_PRELUDE = r"""
+__device__ __forceinline__ void dsa_grid_dependency_wait() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
 __device__ __forceinline__ void dsa_cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }

@@ -1368,6 +1368,8 @@ def _ws_body(heads, dqk, dv, dtype, store_dkv=True, prefetch=True, dq_rs=False, 
             h0 = hb * BH
             last8_s = T.alloc_shared([8], i32) if skip_tail else None  # each warp's last valid slot + 1
             n_row = T.alloc_local([1], i32) if skip_tail else None
+            if pair:
+                T.call_extern("handle", "dsa_grid_dependency_wait")  # before the first global read (cluster.py)
 
             # both warpgroups: q, dout, lse', Delta of the 64 heads (padded heads: zeros, lse' +inf)
             if tma_q:

@@ -939,7 +939,8 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
         cur[3] = RowTrips[cur[2], cur[1]] if skip_tail else KP // (2 * BK)
 
     n_blk = 2 if split else 1
-    prelude = "".join(([_FWD_PRELUDE] if hint else []) + ([_CLUSTER_PRELUDE] if cluster_parts else [])
+    prelude = "".join(([_FWD_PRELUDE] if hint else [])
+                      + ([_CLUSTER_PRELUDE] if cluster_parts else [CLUSTER_PRELUDE] if cluster else [])
                       + ([_ex2.PRELUDE] if fast_exp2 else [])) or None
     cluster_dims = (1, cluster_parts, 1) if cluster_parts else _CLUSTER_DIMS[cluster]
     grid = (persistent_ctas, 1, 1) if persistent_ctas else (T.ceildiv(H, HB), SO, B)
@@ -1012,6 +1013,8 @@ def _program(dim_qk, dim_v, has_sink, dtype, block_h, block_k, schedule, produce
 
             tx = T.get_thread_binding()
             h0 = bx * HB
+            if cluster_dims is not None:
+                T.call_extern("handle", "dsa_grid_dependency_wait")  # before the first global read (cluster.py)
             # skip_tail: trips past the row's last valid slot hold only -1; every warpgroup reads
             # the same count, so the barriers stay paired
             n_trips = RowTrips[bz, by] if skip_tail else KP // (2 * BK)

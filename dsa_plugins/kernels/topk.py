@@ -946,6 +946,7 @@ def _factory():
                 lt = T.alloc_var(u32)
                 lane = tx % 32
                 lt = (T.uint32(1) << T.cast(lane, u32)) - T.uint32(1)
+                T.call_extern("handle", "dsa_grid_dependency_wait")  # before the first global read (cluster.py)
 
                 out_offset = T.alloc_var(i32)
                 out_offset = Offsets[row * offset_stride]

@@ -14,6 +14,7 @@ import torch
 
 from dsa_plugins.kernels import indexer as K
 from dsa_plugins.kernels import topk as TK
+from tests.helpers import assert_waits_for_previous_grid
 
 SM90 = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -103,6 +104,8 @@ def test_topk_configs_compile(compiled, i):
     # the split program: histograms summed and slots taken through the cluster's shared memory
     split = bool(TK.SHIPPED_CONFIGS[i].get("parts"))
     assert ("dsa_peer_i32(" in src and "dsa_peer_add_i32(" in src and "dsa_cluster_sync();" in src) == split
+    if split:  # a cluster launch may overlap the score program that writes its rows
+        assert_waits_for_previous_grid(src)
     # the ordering bitmap: nibbles OR-ed over 8 lanes, red.shared ORs (TileLang's AtomicOr is
     # red.global), the compaction's popcounts and bit scans
     assert "__shfl_xor_sync" in src and "dsa_shared_or(" in src and "AtomicOr(" not in src and "__ffs(" in src

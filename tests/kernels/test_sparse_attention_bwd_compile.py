@@ -11,6 +11,7 @@ import torch
 
 from dsa_plugins.kernels import contrib_reduce
 from dsa_plugins.kernels import sparse_attention_bwd as bwd
+from tests.helpers import assert_waits_for_previous_grid
 
 HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
@@ -99,6 +100,7 @@ def test_shipped_config_compiles_for_sm90a(config, caplog):
         if pair:
             assert "dsa_pair_finish<5, true, true>(" in body and "dsa_pair_send(" in body
             assert "dsa_red_tile<5" not in body
+            assert_waits_for_previous_grid(det)  # a cluster launch may overlap the forward that wrote O and lse
         else:
             assert f"dsa_red_tile<5, 4, {str(d512).lower()}, true>(" in body
             assert "dsa_pair_send(" not in body
@@ -162,6 +164,7 @@ def test_ws_pair_variant_exchanges_halves_in_a_cluster():
     body = src.split("dsa_bwd_ws_kernel(", 1)[1]
     assert body.count("dsa_pair_send(") == 8 and body.count("dsa_pair_finish<0>(") == 9
     assert body.count("dsa_cluster_sync();") == 2 and "dsa_red_tile<0" not in body
+    assert_waits_for_previous_grid(src)
     for other in ({"heads": 64}, {"heads": 128, "dqk": 576}, {"heads": 192}):
         assert not bwd._normalise_config({**cfg, **other})["ws_pair"], other
     det = bwd.build_bwd_program({**cfg, "det_pair": False}, "main_det", target=SM90A).get_kernel_source()

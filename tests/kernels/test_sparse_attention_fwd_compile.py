@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dsa_plugins.kernels import sparse_attention_fwd as mod
+from tests.helpers import assert_waits_for_previous_grid
 
 SM90A = {"kind": "cuda", "arch": "sm_90a"}
 HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
@@ -130,8 +131,19 @@ def test_decode_cluster_programs_compile_for_sm90a(config):
     src = kernel.get_kernel_source()
     assert "rows_out" in src and "mapa.shared::cluster" in src and "ld.shared::cluster.v4" in src
     assert src.count("dsa_cluster_sync();") == 2 + 2 * 2  # producer twice, each consumer twice
+    assert_waits_for_previous_grid(src)  # a cluster launch may overlap the program that wrote its inputs
     assert "tma_store(Output_desc" not in src and ("Sinks[" in src) == sink
     assert _kv_gathers_are_64_bit(src)  # generation steps over B 32 x 128K x 576 caches: one launch
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TILELANG, reason="TileLang is not installed")
+def test_cluster_launch_experiment_waits_for_the_previous_grid():
+    """The cluster-launch experiment (``cluster``, off by default) is a cluster launch too: TileLang allows it to
+    overlap the previous kernel, so it waits for that kernel's writes before reading its inputs."""
+    src = mod.build_fwd_kernel({**mod.SHIPPED_CONFIGS[0], "cluster": "heads"}, target=SM90A).get_kernel_source()
+    assert_waits_for_previous_grid(src)
+    assert "dsa_grid_dependency_wait" not in mod.build_fwd_kernel(mod.SHIPPED_CONFIGS[0], target=SM90A).get_kernel_source()
 
 
 def test_config_validation():
