@@ -27,8 +27,10 @@ time of each kernel of 10 replayed steps. ``--fp8-index on|both``: dsa_tilelang 
 
 Rows (ms per step = per layer-token at B 1; tokens/s = B / step time; peak memory) go to
 ``benchmarks/results/hf_decode_<model>.{csv,md}``. sdpa (transformers' own path) runs at B 1, at the
-smallest and the largest context. DeepSeek-V4 is not covered: its compressed caches are not filled
-here, and transformers 5.24 has no static cache for it.
+smallest and the largest context. DeepSeek-V4 (``--model deepseek_v4``: one CSA layer, V4-Flash dims; sdpa cannot
+serve it, ``--providers dsa_tilelang,eager`` runs transformers' eager path at B 1, dynamic cache) takes the
+package's ``DsaV4StaticCache`` in the static modes (transformers has none for V4): its sliding window, compressor
+rings and compressed entries (the CSA's and its indexer's, ``context / 4`` rows each) are filled with random values.
 """
 
 from __future__ import annotations
@@ -65,12 +67,23 @@ def filled_cache(model, mode: str, batch: int, context: int, headroom: int, devi
 
     config = model.config
     static = mode != "eager_dynamic"
-    cache = StaticCache(config=config, max_cache_len=context + headroom) if static else DynamicCache(config=config)
+    v4 = config.model_type == "deepseek_v4"
+    if static and v4:
+        from dsa_plugins.hf import DsaV4StaticCache
+
+        cache = DsaV4StaticCache(config, max_cache_len=context + headroom)
+    elif static:
+        cache = StaticCache(config=config, max_cache_len=context + headroom)
+    else:
+        cache = DynamicCache(config=config)
     g = torch.Generator(device=device).manual_seed(0)
     # (seeded: a case run twice in one process starts from the same cache, so its "diff" compares like with like)
     ids = torch.randint(3, config.vocab_size, (batch, 4), device=device, generator=g)
     with torch.no_grad():  # a short real prefill creates every buffer the model uses
         model(input_ids=ids, use_cache=True, **{_cache_kwarg(model): cache})
+    if v4:
+        _fill_v4(model, cache, context, g)
+        return cache
     for layer in cache.layers:
         for name in ("keys", "values", "indexer_keys"):
             t = getattr(layer, name, None)
@@ -96,6 +109,49 @@ def filled_cache(model, mode: str, batch: int, context: int, headroom: int, devi
             if isinstance(c, torch.Tensor):
                 c.fill_(context)
     return cache
+
+
+def _fill_v4(model, cache, context: int, g) -> None:
+    """DeepSeek-V4's caches as after ``context`` tokens (a multiple of 2 * each compress rate): the same random
+    window rows, compressed entries and last two windows' projections in ours (fixed buffers, filled in place) and
+    in transformers' dynamic layers (window, entries, the CSA overlap state), so that both modes decode alike."""
+    for i, layer in enumerate(cache.layers):
+        comp = model.layers[i].self_attn.compressor
+        modules = {"compressor": comp} if comp is not None else {}
+        if getattr(comp, "indexer", None) is not None:
+            modules["indexer"] = comp.indexer
+        ref = layer.keys
+        window = torch.randn((*ref.shape[:2], model.config.sliding_window, ref.shape[-1]), device=ref.device,
+                             generator=g).to(ref.dtype)  # positions context - W .. context - 1
+        state = {}
+        for name, module in modules.items():
+            rate, dim, f = module.compress_rate, module.head_dim, module.kv_proj.out_features
+            assert context % (2 * rate) == 0, f"context {context} is not a multiple of 2 x {rate}"
+            state[name] = [torch.randn(shape, device=ref.device, generator=g).to(ref.dtype)
+                           for shape in ((ref.shape[0], context // rate, dim), (ref.shape[0], 2 * rate, f),
+                                         (ref.shape[0], 2 * rate, f))]  # entries, last 2 windows' kv and gate
+        if getattr(layer, "dsa_v4_static", False):
+            W = layer.window
+            rows = (torch.arange(context - W, context, device=ref.device)).remainder(W)
+            layer.keys.index_copy_(2, rows, window)
+            for name, (entries, ring_kv, ring_gate) in state.items():
+                layer.entries[name][:, : entries.shape[1]].copy_(entries)
+                layer.ring_kv[name].copy_(ring_kv)  # position p in row p % (2 * rate): context is a multiple
+                layer.ring_gate[name].copy_(ring_gate)
+            layer.cumulative_length.fill_(context)
+            continue
+        layer.keys = window[:, :, 1:].contiguous()  # transformers keeps W - 1 rows between calls
+        layer.values = layer.keys
+        layer.cumulative_length = context
+        for name, (entries, ring_kv, ring_gate) in state.items():
+            module, rate = modules[name], modules[name].compress_rate
+            layer.compressed_kv[name] = entries
+            layer.entry_count[name] = entries.shape[1]
+            layer.buffer_kv[name] = layer.buffer_gate[name] = None  # no open window: context is a multiple
+            if hasattr(layer, "overlap_kv"):  # CSA: the last closed window's first half, gate with its bias
+                dim = module.head_dim
+                layer.overlap_kv[name] = ring_kv[:, rate:, :dim].clone()
+                layer.overlap_gate[name] = ring_gate[:, rate:, :dim] + module.position_bias[:, :dim]
 
 
 def _busy(device, seconds: float = 0.3) -> None:
@@ -253,7 +309,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     # the V3.2 family: DeepSeek-V4's compressed caches are filled by its compressor, not here (and
     # transformers has no static cache for it)
-    parser.add_argument("--model", choices=sorted(m for m in DIMS if DIMS[m][0] != "deepseek_v4"), default="glm5")
+    parser.add_argument("--model", choices=sorted(DIMS), default="glm5")
     parser.add_argument("--contexts", default="4096,65536,131072")
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--modes", default=",".join(MODES))
@@ -298,6 +354,8 @@ def main(argv=None) -> int:
         if "sdpa" in providers:
             cases += [(c, 1, m, "sdpa", layers, "") for c in sorted({contexts[0], contexts[-1]}) for m in modes
                       if m != "eager_dynamic"]
+        if "eager" in providers:  # transformers' eager attention (DeepSeek-V4's only path there), dynamic cache
+            cases += [(c, 1, "eager_dynamic", "eager", layers, "") for c in sorted({contexts[0], contexts[-1]})]
     rows, models, firsts = [], {}, {}
     pad = min(args.left_pad, min(contexts) - 1)  # every sequence keeps a cached token
     for context, batch, mode, provider, layers, variant in cases:

@@ -1,0 +1,142 @@
+"""DeepSeek-V4 with the package's fixed-size cache (``DsaV4StaticCache``): what generation under CUDA graphs needs.
+
+transformers has no static cache for V4's compressed layers; under dsa_tilelang ``generate(cache_implementation=
+"static")`` makes ours. It must give eager's tokens and logits, hold the same compressed entries as transformers'
+dynamic cache for calls of any length and alignment, and trace as one graph per call shape (fp32, CPU, aot_eager).
+"""
+
+import pytest
+import torch
+
+from dsa_plugins.adapters.hf import tiny
+
+pytestmark = pytest.mark.skipif(not tiny.available("deepseek_v4"), reason="deepseek_v4 is not in this transformers")
+
+
+@pytest.mark.parametrize("seq_len,pad", [(14, 3), (1, 0), (5, 2), (17, 0)])
+def test_static_cache_generate_matches_eager(registered, seq_len, pad, make_batch, greedy_matches_eager):
+    """Left-padded and unpadded prompts shorter and longer than the window (4) and the compress rates (2, 4):
+    the tokens and logits of eager attention with transformers' dynamic cache."""
+    model = tiny.tiny_model("deepseek_v4")
+    ids, mask = make_batch(seed=2, seq_len=seq_len, pad=pad)
+    greedy_matches_eager(model, ids, mask, cache_implementation="static")
+
+
+def test_generate_makes_the_fixed_cache_only_under_dsa_tilelang(registered, make_batch):
+    from dsa_plugins.hf import DsaV4StaticCache
+
+    model = tiny.tiny_model("deepseek_v4")
+    ids, mask = make_batch(seed=1)
+    model.set_attn_implementation("dsa_tilelang")
+    made = model._prepare_static_cache(cache_implementation="static", batch_size=2, max_cache_len=40,
+                                       prefill_chunk_size=None, model_kwargs={})
+    assert isinstance(made, DsaV4StaticCache) and made.is_compileable and len(made.layers) == 3
+    assert [layer.names for layer in made.layers] == [(), ("compressor", "indexer"), ("compressor",)]
+    # another attention implementation reading our layout would be wrong: refused with the reason
+    model.set_attn_implementation("eager")
+    with pytest.raises(ValueError, match="serves attn_implementation='dsa_tilelang' only"), torch.no_grad():
+        model(ids, attention_mask=mask, cache=DsaV4StaticCache(model.config, max_cache_len=40), use_cache=True)
+
+
+def test_unregister_restores_transformers_static_cache(make_batch):
+    from dsa_plugins import hf
+
+    model_cls = tiny.model_class("deepseek_v4")
+    hf.register()
+    tiny.tiny_model("deepseek_v4")  # imports the modeling module: the patch applies
+    assert "_prepare_static_cache" in model_cls.__dict__
+    hf.unregister()
+    assert "_prepare_static_cache" not in model_cls.__dict__
+
+
+@pytest.mark.parametrize("chunks", [(5, 3, 1, 1, 1, 6), (1, 1, 1, 1, 9), (8, 8)])
+def test_entries_match_transformers_dynamic_cache(registered, chunks):
+    """Calls of several lengths in a row (windows opened in one call and closed in a later one, at every
+    alignment): after each, the closed windows' entries (compressor and indexer) and the layer outputs are those of
+    transformers' own V4 cache and compressors (dynamic cache, same module weights, dsa_tilelang attention)."""
+    from transformers import DynamicCache
+
+    from dsa_plugins.hf import DsaV4StaticCache
+
+    model = tiny.tiny_model("deepseek_v4", attn_implementation="dsa_tilelang").model
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, 128, (2, sum(chunks)), generator=g)
+    static, dynamic = DsaV4StaticCache(model.config, max_cache_len=sum(chunks) + 1), DynamicCache(config=model.config)
+    done = 0
+    with torch.no_grad():
+        for n in chunks:
+            part = ids[:, done: done + n]
+            pos = torch.arange(done, done + n).expand(2, n)
+            outs = [model(input_ids=part, position_ids=pos, cache=c, use_cache=True).last_hidden_state
+                    for c in (static, dynamic)]
+            done += n
+            torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+            for ours, theirs in zip(static.layers, dynamic.layers):
+                assert int(ours.cumulative_length) == done
+                for name in ours.names:
+                    closed = done // ours.compress_rate
+                    assert theirs.entry_count[name] == closed
+                    torch.testing.assert_close(ours.entries[name][:, :closed], theirs.compressed_kv[name],
+                                               rtol=1e-5, atol=1e-6)
+                    assert torch.isfinite(ours.entries[name]).all()  # open and untouched rows too
+
+
+def test_compiled_static_decode_is_one_graph(registered, make_batch):
+    """``torch.compile(fullgraph=True)`` over the prefill and the decode steps of a left-padded batch: no graph
+    break (it would raise), the uncompiled model's tokens, one graph for the prefill and one for every step."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = tiny.tiny_model("deepseek_v4")
+    model.set_attn_implementation("dsa_tilelang")
+    ids, mask = make_batch(seed=3)
+    kw = dict(attention_mask=mask, max_new_tokens=7, do_sample=False, pad_token_id=2, cache_implementation="static")
+    counter = CompileCounterWithBackend("aot_eager")
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+        torch._dynamo.reset()
+        model.forward = torch.compile(model.forward, fullgraph=True, backend=counter)
+        try:
+            got = model.generate(ids, **kw)
+        finally:
+            del model.forward
+            torch._dynamo.reset()
+    assert torch.equal(got, ref)
+    assert counter.frame_count == 2, f"{counter.frame_count} compiles for a prefill and 6 decode steps"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_static_cache_decode_under_cuda_graphs(registered, make_batch, monkeypatch):
+    """bf16 through the TileLang kernels at V4's attention dims (64 heads of 512 with sinks, indexer 64 x 128,
+    window 128, rates 4 / 128): ``generate(cache_implementation="static")`` compiles the decode steps with CUDA
+    graphs (fullgraph); the first new token and the logits of the prefill and the steps while the tokens agree are
+    those of the uncompiled model with transformers' dynamic cache, on a left-padded batch."""
+    from transformers import CompileConfig
+
+    monkeypatch.setenv("DSA_PLUGINS_BACKEND", "tilelang")
+    model = tiny.tiny_model(
+        "deepseek_v4", num_attention_heads=64, head_dim=512, index_n_heads=64, index_head_dim=128, index_topk=64,
+        sliding_window=128, compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        partial_rotary_factor=0.125,
+    ).to("cuda", torch.bfloat16).eval()
+    model.set_attn_implementation("dsa_tilelang")
+    ids, mask = make_batch(seq_len=300, pad=17)
+    kw = dict(attention_mask=mask.cuda(), max_new_tokens=8, do_sample=False, pad_token_id=2, output_logits=True,
+              return_dict_in_generate=True)
+    ids = ids.cuda()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        dynamic = model.generate(ids, **kw)
+        static = model.generate(ids, cache_implementation="static", compile_config=CompileConfig(fullgraph=True), **kw)
+        again = model.generate(ids, cache_implementation="static", compile_config=CompileConfig(fullgraph=True), **kw)
+    torch._dynamo.reset()
+    assert torch.equal(static.sequences, again.sequences)  # graph replays are deterministic
+    first = ids.shape[1]
+    assert torch.equal(static.sequences[:, first], dynamic.sequences[:, first])
+    steps = [0, 1] + [s for s in range(2, len(static.logits))
+                      if torch.equal(static.sequences[:, : first + s], dynamic.sequences[:, : first + s])]
+    assert len(steps) >= 4, "the greedy paths parted at once"
+    for step in steps:
+        a, b = dynamic.logits[step].float(), static.logits[step].float()
+        assert torch.isfinite(b).all()
+        assert (a - b).abs().max().item() < 0.05 * a.abs().max().item() + 0.05, step
