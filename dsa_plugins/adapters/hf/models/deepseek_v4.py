@@ -71,11 +71,6 @@ def _static_indexer(indexer, layer, hidden_states, q_residual, position_ids) -> 
     return _select(indexer, q, keys, hidden_states, position_ids, n_entries)
 
 
-def _cache_arg(bind: CallBinder) -> str:
-    """The cache parameter's name: ``cache`` (transformers 5.24) or ``past_key_values`` (5.17)."""
-    return "cache" if "cache" in bind.names else "past_key_values"
-
-
 def _static_layer_of(cache, layer_idx):
     """The :class:`DsaV4StaticLayer` of this call (None for transformers' own caches)."""
     layers = getattr(cache, "layers", None)
@@ -98,7 +93,7 @@ def _wrap_v4_indexer(original: Callable) -> Callable:
             self._dsa_topk = out
             return out
         a = bind((self, *args), kwargs)
-        layer = _static_layer_of(a[_cache_arg(bind)], a["layer_idx"])
+        layer = _static_layer_of(a["cache"], a["layer_idx"])
         if layer is not None:
             out = _static_indexer(self, layer, a["hidden_states"], a["q_residual"], a["position_ids"])
             self._dsa_topk = out
@@ -135,7 +130,7 @@ def _wrap_v4_compressor(original: Callable, overlap: bool) -> Callable:
     def forward(self, *args, **kwargs):
         a = bind((self, *args), kwargs)
         self._dsa_position_ids = a["position_ids"]
-        layer = _static_layer_of(a[_cache_arg(bind)], a["layer_idx"])
+        layer = _static_layer_of(a["cache"], a["layer_idx"])
         if layer is None:
             self._dsa_entries = None
             return original(self, *args, **kwargs)
@@ -143,7 +138,7 @@ def _wrap_v4_compressor(original: Callable, overlap: bool) -> Callable:
         self._dsa_entries = n_entries
         indexer = getattr(self, "indexer", None)
         if indexer is not None:
-            indexer(a["hidden_states"], a["q_residual"], a["position_ids"], a[_cache_arg(bind)], a["layer_idx"])
+            indexer(a["hidden_states"], a["q_residual"], a["position_ids"], a["cache"], a["layer_idx"])
         return entries.unsqueeze(1), None
 
     return forward
@@ -156,7 +151,7 @@ def _wrap_v4_attention_forward(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        layer = _static_layer_of(bind((self, *args), kwargs)[_cache_arg(bind)], self.layer_idx)
+        layer = _static_layer_of(bind((self, *args), kwargs)["cache"], self.layer_idx)
         active = self.config._attn_implementation == ATTN_NAME
         if layer is not None and not active:
             raise ValueError(
@@ -216,13 +211,9 @@ def v4_attention(module, query, key, value, attention_mask, scaling, s_aux=None,
         parts = [torch.where(mask.allowed(cand), cand, -1).to(torch.int32)]
     else:  # DsaV4StaticCache: keys are [ring (position p in row p % W), the S new rows, entry rows]
         W = static.window
+        Tw = W + S
         cand = (pos[:, None] - torch.arange(W - 1, -1, -1, device=query.device)).expand(B, S, W)  # positions
-        if S == 1:  # a generation step: the ring already holds the new row; ring and entries are one buffer
-            kv, Tw = static.fused[:, 0], W
-            row = cand.remainder(W)
-        else:
-            Tw = W + S
-            row = torch.where(cand >= pos[0], W + cand - pos[0], cand.remainder(W))
+        row = torch.where(cand >= pos[0], W + cand - pos[0], cand.remainder(W))
         parts = [torch.where(mask.allowed(cand), row, -1).to(torch.int32)]
     Tc = kv.shape[1] - Tw
     comp = getattr(module, "compressor", None)

@@ -68,16 +68,10 @@ class DsaV4StaticLayer(StaticLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self.batch_size = key_states.shape[0]
-        # the window's ring and the compressor's entry rows in one buffer [B, 1, W + n_rows, D]: a generation step's
-        # attention reads it as its keys, so transformers' concatenation of the two (a copy of every entry per step:
-        # B 32 x 128K took 0.5 ms of a 1.2 ms step) has no reader left in a compiled graph
-        rows = self.rows if "compressor" in self.names else 0
-        self.fused = key_states.new_zeros(self.batch_size, key_states.shape[1], self.window + rows, key_states.shape[-1])
-        self.keys = self.fused[:, :, : self.window]
+        self.keys = key_states.new_zeros(self.batch_size, key_states.shape[1], self.window, key_states.shape[-1])
         self.values = self.keys  # V4 reads one tensor as keys and values
         self.cumulative_length = self.cumulative_length.to(self.device)
-        self._owned = [self.fused]  # every buffer once (views excluded), for reset and reorder
-        _mark_static(self.fused, self.cumulative_length)
+        _mark_static(self.keys, self.cumulative_length)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -100,15 +94,8 @@ class DsaV4StaticLayer(StaticLayer):
             B, ring = kv.shape[0], 2 * self.compress_rate
             self.ring_kv[name] = kv.new_zeros(B, ring, kv.shape[-1])
             self.ring_gate[name] = gate.new_zeros(B, ring, gate.shape[-1])
-            self._owned += [self.ring_kv[name], self.ring_gate[name]]
-            fused = self.fused[:, 0, self.window:]
-            if name == "compressor" and fused.shape[1:] == (self.rows, dim) and fused.dtype == kv.dtype:
-                self.entries[name] = fused
-            else:
-                self.entries[name] = kv.new_zeros(B, self.rows, dim)
-                self._owned.append(self.entries[name])
-                _mark_static(self.entries[name])
-            _mark_static(self.ring_kv[name], self.ring_gate[name])
+            self.entries[name] = kv.new_zeros(B, self.rows, dim)
+            _mark_static(self.ring_kv[name], self.ring_gate[name], self.entries[name])
         return self.ring_kv[name], self.ring_gate[name], self.entries[name]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -120,11 +107,14 @@ class DsaV4StaticLayer(StaticLayer):
 
     def reset(self) -> None:
         super().reset()
-        for t in getattr(self, "_owned", ()):
-            t.zero_()
+        for bufs in (self.ring_kv, self.ring_gate, self.entries):
+            for t in bufs.values():
+                t.zero_()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        for t in getattr(self, "_owned", ()):
+        if not self.is_initialized:
+            return
+        for t in [self.keys, *self.ring_kv.values(), *self.ring_gate.values(), *self.entries.values()]:
             t.copy_(t.index_select(0, beam_idx.to(t.device)))  # in place: the addresses stay
 
 
@@ -198,4 +188,5 @@ class DsaV4StaticCache(Cache):
             else:
                 raise ValueError(f"DsaV4StaticCache: layer {i} has type {kind!r}, which is not a DeepSeek-V4 "
                                  "attention layer type")
-        super().__init__(layers=layers)  # the length: get_max_length(), as transformers' caches
+        super().__init__(layers=layers)
+        self.max_cache_len = max_cache_len
