@@ -5,6 +5,8 @@ transformers has no static cache for V4's compressed layers; under dsa_tilelang 
 dynamic cache for calls of any length and alignment, and trace as one graph per call shape (fp32, CPU, aot_eager).
 """
 
+import inspect
+
 import pytest
 import torch
 
@@ -28,6 +30,7 @@ def test_generate_makes_the_fixed_cache_only_under_dsa_tilelang(registered, make
     model = tiny.tiny_model("deepseek_v4")
     ids, mask = make_batch(seed=1)
     model.set_attn_implementation("dsa_tilelang")
+    arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.24 / 5.17
     made = model._prepare_static_cache(cache_implementation="static", batch_size=2, max_cache_len=40,
                                        prefill_chunk_size=None, model_kwargs={})
     assert isinstance(made, DsaV4StaticCache) and made.is_compileable and len(made.layers) == 3
@@ -35,7 +38,7 @@ def test_generate_makes_the_fixed_cache_only_under_dsa_tilelang(registered, make
     # another attention implementation reading our layout would be wrong: refused with the reason
     model.set_attn_implementation("eager")
     with pytest.raises(ValueError, match="serves attn_implementation='dsa_tilelang' only"), torch.no_grad():
-        model(ids, attention_mask=mask, cache=DsaV4StaticCache(model.config, max_cache_len=40), use_cache=True)
+        model(ids, attention_mask=mask, use_cache=True, **{arg: DsaV4StaticCache(model.config, max_cache_len=40)})
 
 
 def test_unregister_restores_transformers_static_cache(make_batch):
@@ -59,6 +62,7 @@ def test_entries_match_transformers_dynamic_cache(registered, chunks):
     from dsa_plugins.hf import DsaV4StaticCache
 
     model = tiny.tiny_model("deepseek_v4", attn_implementation="dsa_tilelang").model
+    arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.24 / 5.17
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(3, 128, (2, sum(chunks)), generator=g)
     static, dynamic = DsaV4StaticCache(model.config, max_cache_len=sum(chunks) + 1), DynamicCache(config=model.config)
@@ -67,7 +71,7 @@ def test_entries_match_transformers_dynamic_cache(registered, chunks):
         for n in chunks:
             part = ids[:, done: done + n]
             pos = torch.arange(done, done + n).expand(2, n)
-            outs = [model(input_ids=part, position_ids=pos, cache=c, use_cache=True).last_hidden_state
+            outs = [model(input_ids=part, position_ids=pos, use_cache=True, **{arg: c}).last_hidden_state
                     for c in (static, dynamic)]
             done += n
             torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

@@ -71,6 +71,11 @@ def _static_indexer(indexer, layer, hidden_states, q_residual, position_ids) -> 
     return _select(indexer, q, keys, hidden_states, position_ids, n_entries)
 
 
+def _cache_arg(bind: CallBinder) -> str:
+    """The cache parameter's name: ``cache`` (transformers 5.24) or ``past_key_values`` (5.17)."""
+    return "cache" if "cache" in bind.names else "past_key_values"
+
+
 def _static_layer_of(cache, layer_idx):
     """The :class:`DsaV4StaticLayer` of this call (None for transformers' own caches)."""
     layers = getattr(cache, "layers", None)
@@ -93,7 +98,7 @@ def _wrap_v4_indexer(original: Callable) -> Callable:
             self._dsa_topk = out
             return out
         a = bind((self, *args), kwargs)
-        layer = _static_layer_of(a["cache"], a["layer_idx"])
+        layer = _static_layer_of(a[_cache_arg(bind)], a["layer_idx"])
         if layer is not None:
             out = _static_indexer(self, layer, a["hidden_states"], a["q_residual"], a["position_ids"])
             self._dsa_topk = out
@@ -130,7 +135,7 @@ def _wrap_v4_compressor(original: Callable, overlap: bool) -> Callable:
     def forward(self, *args, **kwargs):
         a = bind((self, *args), kwargs)
         self._dsa_position_ids = a["position_ids"]
-        layer = _static_layer_of(a["cache"], a["layer_idx"])
+        layer = _static_layer_of(a[_cache_arg(bind)], a["layer_idx"])
         if layer is None:
             self._dsa_entries = None
             return original(self, *args, **kwargs)
@@ -138,7 +143,7 @@ def _wrap_v4_compressor(original: Callable, overlap: bool) -> Callable:
         self._dsa_entries = n_entries
         indexer = getattr(self, "indexer", None)
         if indexer is not None:
-            indexer(a["hidden_states"], a["q_residual"], a["position_ids"], a["cache"], a["layer_idx"])
+            indexer(a["hidden_states"], a["q_residual"], a["position_ids"], a[_cache_arg(bind)], a["layer_idx"])
         return entries.unsqueeze(1), None
 
     return forward
@@ -151,7 +156,7 @@ def _wrap_v4_attention_forward(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        layer = _static_layer_of(bind((self, *args), kwargs)["cache"], self.layer_idx)
+        layer = _static_layer_of(bind((self, *args), kwargs)[_cache_arg(bind)], self.layer_idx)
         active = self.config._attn_implementation == ATTN_NAME
         if layer is not None and not active:
             raise ValueError(

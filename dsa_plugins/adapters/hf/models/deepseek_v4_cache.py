@@ -188,5 +188,5 @@ class DsaV4StaticCache(Cache):
             else:
                 raise ValueError(f"DsaV4StaticCache: layer {i} has type {kind!r}, which is not a DeepSeek-V4 "
                                  "attention layer type")
-        super().__init__(layers=layers)
-        self.max_cache_len = max_cache_len
+        super().__init__(layers=layers)  # the length: get_max_length(), as transformers' caches (5.17 has a
+        # read-only max_cache_len property)
