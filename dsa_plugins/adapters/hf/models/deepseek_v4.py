@@ -7,6 +7,10 @@ modules for the call; the attention handler :func:`v4_attention` gathers the sli
 plus the selected (CSA) or causally visible (HCA) compressed rows into one ``sparse_attention``
 with the per-head sink. Known cost left: the CSA/HCA compressors still build their ``block_bias``
 ([B, 1, S, T/ratio]), which the sparse path ignores.
+
+With a :class:`~.deepseek_v4_cache.DsaV4StaticCache` (what ``generate(cache_implementation="static")`` makes for V4
+under dsa_tilelang) the compressors and the indexer run on its fixed buffers instead of transformers' growing ones
+(:func:`~.deepseek_v4_cache.compress_static`), and the handler maps positions onto its ring and entry rows.
 """
 
 from __future__ import annotations
