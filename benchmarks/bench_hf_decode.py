@@ -307,8 +307,7 @@ def _print_profile(step, first: int, device) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    # the V3.2 family: DeepSeek-V4's compressed caches are filled by its compressor, not here (and
-    # transformers has no static cache for it)
+    # the V3.2 family, and DeepSeek-V4 (its static modes on the package's DsaV4StaticCache)
     parser.add_argument("--model", choices=sorted(DIMS), default="glm5")
     parser.add_argument("--contexts", default="4096,65536,131072")
     parser.add_argument("--batches", default="1,32")
