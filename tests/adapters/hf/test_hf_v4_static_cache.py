@@ -144,3 +144,17 @@ def test_gpu_static_cache_decode_under_cuda_graphs(registered, make_batch, monke
         a, b = dynamic.logits[step].float(), static.logits[step].float()
         assert torch.isfinite(b).all()
         assert (a - b).abs().max().item() < 0.05 * a.abs().max().item() + 0.05, step
+
+
+def test_writing_past_the_end_is_an_error(registered):
+    """Past ``max_cache_len`` the rings would wrap and the mask hide the new keys: an error instead."""
+    from dsa_plugins.hf import DsaV4StaticCache
+
+    model = tiny.tiny_model("deepseek_v4", attn_implementation="dsa_tilelang").model
+    arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.24 / 5.17
+    cache = DsaV4StaticCache(model.config, max_cache_len=6)
+    with torch.no_grad():
+        model(input_ids=torch.full((1, 5), 7), use_cache=True, **{arg: cache})
+        model(input_ids=torch.full((1, 1), 7), position_ids=torch.tensor([[5]]), use_cache=True, **{arg: cache})
+        with pytest.raises(RuntimeError, match=r"more tokens than its max_cache_len \(6\)"):
+            model(input_ids=torch.full((1, 1), 7), position_ids=torch.tensor([[6]]), use_cache=True, **{arg: cache})

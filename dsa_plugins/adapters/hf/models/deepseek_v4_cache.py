@@ -79,6 +79,10 @@ class DsaV4StaticLayer(StaticLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         S = key_states.shape[-2]
+        if not torch.compiler.is_compiling():  # the rings would wrap silently past the end: an error instead (a
+            # device-side assert on a GPU, no host sync; a compiled step runs no check, as transformers' caches)
+            torch._assert_async(self.cumulative_length + S <= self.max_cache_len,
+                                f"DsaV4StaticCache: more tokens than its max_cache_len ({self.max_cache_len})")
         full = torch.cat([self.keys, key_states], dim=-2)
         keep = min(S, self.window)
         rows = (torch.arange(S - keep, S, device=self.device) + self.cumulative_length).remainder(self.window)
