@@ -52,8 +52,9 @@ def test_unregister_restores_transformers_static_cache(make_batch):
     assert "_prepare_static_cache" not in model_cls.__dict__
 
 
+@pytest.mark.parametrize("step_kv", [False, True])
 @pytest.mark.parametrize("chunks", [(5, 3, 1, 1, 1, 6), (1, 1, 1, 1, 9), (8, 8)])
-def test_entries_match_transformers_dynamic_cache(registered, chunks):
+def test_entries_match_transformers_dynamic_cache(registered, chunks, step_kv):
     """Calls of several lengths in a row (windows opened in one call and closed in a later one, at every
     alignment): after each, the closed windows' entries (compressor and indexer) and the layer outputs are those of
     transformers' own V4 cache and compressors (dynamic cache, same module weights, dsa_tilelang attention)."""
@@ -65,7 +66,8 @@ def test_entries_match_transformers_dynamic_cache(registered, chunks):
     arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.24 / 5.17
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(3, 128, (2, sum(chunks)), generator=g)
-    static, dynamic = DsaV4StaticCache(model.config, max_cache_len=sum(chunks) + 1), DynamicCache(config=model.config)
+    static = DsaV4StaticCache(model.config, max_cache_len=sum(chunks) + 1, step_kv=step_kv)
+    dynamic = DynamicCache(config=model.config)
     done = 0
     with torch.no_grad():
         for n in chunks:
@@ -83,6 +85,9 @@ def test_entries_match_transformers_dynamic_cache(registered, chunks):
                     torch.testing.assert_close(ours.entries[name][:, :closed], theirs.compressed_kv[name],
                                                rtol=1e-5, atol=1e-6)
                     assert torch.isfinite(ours.entries[name]).all()  # open and untouched rows too
+                if ours.step_kv is not None:  # the step buffer: the window ring, then the entries
+                    assert torch.equal(ours.step_kv[:, : ours.window], ours.keys[:, 0])
+                    assert ours.entries["compressor"].data_ptr() == ours.step_kv[:, ours.window:].data_ptr()
 
 
 def test_compiled_static_decode_is_one_graph(registered, make_batch):
@@ -158,3 +163,43 @@ def test_writing_past_the_end_is_an_error(registered):
         model(input_ids=torch.full((1, 1), 7), position_ids=torch.tensor([[5]]), use_cache=True, **{arg: cache})
         with pytest.raises(RuntimeError, match=r"more tokens than its max_cache_len \(6\)"):
             model(input_ids=torch.full((1, 1), 7), position_ids=torch.tensor([[6]]), use_cache=True, **{arg: cache})
+
+
+def test_step_kv_experiment_matches_eager_and_reads_its_buffer(registered, make_batch, greedy_matches_eager,
+                                                               monkeypatch):
+    """``step_kv=True``: eager's tokens and logits; each step's attention reads the layer's step buffer (compressed
+    layers) and transformers concatenates no entry; one compiled graph for the prefill and one for the steps."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from dsa_plugins import ops
+    from dsa_plugins.adapters.hf.models import deepseek_v4
+    from dsa_plugins.hf import DsaV4StaticCache
+
+    model = tiny.tiny_model("deepseek_v4")
+    arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.24 / 5.17
+    ids, mask = make_batch(seed=5)
+    seen = []
+    original = ops.sparse_attention
+    monkeypatch.setattr(deepseek_v4.ops, "sparse_attention",
+                        lambda q, kv, *a, **k: seen.append((q.shape[1], kv.data_ptr(), kv.shape[1]))
+                        or original(q, kv, *a, **k))
+    cache = DsaV4StaticCache(model.config, max_cache_len=ids.shape[1] + 6, step_kv=True)
+    greedy_matches_eager(model, ids, mask, **{arg: cache})
+    steps = [(ptr, n) for s, ptr, n in seen if s == 1]
+    buffers = {layer.step_kv.data_ptr(): layer.step_kv.shape[1] for layer in cache.layers if layer.step_kv is not None}
+    assert len(buffers) == 2 and len(steps) == 3 * 5  # 2 compressed layers + 1 sliding layer, 5 steps
+    assert sum(ptr in buffers and n == buffers[ptr] for ptr, n in steps) == 2 * 5
+    monkeypatch.undo()  # (the spy reads data pointers: a compiled graph would be specialised on them)
+    model.set_attn_implementation("dsa_tilelang")
+    counter = CompileCounterWithBackend("aot_eager")
+    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=2)
+    with torch.no_grad():
+        ref = model.generate(ids, **kw, **{arg: DsaV4StaticCache(model.config, ids.shape[1] + 5, step_kv=True)})
+        torch._dynamo.reset()
+        model.forward = torch.compile(model.forward, fullgraph=True, backend=counter)
+        try:
+            got = model.generate(ids, **kw, **{arg: DsaV4StaticCache(model.config, ids.shape[1] + 5, step_kv=True)})
+        finally:
+            del model.forward
+            torch._dynamo.reset()
+    assert torch.equal(got, ref) and counter.frame_count == 2

@@ -148,6 +148,8 @@ def _wrap_v4_compressor(original: Callable, overlap: bool) -> Callable:
         indexer = getattr(self, "indexer", None)
         if indexer is not None:
             indexer(a["hidden_states"], a["q_residual"], a["position_ids"], a[_cache_arg(bind)], a["layer_idx"])
+        if layer.step_kv is not None and a["hidden_states"].shape[1] == 1:
+            entries = entries[:, :0]  # the step reads layer.step_kv: nothing for transformers to concatenate
         return entries.unsqueeze(1), None
 
     return forward
@@ -220,9 +222,13 @@ def v4_attention(module, query, key, value, attention_mask, scaling, s_aux=None,
         parts = [torch.where(mask.allowed(cand), cand, -1).to(torch.int32)]
     else:  # DsaV4StaticCache: keys are [ring (position p in row p % W), the S new rows, entry rows]
         W = static.window
-        Tw = W + S
         cand = (pos[:, None] - torch.arange(W - 1, -1, -1, device=query.device)).expand(B, S, W)  # positions
-        row = torch.where(cand >= pos[0], W + cand - pos[0], cand.remainder(W))
+        if S == 1 and static.step_kv is not None:  # [ring (holding the new row), entry rows] in one buffer
+            kv, Tw = static.step_kv, W
+            row = cand.remainder(W)
+        else:
+            Tw = W + S
+            row = torch.where(cand >= pos[0], W + cand - pos[0], cand.remainder(W))
         parts = [torch.where(mask.allowed(cand), row, -1).to(torch.int32)]
     Tc = kv.shape[1] - Tw
     comp = getattr(module, "compressor", None)
