@@ -156,8 +156,8 @@ def _wrap_v4_compressor(original: Callable, overlap: bool) -> Callable:
 
 
 def _wrap_v4_attention_forward(original: Callable) -> Callable:
-    """Tell the layer's CSA indexer (if any) whether this call runs under dsa_tilelang."""
-
+    """Tell the layer's CSA indexer (if any) whether this call runs under dsa_tilelang, and the attention handler
+    which :class:`DsaV4StaticLayer` (if any) holds this layer's cache (refused under other implementations)."""
     bind = CallBinder(original, aliases=("cache", "past_key_values"))
 
     @functools.wraps(original)
