@@ -203,3 +203,17 @@ def test_step_kv_experiment_matches_eager_and_reads_its_buffer(registered, make_
             del model.forward
             torch._dynamo.reset()
     assert torch.equal(got, ref) and counter.frame_count == 2
+
+
+def test_beam_search_matches_eager(registered, make_batch):
+    """Beam search reorders the cache's batch rows (the rings and entries with them): eager's sequences."""
+    model = tiny.tiny_model("deepseek_v4")
+    ids, mask = make_batch(seed=2, seq_len=9, pad=2)
+    kw = dict(attention_mask=mask, max_new_tokens=7, do_sample=False, pad_token_id=2, num_beams=3,
+              num_return_sequences=2)
+    out = {}
+    for impl, extra in (("eager", {}), ("dsa_tilelang", {"cache_implementation": "static"})):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            out[impl] = model.generate(ids, **kw, **extra)
+    assert torch.equal(out["dsa_tilelang"], out["eager"])
