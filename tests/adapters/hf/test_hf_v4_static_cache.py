@@ -217,3 +217,55 @@ def test_beam_search_matches_eager(registered, make_batch):
         with torch.no_grad():
             out[impl] = model.generate(ids, **kw, **extra)
     assert torch.equal(out["dsa_tilelang"], out["eager"])
+
+
+def test_compiled_chunked_prefill_finds_its_buffers_at_fixed_addresses(registered):
+    """``prefill_chunk_size`` makes generate compile the prefill too: the cache's buffers are made before it (a
+    buffer first made inside a compiled call has no fixed address, which CUDA graphs would copy or skip), every one
+    marked static, and the tokens are the uncompiled model's (found by review)."""
+    from transformers import CompileConfig
+
+    model = tiny.tiny_model("deepseek_v4", attn_implementation="dsa_tilelang")
+    ids = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=2, cache_implementation="static",
+              return_dict_in_generate=True)
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+        torch._dynamo.reset()
+        config = CompileConfig(fullgraph=True, backend="aot_eager")
+        config._compile_all_devices = True  # (generate compiles on GPUs only otherwise)
+        try:
+            out = model.generate(ids, prefill_chunk_size=4, compile_config=config, **kw)
+        finally:
+            torch._dynamo.reset()
+    assert torch.equal(out.sequences, ref.sequences)
+    for layer in out.past_key_values.layers:
+        buffers = [layer.keys, layer.cumulative_length, *layer.ring_kv.values(), *layer.ring_gate.values(),
+                   *layer.entries.values()]
+        assert len(buffers) == 2 + 3 * len(layer.names)
+        assert all(getattr(t, "_dynamo_static_input_type", None) for t in buffers), type(layer).__name__
+
+
+@pytest.mark.parametrize("step_kv", [False, True])
+def test_reset_cache_repeats_the_same_outputs(registered, step_kv):
+    """After ``reset()`` the same cache object (same buffers) serves a new sequence as a fresh one would."""
+    from dsa_plugins.hf import DsaV4StaticCache
+
+    model = tiny.tiny_model("deepseek_v4", attn_implementation="dsa_tilelang").model
+    arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.24 / 5.17
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    cache = DsaV4StaticCache(model.config, max_cache_len=12, step_kv=step_kv)
+
+    def run():
+        with torch.no_grad():
+            outs = [model(input_ids=ids[:, :6], use_cache=True, **{arg: cache}).last_hidden_state]
+            for t in range(6, 9):
+                outs.append(model(input_ids=ids[:, t:t + 1], position_ids=torch.tensor([[t], [t]]), use_cache=True,
+                                  **{arg: cache}).last_hidden_state)
+        return outs
+
+    first = run()
+    cache.reset()
+    assert int(cache.layers[1].cumulative_length) == 0 and not cache.layers[1].ring_kv["compressor"].any()
+    for a, b in zip(first, run()):
+        assert torch.equal(a, b)

@@ -196,6 +196,8 @@ def _wrap_prepare_static_cache(original: Callable) -> Callable:
         # the largest length so far, as transformers does: a later call that fits reuses the compiled graphs
         length = max(max_cache_len, getattr(self, "_previous_max_cache_length", -1))
         cache = _cache.DsaV4StaticCache(self.config.get_text_config(decoder=True), max_cache_len=length)
+        if kwargs.get("prefill_chunk_size", args[0] if args else None) is not None:
+            cache.allocate(self, batch_size)  # the chunked prefill is compiled: buffers at fixed addresses first
         self._previous_max_cache_length = length
         return cache
 

@@ -227,3 +227,21 @@ class DsaV4StaticCache(Cache):
                                  "attention layer type")
         super().__init__(layers=layers)  # the length: get_max_length(), as transformers' caches (5.17 has a
         # read-only max_cache_len property)
+
+    def allocate(self, model, batch_size: int) -> None:
+        """Make every buffer now, at fixed addresses, with the sizes and dtype of ``model``'s layers (a V4 causal LM
+        or its base model). Needed when the prefill itself is compiled (``generate(..., prefill_chunk_size=...)``):
+        buffers first made inside a compiled call get no fixed address, and CUDA graphs then copy or skip them."""
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+        for i, layer in enumerate(self.layers):
+            attn = decoder.layers[i].self_attn
+            weight = attn.kv_proj.weight
+            if not layer.is_initialized:
+                fake = torch.zeros(batch_size, 1, 0, attn.head_dim, dtype=weight.dtype, device=weight.device)
+                layer.lazy_initialization(fake, fake)
+            comp = attn.compressor
+            for name, module in (("compressor", comp), ("indexer", getattr(comp, "indexer", None))):
+                if module is not None and name in layer.names:
+                    fake = torch.zeros(batch_size, 0, module.kv_proj.out_features, dtype=weight.dtype,
+                                       device=weight.device)
+                    layer.compressor_buffers(name, fake, fake, module.head_dim)
