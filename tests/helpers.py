@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 
@@ -71,8 +73,6 @@ def assert_waits_for_previous_grid(src: str) -> None:
     """A cluster program's CUDA source calls ``dsa_grid_dependency_wait()`` (griddepcontrol.wait) once per kernel
     and before its body indexes any pointer parameter: TileLang launches cluster programs with programmatic stream
     serialization, so the program may start before the previous kernel's writes are visible."""
-    import re
-
     kernels = list(re.finditer(r"__global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(([^)]*)\)\s*\{", src))  # definitions only
     assert kernels, "no __global__ function defined in the source"
     for n, m in enumerate(kernels):

@@ -58,6 +58,30 @@ def assert_greedy_generate_matches_eager(model, ids, mask, config_of=lambda m: m
     torch.testing.assert_close(logits["dsa_tilelang"], logits["eager"], rtol=1e-5, atol=2e-5)
 
 
+def generate_eager_and_compiled(model, ids, kwargs):
+    """``model.generate(ids, **kwargs())`` uncompiled, then with ``model.forward`` under ``torch.compile(fullgraph=
+    True)`` (aot_eager: traces as inductor does, no code generation). ``kwargs``: a callable, so that each run can
+    take a fresh cache. Returns (uncompiled output, compiled output, frames compiled)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    with torch.no_grad():
+        ref = model.generate(ids, **kwargs())
+        torch._dynamo.reset()
+        model.forward = torch.compile(model.forward, fullgraph=True, backend=counter)
+        try:
+            got = model.generate(ids, **kwargs())
+        finally:
+            del model.forward
+            torch._dynamo.reset()
+    return ref, got, counter.frame_count
+
+
+@pytest.fixture
+def eager_and_compiled():
+    return generate_eager_and_compiled
+
+
 @pytest.fixture
 def greedy_matches_eager():
     return assert_greedy_generate_matches_eager

@@ -42,29 +42,18 @@ def test_static_cache_generate_matches_eager(registered, model_type, make_batch,
 
 
 @pytest.mark.parametrize("model_type", CAUSAL)
-def test_compiled_static_decode_is_one_graph(registered, model_type, make_batch):
+def test_compiled_static_decode_is_one_graph(registered, model_type, make_batch, eager_and_compiled):
     """``torch.compile(fullgraph=True)`` over prefill and decode steps with a static cache: no graph
     break (it would raise), the same tokens as the uncompiled model, and one graph for the prefill and one for
     every decode step of the left-padded batch (generate makes the mask before the forward; a mask whose padding
     grew by a column each step was a new input shape per step: recompiled, and a CUDA graph recorded per step)."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
     ids, mask = make_batch(seed=3)
     model = _static_model(model_type, ids, mask)
     model.set_attn_implementation("dsa_tilelang")
     kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=2, cache_implementation="static")
-    counter = CompileCounterWithBackend("aot_eager")
-    with torch.no_grad():
-        ref = model.generate(ids, **kw)
-        torch._dynamo.reset()
-        model.forward = torch.compile(model.forward, fullgraph=True, backend=counter)
-        try:
-            got = model.generate(ids, **kw)
-        finally:
-            del model.forward
-            torch._dynamo.reset()
+    ref, got, frames = eager_and_compiled(model, ids, lambda: kw)
     assert torch.equal(got, ref)
-    assert counter.frame_count == 2, f"{counter.frame_count} compiles for a prefill and 4 decode steps"
+    assert frames == 2, f"{frames} compiles for a prefill and 4 decode steps"
 
 
 def test_static_cache_keeps_the_latent_in_one_buffer(registered, make_batch, monkeypatch):

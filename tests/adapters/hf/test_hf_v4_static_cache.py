@@ -12,6 +12,11 @@ import torch
 
 from dsa_plugins.adapters.hf import tiny
 
+def _cache_kwarg(model) -> str:
+    """The forward's cache parameter: ``cache`` (transformers 5.24) or ``past_key_values`` (5.17)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 pytestmark = pytest.mark.skipif(not tiny.available("deepseek_v4"), reason="deepseek_v4 is not in this transformers")
 
 
@@ -30,7 +35,7 @@ def test_generate_makes_the_fixed_cache_only_under_dsa_tilelang(registered, make
     model = tiny.tiny_model("deepseek_v4")
     ids, mask = make_batch(seed=1)
     model.set_attn_implementation("dsa_tilelang")
-    arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.24 / 5.17
+    arg = _cache_kwarg(model)
     made = model._prepare_static_cache(cache_implementation="static", batch_size=2, max_cache_len=40,
                                        prefill_chunk_size=None, model_kwargs={})
     assert isinstance(made, DsaV4StaticCache) and made.is_compileable and len(made.layers) == 3
@@ -63,7 +68,7 @@ def test_entries_match_transformers_dynamic_cache(registered, chunks, step_kv):
     from dsa_plugins.hf import DsaV4StaticCache
 
     model = tiny.tiny_model("deepseek_v4", attn_implementation="dsa_tilelang").model
-    arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.24 / 5.17
+    arg = _cache_kwarg(model)
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(3, 128, (2, sum(chunks)), generator=g)
     static = DsaV4StaticCache(model.config, max_cache_len=sum(chunks) + 1, step_kv=step_kv)
@@ -90,27 +95,16 @@ def test_entries_match_transformers_dynamic_cache(registered, chunks, step_kv):
                     assert ours.entries["compressor"].data_ptr() == ours.step_kv[:, ours.window:].data_ptr()
 
 
-def test_compiled_static_decode_is_one_graph(registered, make_batch):
+def test_compiled_static_decode_is_one_graph(registered, make_batch, eager_and_compiled):
     """``torch.compile(fullgraph=True)`` over the prefill and the decode steps of a left-padded batch: no graph
     break (it would raise), the uncompiled model's tokens, one graph for the prefill and one for every step."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
     model = tiny.tiny_model("deepseek_v4")
     model.set_attn_implementation("dsa_tilelang")
     ids, mask = make_batch(seed=3)
     kw = dict(attention_mask=mask, max_new_tokens=7, do_sample=False, pad_token_id=2, cache_implementation="static")
-    counter = CompileCounterWithBackend("aot_eager")
-    with torch.no_grad():
-        ref = model.generate(ids, **kw)
-        torch._dynamo.reset()
-        model.forward = torch.compile(model.forward, fullgraph=True, backend=counter)
-        try:
-            got = model.generate(ids, **kw)
-        finally:
-            del model.forward
-            torch._dynamo.reset()
+    ref, got, frames = eager_and_compiled(model, ids, lambda: kw)
     assert torch.equal(got, ref)
-    assert counter.frame_count == 2, f"{counter.frame_count} compiles for a prefill and 6 decode steps"
+    assert frames == 2, f"{frames} compiles for a prefill and 6 decode steps"
 
 
 @pytest.mark.gpu
@@ -156,7 +150,7 @@ def test_writing_past_the_end_is_an_error(registered):
     from dsa_plugins.hf import DsaV4StaticCache
 
     model = tiny.tiny_model("deepseek_v4", attn_implementation="dsa_tilelang").model
-    arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.24 / 5.17
+    arg = _cache_kwarg(model)
     cache = DsaV4StaticCache(model.config, max_cache_len=6)
     with torch.no_grad():
         model(input_ids=torch.full((1, 5), 7), use_cache=True, **{arg: cache})
@@ -166,17 +160,15 @@ def test_writing_past_the_end_is_an_error(registered):
 
 
 def test_step_kv_experiment_matches_eager_and_reads_its_buffer(registered, make_batch, greedy_matches_eager,
-                                                               monkeypatch):
+                                                               eager_and_compiled, monkeypatch):
     """``step_kv=True``: eager's tokens and logits; each step's attention reads the layer's step buffer (compressed
     layers) and transformers concatenates no entry; one compiled graph for the prefill and one for the steps."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
     from dsa_plugins import ops
     from dsa_plugins.adapters.hf.models import deepseek_v4
     from dsa_plugins.hf import DsaV4StaticCache
 
     model = tiny.tiny_model("deepseek_v4")
-    arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.24 / 5.17
+    arg = _cache_kwarg(model)
     ids, mask = make_batch(seed=5)
     seen = []
     original = ops.sparse_attention
@@ -191,18 +183,10 @@ def test_step_kv_experiment_matches_eager_and_reads_its_buffer(registered, make_
     assert sum(ptr in buffers and n == buffers[ptr] for ptr, n in steps) == 2 * 5
     monkeypatch.undo()  # (the spy reads data pointers: a compiled graph would be specialised on them)
     model.set_attn_implementation("dsa_tilelang")
-    counter = CompileCounterWithBackend("aot_eager")
-    kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=2)
-    with torch.no_grad():
-        ref = model.generate(ids, **kw, **{arg: DsaV4StaticCache(model.config, ids.shape[1] + 5, step_kv=True)})
-        torch._dynamo.reset()
-        model.forward = torch.compile(model.forward, fullgraph=True, backend=counter)
-        try:
-            got = model.generate(ids, **kw, **{arg: DsaV4StaticCache(model.config, ids.shape[1] + 5, step_kv=True)})
-        finally:
-            del model.forward
-            torch._dynamo.reset()
-    assert torch.equal(got, ref) and counter.frame_count == 2
+    ref, got, frames = eager_and_compiled(model, ids, lambda: dict(
+        attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=2,
+        **{arg: DsaV4StaticCache(model.config, ids.shape[1] + 5, step_kv=True)}))
+    assert torch.equal(got, ref) and frames == 2
 
 
 def test_beam_search_matches_eager(registered, make_batch):
@@ -252,7 +236,7 @@ def test_reset_cache_repeats_the_same_outputs(registered, step_kv):
     from dsa_plugins.hf import DsaV4StaticCache
 
     model = tiny.tiny_model("deepseek_v4", attn_implementation="dsa_tilelang").model
-    arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.24 / 5.17
+    arg = _cache_kwarg(model)
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(1))
     cache = DsaV4StaticCache(model.config, max_cache_len=12, step_kv=step_kv)
 

@@ -52,7 +52,6 @@ class DsaV4StaticLayer(StaticLayer):
     dsa_v4_static = True  # what the patched modules recognise the layer by (without importing this module)
     is_sliding = False
     supports_early_init = False  # the compressors' buffers take their sizes from the modules at the first call
-    _is_croppable = False
 
     def __init__(self, max_cache_len: int, sliding_window: int, compress_rate: int | None = None,
                  names: tuple[str, ...] = (), step_kv: bool = False):
