@@ -61,7 +61,7 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def filled_cache(model, mode: str, batch: int, context: int, headroom: int, device, dtype, step_kv: bool = False):
+def filled_cache(model, mode: str, batch: int, context: int, headroom: int, device, dtype, step_kv: bool = True):
     """A cache holding ``context`` random tokens per sequence (latent and indexer keys)."""
     from transformers import DynamicCache, StaticCache
 
@@ -134,7 +134,7 @@ def _fill_v4(model, cache, context: int, g) -> None:
             W = layer.window
             rows = (torch.arange(context - W, context, device=ref.device)).remainder(W)
             layer.keys.index_copy_(2, rows, window)
-            if layer.step_kv is not None:  # the step_kv experiment's copy of the ring (its entries are views)
+            if layer.step_kv is not None:  # step_kv's copy of the ring (its entries are views)
                 layer.step_kv.index_copy_(1, rows, window[:, 0])
             for name, (entries, ring_kv, ring_gate) in state.items():
                 layer.entries[name][:, : entries.shape[1]].copy_(entries)
@@ -199,7 +199,7 @@ def masks_for_generate(model, mask_2d: torch.Tensor, cache, position_ids: torch.
 
 
 def decode_steps(model, mode: str, batch: int, context: int, steps: int, device, dtype, profile: bool = False,
-                 pad: int = 0, step_kv: bool = False):
+                 pad: int = 0, step_kv: bool = True):
     """(ms per step, peak GiB, last hidden state of the first step). ``profile``: after the timed
     steps, print where the host time of 20 more goes (cProfile, by cumulative time) and the torch
     operators and kernel launches of one step (torch.profiler). ``pad`` > 0: a left-padded batch (see
@@ -323,9 +323,10 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny dims, no result files")
     parser.add_argument("--fp8-index", choices=("off", "on", "both"), default="off",
                         help="dsa_tilelang with the opt-in fp8 index cache (on), or without and with it (both)")
-    parser.add_argument("--v4-step-kv", choices=("off", "on", "both"), default="off",
-                        help="DeepSeek-V4's static modes with DsaV4StaticCache(step_kv=True) (the experiment: a step "
-                             "reads the window and the entries as one buffer; rows with variant step_kv)")
+    parser.add_argument("--v4-step-kv", choices=("off", "on", "both"), default="on",
+                        help="DeepSeek-V4's static modes with DsaV4StaticCache(step_kv=True) (the default: a step "
+                             "reads the window and the entries as one buffer), with step_kv=False (transformers "
+                             "concatenates the cache each step; rows with variant concat_kv), or both")
     parser.add_argument("--left-pad", type=int, default=0,
                         help="B > 1: a left-padded batch, sequence b masking its first b * N / (B - 1) cached tokens "
                              "(rows with variant left_pad<N>)")
@@ -350,12 +351,13 @@ def main(argv=None) -> int:
     depths = [int(n) for n in args.layers.split(",")]
     providers = args.providers.split(",")
     variants = {"off": [""], "on": ["fp8_index"], "both": ["", "fp8_index"]}[args.fp8_index]
-    variants = {"off": variants, "on": ["step_kv"], "both": variants + ["step_kv"]}[args.v4_step_kv]
+    if args.model == "deepseek_v4":
+        variants = {"on": [""], "off": ["concat_kv"], "both": ["", "concat_kv"]}[args.v4_step_kv]
     cases = []
     for layers in depths:
         if "dsa_tilelang" in providers:
             cases += [(c, b, m, "dsa_tilelang", layers, v) for v in variants for c in contexts for b in batches
-                      for m in modes]
+                      for m in modes if not (v == "concat_kv" and m == "eager_dynamic")]  # (a static-cache option)
         if "sdpa" in providers:
             cases += [(c, 1, m, "sdpa", layers, "") for c in sorted({contexts[0], contexts[-1]}) for m in modes
                       if m != "eager_dynamic"]
@@ -379,7 +381,7 @@ def main(argv=None) -> int:
                 models[provider, layers, variant] = model.eval()
             ms, peak, first = decode_steps(models[provider, layers, variant], mode, batch, context,
                                            2 if args.smoke else args.steps, device, dtype,
-                                           profile=args.profile, pad=pad, step_kv=variant == "step_kv")
+                                           profile=args.profile, pad=pad, step_kv=variant != "concat_kv")
             row.update(median_ms=ms, tokens_per_s=batch / ms * 1e3, peak_gib=peak)
             ref = firsts.setdefault((context, batch, provider, layers, variant), first)
             row["max_diff_vs_first_mode"] = float((first - ref).abs().max())

@@ -159,10 +159,12 @@ def test_writing_past_the_end_is_an_error(registered):
             model(input_ids=torch.full((1, 1), 7), position_ids=torch.tensor([[6]]), use_cache=True, **{arg: cache})
 
 
-def test_step_kv_experiment_matches_eager_and_reads_its_buffer(registered, make_batch, greedy_matches_eager,
-                                                               eager_and_compiled, monkeypatch):
-    """``step_kv=True``: eager's tokens and logits; each step's attention reads the layer's step buffer (compressed
-    layers) and transformers concatenates no entry; one compiled graph for the prefill and one for the steps."""
+@pytest.mark.parametrize("step_kv", [True, False])
+def test_step_kv_matches_eager_and_steps_read_its_buffer(registered, make_batch, greedy_matches_eager,
+                                                         eager_and_compiled, monkeypatch, step_kv):
+    """Eager's tokens and logits either way; with ``step_kv`` (the default) each step's attention on a compressed
+    layer reads the layer's step buffer, without it none does (transformers' concatenation instead); one compiled
+    graph for the prefill and one for the steps."""
     from dsa_plugins import ops
     from dsa_plugins.adapters.hf.models import deepseek_v4
     from dsa_plugins.hf import DsaV4StaticCache
@@ -175,17 +177,17 @@ def test_step_kv_experiment_matches_eager_and_reads_its_buffer(registered, make_
     monkeypatch.setattr(deepseek_v4.ops, "sparse_attention",
                         lambda q, kv, *a, **k: seen.append((q.shape[1], kv.data_ptr(), kv.shape[1]))
                         or original(q, kv, *a, **k))
-    cache = DsaV4StaticCache(model.config, max_cache_len=ids.shape[1] + 6, step_kv=True)
+    cache = DsaV4StaticCache(model.config, max_cache_len=ids.shape[1] + 6, step_kv=step_kv)
     greedy_matches_eager(model, ids, mask, **{arg: cache})
     steps = [(ptr, n) for s, ptr, n in seen if s == 1]
     buffers = {layer.step_kv.data_ptr(): layer.step_kv.shape[1] for layer in cache.layers if layer.step_kv is not None}
-    assert len(buffers) == 2 and len(steps) == 3 * 5  # 2 compressed layers + 1 sliding layer, 5 steps
-    assert sum(ptr in buffers and n == buffers[ptr] for ptr, n in steps) == 2 * 5
+    assert len(buffers) == (2 if step_kv else 0) and len(steps) == 3 * 5  # 2 compressed + 1 sliding layer, 5 steps
+    assert sum(ptr in buffers and n == buffers[ptr] for ptr, n in steps) == (2 * 5 if step_kv else 0)
     monkeypatch.undo()  # (the spy reads data pointers: a compiled graph would be specialised on them)
     model.set_attn_implementation("dsa_tilelang")
     ref, got, frames = eager_and_compiled(model, ids, lambda: dict(
         attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=2,
-        **{arg: DsaV4StaticCache(model.config, ids.shape[1] + 5, step_kv=True)}))
+        **{arg: DsaV4StaticCache(model.config, ids.shape[1] + 5, step_kv=step_kv)}))
     assert torch.equal(got, ref) and frames == 2
 
 
@@ -224,8 +226,10 @@ def test_compiled_chunked_prefill_finds_its_buffers_at_fixed_addresses(registere
             torch._dynamo.reset()
     assert torch.equal(out.sequences, ref.sequences)
     for layer in out.past_key_values.layers:
-        buffers = [layer.keys, layer.cumulative_length, *layer.ring_kv.values(), *layer.ring_gate.values(),
-                   *layer.entries.values()]
+        buffers = [layer.keys, layer.cumulative_length, *layer.ring_kv.values(), *layer.ring_gate.values()]
+        for entries in layer.entries.values():  # own buffers, or (step_kv) a view of the layer's step buffer
+            assert entries._base is None or entries._base is layer.step_kv is not None
+            buffers.append(entries if entries._base is None else entries._base)
         assert len(buffers) == 2 + 3 * len(layer.names)
         assert all(getattr(t, "_dynamo_static_input_type", None) for t in buffers), type(layer).__name__
 
