@@ -1,5 +1,7 @@
 """DeepSeek-V4 (sliding window + compressed sparse / heavily compressed attention, per-head sinks)
-through dsa_plugins' sparse attention, trained for a few steps and compared with eager.
+through dsa_plugins' sparse attention, trained for a few steps and compared with eager, then generating with
+the package's fixed-size cache (what ``cache_implementation="static"`` makes for V4 under dsa_tilelang; on a GPU
+transformers compiles the step and replays it as a CUDA graph).
 
 A tiny random-weight model; the same code runs a real checkpoint on a GPU in bf16.
 """
@@ -35,3 +37,13 @@ for impl in ("eager", "dsa_tilelang"):
 for step, (a, b) in enumerate(zip(losses["eager"], losses["dsa_tilelang"])):
     print(f"step {step}: eager {a:.6f}  dsa_tilelang {b:.6f}")
 assert all(abs(a - b) < 1e-4 for a, b in zip(losses["eager"], losses["dsa_tilelang"]))
+
+# generation: greedy tokens with the fixed-size cache equal eager's with transformers' dynamic cache
+prompt = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(2))
+tokens = {}
+for impl, extra in (("eager", {}), ("dsa_tilelang", {"cache_implementation": "static"})):
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        tokens[impl] = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=2, **extra)
+print("generated:", tokens["dsa_tilelang"][:, prompt.shape[1]:].tolist())
+assert torch.equal(tokens["dsa_tilelang"], tokens["eager"])
