@@ -27,7 +27,6 @@ from dsa_plugins.adapters.hf.indexer_loss import IndexerLossHandle, disable_inde
 ATTN_IMPLEMENTATION = "dsa_tilelang"
 
 
-
 def __getattr__(name: str):
     if name == "DsaV4StaticCache":  # imports transformers' cache classes: only when asked for
         from dsa_plugins.adapters.hf.models.deepseek_v4_cache import DsaV4StaticCache
@@ -36,6 +35,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ADAPTER", "ATTN_IMPLEMENTATION", "DsaV4StaticCache", "IndexerLossHandle", "available_models", "disable_fp8_index_cache",
-           "disable_indexer_loss", "enable_fp8_index_cache", "enable_indexer_loss", "is_registered", "register",
-           "unregister"]
+__all__ = ["ADAPTER", "ATTN_IMPLEMENTATION", "DsaV4StaticCache", "IndexerLossHandle", "available_models",
+           "disable_fp8_index_cache", "disable_indexer_loss", "enable_fp8_index_cache", "enable_indexer_loss",
+           "is_registered", "register", "unregister"]

@@ -96,30 +96,11 @@ def test_static_cache_keeps_the_latent_in_one_buffer(registered, make_batch, mon
 @pytest.mark.parametrize("model_type,seq_len,pad", [("glm_moe_dsa", 200, 17), ("deepseek_v32", 200, 17),
                                                    ("glm_moe_dsa", 320, 200)])
 def test_gpu_static_cache_decode_under_cuda_graphs(registered, model_type, seq_len, pad, gpu_generation,
-                                                   monkeypatch):
+                                                   static_graphs_match_dynamic, monkeypatch):
     """bf16 through the TileLang kernels: ``generate(cache_implementation="static")`` compiles its decode
     steps with CUDA graphs (fullgraph, so a graph break fails); the first new token and the logits of the
     prefill and the first graph-replayed step are those of the uncompiled model with a dynamic cache, on a
     left-padded batch (200 padding tokens: past int8, where a compiled argmax had wrapped the window's start)."""
-    from transformers import CompileConfig
-
     monkeypatch.setenv("DSA_PLUGINS_BACKEND", "tilelang")
     model, ids, kw = gpu_generation(model_type, seq_len=seq_len, pad=pad)
-    torch._dynamo.reset()
-    with torch.no_grad():
-        dynamic = model.generate(ids, **kw)
-        static = model.generate(ids, cache_implementation="static", compile_config=CompileConfig(fullgraph=True), **kw)
-        static_again = model.generate(ids, cache_implementation="static",
-                                      compile_config=CompileConfig(fullgraph=True), **kw)
-    torch._dynamo.reset()
-    assert torch.equal(static.sequences, static_again.sequences)  # graph replays are deterministic
-    first = ids.shape[1]
-    assert torch.equal(static.sequences[:, first], dynamic.sequences[:, first])
-    # the prefill, the first decode step (compiled code; cudagraph trees run a first call unrecorded), and every
-    # later step (recorded, then replayed) while the tokens so far agree (greedy paths may part at a near-tie)
-    steps = [0, 1] + [s for s in range(2, len(static.logits))
-                      if torch.equal(static.sequences[:, : first + s], dynamic.sequences[:, : first + s])]
-    for step in steps:
-        a, b = dynamic.logits[step].float(), static.logits[step].float()
-        assert torch.isfinite(b).all()
-        assert (a - b).abs().max().item() < 0.05 * a.abs().max().item() + 0.05, step
+    static_graphs_match_dynamic(model, ids, kw)

@@ -139,7 +139,8 @@ def _wrap_v4_compressor(original: Callable, overlap: bool) -> Callable:
     def forward(self, *args, **kwargs):
         a = bind((self, *args), kwargs)
         self._dsa_position_ids = a["position_ids"]
-        layer = _static_layer_of(a[_cache_arg(bind)], a["layer_idx"])
+        cache = a[_cache_arg(bind)]
+        layer = _static_layer_of(cache, a["layer_idx"])
         if layer is None:
             self._dsa_entries = None
             return original(self, *args, **kwargs)
@@ -147,7 +148,7 @@ def _wrap_v4_compressor(original: Callable, overlap: bool) -> Callable:
         self._dsa_entries = n_entries
         indexer = getattr(self, "indexer", None)
         if indexer is not None:
-            indexer(a["hidden_states"], a["q_residual"], a["position_ids"], a[_cache_arg(bind)], a["layer_idx"])
+            indexer(a["hidden_states"], a["q_residual"], a["position_ids"], cache, a["layer_idx"])
         if layer.step_kv is not None and a["hidden_states"].shape[1] == 1:
             entries = entries[:, :0]  # the step reads layer.step_kv: nothing for transformers to concatenate
         return entries.unsqueeze(1), None
