@@ -11,7 +11,9 @@ benchmarks/results/kernels.csv (or DIR/kernels.csv); ours / peer speeds are prin
 
 op indexer_topk, mode fwd, shape "T{t} Hi64 Di128 k2048 causal", FLOPs 2*Hi*Di*T*(T+1)/2 for every row:
   tilelang         dsa_plugins.ops.indexer_topk (scores and top-k in one op, -1 past the prefix); variant
-                   return_lse: also each row's logsumexp of its selected scores (what the loss below takes)
+                   return_lse: also each row's logsumexp of its selected scores (what the loss below takes);
+                   variant score_whole_windows: the kernel call that also scores the first k rows (each
+                   selects its whole window; the op leaves them unscored)
   cudnn_fe_scores  cuDNN DSA.indexer_forward_wrapper: the dense [T, T] fp32 scores only (no selection)
   cudnn_fe         the same + torch.topk (+ -1 for masked slots, our output contract)
   cudnn_fe_radix   the same + cuDNN's radix DSA.indexer_top_k_wrapper (the top-k megatron's cudnn backend uses)
@@ -193,6 +195,19 @@ def bench_indexer_fwd(rows: Rows, t: int, dsa) -> None:
         except Exception as exc:  # noqa: BLE001
             lse_err = error_text(exc)
     rows.time("indexer_topk", "fwd", shape, "tilelang", with_lse, flops, error=lse_err, variant="return_lse")
+    # before the causal prefill's first k rows were left unscored (they select their whole window): same rows
+    from dsa_plugins.kernels.indexer import indexer_topk as kernel_topk
+
+    scored = lambda: kernel_topk(iq, ik, w, key_start, key_end, K, score_whole_windows=True)  # noqa: E731
+    scored_err = ours_err
+    if scored_err is None:
+        try:
+            if not torch.equal(scored(), ours_idx):
+                scored_err = "scoring the whole windows changed the rows"
+        except Exception as exc:  # noqa: BLE001
+            scored_err = error_text(exc)
+    rows.time("indexer_topk", "fwd", shape, "tilelang", scored, flops, error=scored_err,
+              variant="score_whole_windows")
     if dsa is None:
         return
 

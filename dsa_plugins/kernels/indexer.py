@@ -354,7 +354,9 @@ def _factory():
         r // rows_per_entry, whose keys are global rows [e * keys_per_entry, (e + 1) * keys_per_entry);
         its window KS/KE[r % nw] counts that entry's keys, clamped to them) Base less the entry's first key:
         the selection in the entry's own columns. nw is nq, or rows_per_entry (one set of windows for
-        every entry)."""
+        every entry). HiScored [nqb]: the Hi the score program takes: Lo for a query block none of whose
+        windows holds more than ``select_all_max`` keys (each of its rows selects its whole window, so
+        its scores are never read: -1 scores every block), else Hi."""
         nq = T.dynamic("nq")
         nw = T.dynamic("nw")
         nqb = T.dynamic("nqb")
@@ -368,18 +370,21 @@ def _factory():
             n_keys: i32,
             rows_per_entry: i32,
             keys_per_entry: i32,
+            select_all_max: i32,
             KSo: T.Tensor([nq], i32),
             KEo: T.Tensor([nq], i32),
             Base: T.Tensor([nq], i32),
             Off: T.Tensor([nq], i32),
             Lo: T.Tensor([nqb], i32),
             Hi: T.Tensor([nqb], i32),
+            HiScored: T.Tensor([nqb], i32),
         ):
             with T.Kernel(T.ceildiv(nqb, threads), threads=threads) as bx:
                 tx = T.get_thread_binding()
                 qb = bx * threads + tx
                 lo = T.alloc_var(i32, init=big)
                 hi = T.alloc_var(i32, init=0)
+                longest = T.alloc_var(i32, init=0)  # the block's longest window
                 # each row's window in global key rows (clamped, start <= end) and its entry's first key (0
                 # without entry-relative windows), found once: both loads issued before either is used
                 st = T.alloc_local([block_q], i32)
@@ -402,10 +407,12 @@ def _factory():
                             if en[r] > st[r]:
                                 lo = T.min(lo, st[r])
                                 hi = T.max(hi, en[r])
+                                longest = T.max(longest, en[r] - st[r])
                     blo = T.if_then_else(hi > 0, lo // block_k, 0)
                     bhi = T.if_then_else(hi > 0, (hi + block_k - 1) // block_k, 0)
                     Lo[qb] = blo
                     Hi[qb] = bhi
+                    HiScored[qb] = T.if_then_else(longest > select_all_max, bhi, blo)
                     for r in T.unroll(block_q):
                         row = qb * block_q + r
                         if row < nq:
@@ -738,10 +745,13 @@ class _Plan:
     buffer fits ``max_chunk_bytes``; otherwise chunks sized from the windows' block ranges (one host sync),
     or with ``sync_free`` from the sizes alone (every chunk as wide as the whole key range).
     ``entry_windows`` (with ``entries``): the windows count each batch entry's own keys, [Tq] or one set
-    [rows per entry] for every entry, and the top-k writes the entry's own columns (see indexer_topk)."""
+    [rows per entry] for every entry, and the top-k writes the entry's own columns (see indexer_topk).
+    ``select_all_max``: query blocks whose windows all hold at most this many keys are not scored (the top-k
+    takes a row's whole window without reading its scores when it holds at most k keys); -1 scores every block
+    (the losses read every score)."""
 
     def __init__(self, index_q, index_k, weights, key_start, key_end, config, max_chunk_bytes, index_k_scale=None,
-                 entries=None, sync_free=False, entry_windows=False):
+                 entries=None, sync_free=False, entry_windows=False, select_all_max=-1):
         import torch
 
         fp8 = isinstance(index_q, torch.Tensor) and index_q.dtype == torch.float8_e4m3fn
@@ -807,11 +817,12 @@ class _Plan:
         self.off = torch.empty_like(self.ks)  # what the top-k adds to a score column (entry_windows: entry-local)
         self.blk_lo = torch.empty(nqb, dtype=torch.int32, device=self.device)
         self.blk_hi = torch.empty_like(self.blk_lo)
+        self.blk_hi_scored = torch.empty_like(self.blk_lo)  # blk_hi, or blk_lo where no row needs its scores
         if Tq == 0:
             return
         build_block_ranges(bq, bk)(key_start.contiguous(), key_end.contiguous(), Tk,
-                                   rows_per_entry if entry_windows else 0, keys_per_entry, self.ks, self.ke, self.base,
-                                   self.off, self.blk_lo, self.blk_hi)
+                                   rows_per_entry if entry_windows else 0, keys_per_entry, int(select_all_max),
+                                   self.ks, self.ke, self.base, self.off, self.blk_lo, self.blk_hi, self.blk_hi_scored)
         if Tk == 0:
             return
         # Widest block range, known without looking at the windows: every key, or (batched layout)
@@ -844,7 +855,7 @@ class _Plan:
             scores = torch.empty(r1 - r0, wblocks * self.bk, dtype=torch.float32, device=self.device)
         kern = build_indexer(self.cfg)
         kern(self.q[r0 * self.Hi : r1 * self.Hi], self.k, self.w[r0:r1], self.k_scale, self.blk_lo[qb0:qb1],
-             self.blk_hi[qb0:qb1], _splits(qb1 - qb0, wblocks, self.device, one_row_blocks=self.bq == 1), scores)
+             self.blk_hi_scored[qb0:qb1], _splits(qb1 - qb0, wblocks, self.device, one_row_blocks=self.bq == 1), scores)
         return r0, r1, scores
 
     def chunk_topk(self, r0, r1, scores, topk, out, config=None, lse=None):
@@ -859,7 +870,8 @@ class _Plan:
 
 def indexer_topk(index_q, index_k, weights, key_start, key_end, topk: int, *, config=None,
                  max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, topk_config=None, index_k_scale=None,
-                 entries: tuple[int, int] | None = None, return_lse: bool = False, entry_windows: bool = False):
+                 entries: tuple[int, int] | None = None, return_lse: bool = False, entry_windows: bool = False,
+                 score_whole_windows: bool = False):
     """Lightning-indexer top-k over per-query key windows.
 
     index_q [Tq, Hi, Di] bf16 CUDA; index_k [Tk, Di] bf16; weights [Tq, Hi] fp32 (softmax
@@ -890,13 +902,18 @@ def indexer_topk(index_q, index_k, weights, key_start, key_end, topk: int, *, co
     ``return_lse``: also the logsumexp of each row's selected scores ([Tq] fp32, -inf for a row without
     a key), summed by the top-k program as it emits them: (rows, lse). The indexer KL loss takes it and
     skips its own pass over the logits.
+
+    A row whose window holds at most ``topk`` keys selects all of them whatever its scores, so a block of such
+    rows is not scored (a causal prefill's first ``topk`` rows, every step over a cache of at most ``topk``
+    keys), unless ``return_lse`` (the lse sums their scores) or ``score_whole_windows`` (benchmarks: the cost of
+    scoring them) asks for the scores.
     """
     import torch
 
     if topk < 1:
         raise ValueError(f"topk must be >= 1, got {topk}")
     plan = _Plan(index_q, index_k, weights, key_start, key_end, config, max_chunk_bytes, index_k_scale, entries,
-                 entry_windows=entry_windows)
+                 entry_windows=entry_windows, select_all_max=-1 if return_lse or score_whole_windows else topk)
     out = torch.empty(plan.Tq, topk, dtype=torch.int32, device=plan.device)
     lse = torch.full((plan.Tq,), float("-inf"), dtype=torch.float32, device=plan.device) if return_lse else None
     if plan.Tq == 0 or plan.Tk == 0:

@@ -413,6 +413,49 @@ def test_indexer_k_larger_than_sequence():
     assert torch.equal(out[:, 300:], torch.full_like(out[:, 300:], -1))
 
 
+@pytest.mark.parametrize("k,block_q", [(2048, 4), (700, 4), (2048, 1)])
+def test_indexer_whole_windows_are_not_scored(k, block_q):
+    """Rows whose window holds at most k keys select all of it without their scores: a query block of only such
+    rows is not scored (its buffer rows stay as they were), and the result is bit for bit the call that scores
+    every block (sequences shorter and longer than k, k not a multiple of a block, an empty window)."""
+    seqlens = [5, 700, 1500, k, k + 1, 3001, 1, 2 * k + 37]
+    T = sum(seqlens)
+    cfg = K.default_config(64, 128, rows=None if block_q == 4 else 1)  # the prefill / generation-step programs
+    assert cfg["block_q"] == block_q
+    q, kk, w = make_inputs(T, T, 64, 128, seed=k + block_q)
+    ks, ke = causal_windows(seqlens)
+    ke[3] = ks[3]  # an empty window
+    out = K.indexer_topk(q, kk, w, ks, ke, k, config=cfg)
+    assert torch.equal(out, K.indexer_topk(q, kk, w, ks, ke, k, config=cfg, score_whole_windows=True))
+    assert check_indexer_rows(out, q, kk, w, ks, ke, k) > 0.98
+    # the blocks left out are those, and only those, whose rows all hold at most k keys
+    plan = K._Plan(q, kk, w, ks, ke, cfg, 1 << 62, select_all_max=k)
+    longest = (ke - ks).clamp(min=0).long()
+    longest = torch.nn.functional.pad(longest, (0, -T % plan.bq)).view(-1, plan.bq).amax(1)
+    skipped = longest <= k
+    assert 0 < int(skipped.sum()) < skipped.numel()
+    assert torch.equal(plan.blk_hi_scored, torch.where(skipped, plan.blk_lo, plan.blk_hi))
+    (chunk,) = plan.chunks
+    buf = torch.full((T, chunk[2] * plan.bk), float("nan"), device="cuda")
+    plan.chunk_scores(chunk, scores=buf)
+    written = ~buf.isnan().all(1)
+    row_skipped = skipped.repeat_interleave(plan.bq)[:T]
+    assert not bool(written[row_skipped].any()), "a block of whole windows was scored"
+    assert bool(written[~row_skipped & (ke > ks)].all())
+    # a call in which no block needs scores, and a generation step over caches of <= k and > k keys
+    short = K.indexer_topk(q[:600], kk, w[:600], ks[:600].clamp(max=0), ke[:600].clamp(max=k), k, config=cfg)
+    want = torch.arange(k, device="cuda", dtype=torch.int32).expand(600, k)
+    n = ke[:600].clamp(max=k).long()
+    assert torch.equal(short, torch.where(torch.arange(k, device="cuda")[None] < n[:, None], want, -1))
+    B, tk = 4, 3 * k
+    qd, kd, wd = make_inputs(B, B * tk, 64, 128, seed=3)
+    lens = torch.tensor([17, k, k + 1, tk], dtype=torch.int32, device="cuda")
+    zero = torch.zeros_like(lens)
+    step = K.indexer_topk(qd, kd, wd, zero, lens, k, entries=(1, tk), entry_windows=True)
+    again = K.indexer_topk(qd, kd, wd, zero, lens, k, entries=(1, tk), entry_windows=True, score_whole_windows=True)
+    assert torch.equal(step, again)
+
+
 @pytest.mark.parametrize("k", [2048, 4096])
 def test_indexer_causal_8k(k):
     T = 8192
