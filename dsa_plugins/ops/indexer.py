@@ -148,7 +148,8 @@ def indexer_topk(
     fp8 (inference): index_q and index_k float8_e4m3fn, index_k_scale [Tk] float32 positive per-key scales
     (required; the score of key s is multiplied by it; per-query scales go into weights); see
     quantize_indexer_fp8. Non-finite inputs give unspecified selections.
-    Returns [T, topk] int32 global rows of index_k; -1 where the window has fewer than topk keys.
+    Returns [T, topk] int32 global rows of index_k; -1 where the window has fewer than topk keys (a row whose
+    window holds at most topk keys takes all of them; the kernels do not score it unless return_lse asks).
     Among equal scores the lowest row wins (-0.0 ties with +0.0), on every backend, so a row's
     selection does not depend on batching, padding, chunking or context-parallel shards. The TileLang
     path returns each row in ascending key order, -1 last (so the attention's bits do not depend on
