@@ -7,6 +7,8 @@
 #      carried, then fills TileLang's disk cache for the GLM-5 / V3.2 / V4 kernels)
 #   2. carry [.peers/cudnn_fe/setup.sh, .peers/cudnn_fe/part-aa]   source .peers/cudnn_fe/setup.sh
 #   3. carry [.peers/cudnn_fe/setup.sh, .peers/cudnn_fe/part-ab]   source .peers/cudnn_fe/setup.sh
+#      (a carry holds 64 MiB with the working tree, ~5.4 MB now: a 60 MiB part no longer fits. Stage smaller parts,
+#      `sed 's/split -b 60M/split -b 42M/' ../shared/device/stage_cudnn_fe.sh | bash`, and carry part-ac too)
 #   4. carry [.devbundle, .peers/flashmla, .peers/cudnn_fe/setup.sh, scripts]
 #      GIT=<sha> bash scripts/gpu_peers.sh bench      (decode, forward and backward vs the peers)
 #   5. same carry, GIT=<sha> bash scripts/gpu_peers.sh layer   (megatron 0.19 layer at 8K, three backends)
