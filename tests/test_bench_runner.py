@@ -44,3 +44,13 @@ def test_interleaved_graph_timing_alternates_and_skips_missing_graphs(monkeypatc
     times = runner.interleaved_graph_ms([1, None, 2], rounds=3, replays=5)
     assert calls == [1, 2, 2, 1, 1, 2] and times == [[1.0, 1.0, 1.0], [], [2.0, 2.0, 2.0]]
     assert runner.ratio_text([2.0, 4.0, 3.0], [1.0, 1.0, 1.0]) == "3.000 [2.000, 4.000]"
+
+
+def test_interleaved_eager_timing_alternates_like_the_graph_timing(monkeypatch):
+    """The eager A/B (calls that cannot be captured) takes the same alternating order and budget per call."""
+    from dsa_plugins.bench import runner
+
+    calls = []
+    monkeypatch.setattr(runner, "calls_ms", lambda f, budget: calls.append((f(), budget)) or float(f()))
+    times = runner.interleaved_calls_ms([lambda: 1, lambda: 2], rounds=2, budget_ms=50.0)
+    assert calls == [(1, 50.0), (2, 50.0), (2, 50.0), (1, 50.0)] and times == [[1.0, 1.0], [2.0, 2.0]]

@@ -25,35 +25,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_indexer import inputs as causal_inputs  # noqa: E402  (one causal sequence: q, k, w, windows)
-from dsa_plugins.bench.runner import ratio_text  # noqa: E402
+from dsa_plugins.bench.runner import interleaved_calls_ms, ratio_text  # noqa: E402
 from dsa_plugins.kernels import indexer as K  # noqa: E402
-
-
-def round_ms(fn, budget_ms: float = 150.0) -> float:
-    """Median ms of back-to-back calls filling about ``budget_ms``."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    reps = max(3, int(budget_ms / max(start.elapsed_time(end), 1e-3)))
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def ab(name: str, unscored, scored, rounds: int) -> None:
     if not torch.equal(unscored(), scored()):
         raise SystemExit(f"{name}: the rows differ")
-    a, b = [], []
-    for r in range(rounds):
-        for fn, acc in ((unscored, a), (scored, b)) if r % 2 == 0 else ((scored, b), (unscored, a)):
-            acc.append(round_ms(fn))
+    a, b = interleaved_calls_ms([unscored, scored], rounds)
     print(f"{name:28s} unscored {statistics.median(a):8.3f} ms  scored {statistics.median(b):8.3f} ms  "
           f"scored / unscored {ratio_text(b, a)}", flush=True)
 

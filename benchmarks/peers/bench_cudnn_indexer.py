@@ -1,7 +1,7 @@
 """Indexer forward and the sparse and dense indexer KL losses: ours (TileLang) beside cuDNN frontend's Hopper kernels.
 
     python benchmarks/peers/bench_cudnn_indexer.py [--t 8192,32768] [--skip-loss] [--skip-sparse] [--skip-dense]
-        [--out DIR]
+        [--out DIR] [--rounds N]
 
 One causal sequence of T tokens; indexer sizes of DeepSeek-V3.2 / GLM-5 (Hi 64, Di 128, k 2048), attention
 sizes of GLM-5 for the loss target (H 64, Dqk 576, Dv 512). Ours and the peer run in one process on the
@@ -124,6 +124,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -131,6 +132,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import AGREE, Rows, error_text, import_peer, rel_diff, show_row  # noqa: E402
+
+from dsa_plugins.bench.runner import interleaved_calls_ms, ratio_text  # noqa: E402
 
 HI, DI, K = 64, 128, 2048  # indexer heads, head dim, top-k (DeepSeek-V3.2 / GLM-5)
 H, DQK, DV = 64, 576, 512  # GLM-5 absorbed MLA attention (the loss target)
@@ -173,7 +176,7 @@ def same_sets(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.sort(dim=-1).values == b.sort(dim=-1).values).all(dim=-1).float().mean())
 
 
-def bench_indexer_fwd(rows: Rows, t: int, dsa) -> None:
+def bench_indexer_fwd(rows: Rows, t: int, dsa, rounds: int = 0) -> None:
     from dsa_plugins.ops import causal_key_windows, indexer_topk
 
     shape, flops = f"T{t} Hi{HI} Di{DI} k{K} causal", 2.0 * HI * DI * t * (t + 1) / 2
@@ -241,6 +244,13 @@ def bench_indexer_fwd(rows: Rows, t: int, dsa) -> None:
         scores_err = error_text(exc)
     torch.cuda.empty_cache()
     rows.time("indexer_topk", "fwd", shape, "cudnn_fe_scores", peer_scores, flops, error=scores_err)
+    if rounds and scores_err is None and ours_err is None:
+        # the rows above are timed one after the other; here the two alternate, so that a drift during the run
+        # (clocks, memory state: one 32K run put the same computation 6% apart by position) falls on both alike
+        mine, peer = interleaved_calls_ms([ours, peer_scores], rounds)
+        print(f"  alternating rounds ({rounds}, eager calls): tilelang {statistics.median(mine):.3f} ms, "
+              f"cudnn_fe_scores {statistics.median(peer):.3f} ms, tilelang / cudnn_fe_scores speed "
+              f"{ratio_text(peer, mine)}", flush=True)
 
     for provider, fn in (("cudnn_fe", peer_torch_topk), ("cudnn_fe_radix", peer_radix_topk)):
         error = scores_err
@@ -577,6 +587,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-dense", action="store_true", help="skip the dense (warm-up) indexer loss")
     ap.add_argument("--skip-sparse", action="store_true", help="skip the sparse indexer loss")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="also time ours and cuDNN's scores in this many alternating rounds (printed, not in the csv)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_cudnn_indexer needs a CUDA GPU (Hopper: cuDNN's SM90 kernels)", flush=True)
@@ -588,7 +600,7 @@ def main(argv=None) -> int:
         print(f"note: sm{major}{minor}, not Hopper: cuDNN runs its other kernels; rows still say cudnn_fe", flush=True)
     rows = Rows("kernels", args.out)
     for t in ts if not args.skip_fwd else ():
-        bench_indexer_fwd(rows, t, dsa)
+        bench_indexer_fwd(rows, t, dsa, args.rounds)
         rows.write()
         torch.cuda.empty_cache()
     if not (args.skip_loss or args.skip_sparse):

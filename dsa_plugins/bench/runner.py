@@ -127,16 +127,40 @@ def graph_replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
     return start.elapsed_time(stop) / reps
 
 
-def interleaved_graph_ms(graphs: list, rounds: int, replays: int) -> list[list[float]]:
-    """Mean ms per replay of each CUDA graph (``graph_replay_ms``), once per round for ``rounds`` rounds, in
-    forward order on even rounds and backward on odd ones, so that the GPU's drift during a run falls on every
-    graph alike (A/B decisions of a few percent). A None graph (a variant a shape cannot take) gets no times."""
-    times: list[list[float]] = [[] for _ in graphs]
+def interleaved_ms(items: list, rounds: int, measure: Callable[[object], float]) -> list[list[float]]:
+    """``measure(item)`` of each item once per round for ``rounds`` rounds, in forward order on even rounds and
+    backward on odd ones, so that the GPU's drift during a run falls on every item alike (A/B decisions of a few
+    percent). A None item (a variant a shape cannot take) gets no times."""
+    times: list[list[float]] = [[] for _ in items]
     for r in range(rounds):
-        for i in range(len(graphs)) if r % 2 == 0 else reversed(range(len(graphs))):
-            if graphs[i] is not None:
-                times[i].append(graph_replay_ms(graphs[i], replays))
+        for i in range(len(items)) if r % 2 == 0 else reversed(range(len(items))):
+            if items[i] is not None:
+                times[i].append(measure(items[i]))
     return times
+
+
+def interleaved_graph_ms(graphs: list, rounds: int, replays: int) -> list[list[float]]:
+    """Mean ms per replay of each CUDA graph (``graph_replay_ms``) in alternating rounds (``interleaved_ms``)."""
+    return interleaved_ms(graphs, rounds, lambda g: graph_replay_ms(g, replays))
+
+
+def calls_ms(fn: Callable[[], object], budget_ms: float = 150.0) -> float:
+    """Median ms of back-to-back eager calls of ``fn`` (CUDA events around each, host time included) filling
+    about ``budget_ms``, at least 3: for calls that cannot be captured (a host sync inside)."""
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    while len(times) < 3 or sum(times) < budget_ms:
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def interleaved_calls_ms(fns: list, rounds: int, budget_ms: float = 150.0) -> list[list[float]]:
+    """``calls_ms`` of each callable in alternating rounds (``interleaved_ms``)."""
+    return interleaved_ms(fns, rounds, lambda f: calls_ms(f, budget_ms))
 
 
 def ratio_text(base: list[float], times: list[float]) -> str:
