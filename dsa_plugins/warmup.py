@@ -32,7 +32,7 @@ PRESETS: dict[str, dict] = {
     "deepseek_v4": dict(heads=128, dim_qk=512, dim_v=512, sink=True, index_heads=64, index_dim=128, topk=1024),
 }
 # Model types whose attention has per-head sinks (the others have none).
-_SINK_MODEL_TYPES = ("hy_v4", "deepseek_v4")
+_SINK_MODEL_TYPES = ("hy_v4", "hy_v4_vl", "hy_v4_vl_text", "deepseek_v4")
 
 
 @dataclass(frozen=True)

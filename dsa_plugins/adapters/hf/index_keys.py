@@ -15,9 +15,9 @@ scores' where two keys' scores are closer than fp8 resolves (near-ties), so it i
 
 ``python -m dsa_plugins warmup MODEL --fp8-index`` compiles its programs ahead.
 
-Served: the V3.2 family (``glm_moe_dsa``, ``deepseek_v32``, ``axk2``, ``hy_v4``, ``mistral_large4``,
-``dots3_note``) under ``dsa_tilelang``, in inference; a forward that trains the indexer (the indexer
-loss) is refused.
+Served: the V3.2 family (``glm_moe_dsa``, ``deepseek_v32``, ``axk2``, ``hy_v4``, ``hy_v4_vl``,
+``mistral_large4``, ``dots3_note``: ``constants.V32_FAMILY``) under ``dsa_tilelang``, in inference; a
+forward that trains the indexer (the indexer loss) is refused.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ... import ops
-from .constants import ATTN_NAME
+from .constants import ATTN_NAME, V32_FAMILY
 from .indexer_loss import served_indexers
 
 __all__ = ["disable_fp8_index_cache", "enable_fp8_index_cache", "fp8_index_cache_enabled", "quantize_index_inputs"]
@@ -45,7 +45,7 @@ def enable_fp8_index_cache(model: torch.nn.Module) -> int:
     indexers = served_indexers(model)
     if not indexers:
         raise ValueError(f"enable_fp8_index_cache: {type(model).__name__} has no indexer it serves (the V3.2 family: "
-                         "glm_moe_dsa, deepseek_v32, axk2, hy_v4, mistral_large4, dots3_note)")
+                         f"{', '.join(V32_FAMILY)})")
     for indexer in indexers:
         setattr(indexer, _FLAG_ATTR, True)
     return len(indexers)

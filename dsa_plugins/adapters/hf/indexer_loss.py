@@ -14,9 +14,10 @@ and its gradient enters with ``weight``; the model's own loss is unchanged.
     log(loss.item(), handle.mean())      # the indexer KL of that backward, averaged over layers
     handle.remove()                      # or dsa_plugins.hf.disable_indexer_loss(model)
 
-Served: the V3.2 family (``glm_moe_dsa``, ``deepseek_v32``, ``axk2``, ``hy_v4``, ``mistral_large4``,
-``dots3_note``) under ``dsa_tilelang``, in training mode with gradients on and no earlier keys in a cache; layers that
-reuse another layer's selection (GLM-5's "shared" layers) have no indexer to train.
+Served: the V3.2 family (``glm_moe_dsa``, ``deepseek_v32``, ``axk2``, ``hy_v4``, ``hy_v4_vl``,
+``mistral_large4``, ``dots3_note``: ``constants.V32_FAMILY``) under ``dsa_tilelang``, in training mode
+with gradients on and no earlier keys in a cache; layers that reuse another layer's selection (GLM-5's "shared"
+layers) have no indexer to train.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 from ... import ops
 from ...common.settings import warn_once
-from .constants import ATTN_NAME
+from .constants import ATTN_NAME, V32_FAMILY
 
 __all__ = ["IndexerLossHandle", "disable_indexer_loss", "enable_indexer_loss", "pending_loss", "served_indexers",
            "stash_loss"]
@@ -101,10 +102,8 @@ def enable_indexer_loss(model: torch.nn.Module, weight: float | Callable = 1.0,
         raise TypeError(f"weight must be a float or a callable, got {type(weight).__name__}")
     indexers = served_indexers(model)
     if not indexers:
-        raise ValueError(
-            f"enable_indexer_loss: {type(model).__name__} has no indexer this loss serves (the V3.2 family: "
-            "glm_moe_dsa, deepseek_v32, axk2, hy_v4, mistral_large4, dots3_note)"
-        )
+        raise ValueError(f"enable_indexer_loss: {type(model).__name__} has no indexer this loss serves (the V3.2 "
+                         f"family: {', '.join(V32_FAMILY)})")
     handle = IndexerLossHandle(model, weight, [on_value] if on_value is not None else [], layers=len(indexers))
     for indexer in indexers:
         setattr(indexer, _CONFIG_ATTR, handle)

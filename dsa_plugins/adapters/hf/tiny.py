@@ -58,6 +58,16 @@ SPECS: dict[str, tuple[str, str, dict]] = {
             indexer_types=["full", "shared"],
         ),
     ),
+    # the text model of Hy V4's vision-language release: hy_v4's attention and indexer, GLM-style interleaved rope
+    # from three position axes (mrope sections summing to qk_rope_head_dim / 2)
+    "hy_v4_vl": (
+        "HYV4VLTextConfig",
+        "HYV4VLTextModel",
+        dict(
+            _COMMON_MLA, num_hidden_layers=2, hc_mult=2, learnable_sink_init=0.5, indexer_types=["full", "shared"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
+        ),
+    ),
     "mistral_large4": (
         "MistralLarge4TextConfig",
         "MistralLarge4TextModel",

@@ -124,6 +124,41 @@ def test_left_padding_never_takes_the_dense_gap_path(registered, make_batch, mon
     assert dense_calls
 
 
+def test_the_v32_family_list_is_the_absorbed_entries():
+    """The family the indexer loss and the fp8 index cache name in their errors is the models table's absorbed path."""
+    from dsa_plugins.adapters.hf.constants import V32_FAMILY
+    from dsa_plugins.adapters.hf.models import absorbed_model_types
+
+    assert list(V32_FAMILY) == absorbed_model_types()
+
+
+@pytest.mark.parametrize("model_type", [m for m in MODELS if m not in ("deepseek_v4", "glm5_next")])
+def test_absorbed_models_run_the_sparse_ops(registered, model_type, make_batch, monkeypatch):
+    """Each absorbed-MLA model's dsa_tilelang forward goes through ops.indexer_topk and ops.sparse_mla once per
+    attention layer that selects / attends (so a model whose patches were not applied, and which would match eager
+    through a dense fallback, fails here)."""
+    _require(model_type)
+    from dsa_plugins import ops
+
+    calls = {"indexer_topk": 0, "sparse_mla": 0}
+    for name in calls:
+        real = getattr(ops, name)
+        def counted(*a, _n=name, _f=real, **k):
+            calls[_n] += 1
+            return _f(*a, **k)
+
+        monkeypatch.setattr(ops, name, counted)
+    model = tiny.tiny_model(model_type)
+    ids, mask = make_batch()
+    with torch.no_grad():
+        _run(model, "dsa_tilelang", ids, mask)
+    config = model.config
+    layers = [t for t in getattr(config, "layer_types", None) or ["indexed_attention"] * config.num_hidden_layers
+              if "sliding" not in t]
+    full = [t for t in getattr(config, "indexer_types", None) or ["full"] * len(layers) if t == "full"]
+    assert calls == {"indexer_topk": len(full), "sparse_mla": len(layers)}, calls
+
+
 def test_topk_matters_in_tiny_configs(registered, make_batch, output_of):
     """Sanity of the tests above: with the tiny index_topk, sparse attention differs from dense."""
     ids, mask = make_batch()
@@ -152,7 +187,8 @@ def test_prefill_builds_no_dense_mask(registered, model_type, make_batch, monkey
 
 
 @pytest.mark.parametrize("gap", [False, True], ids=["left_padding", "padding_gap"])
-@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32", "axk2", "hy_v4", "mistral_large4", "dots3_note"])
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32", "axk2", "hy_v4", "hy_v4_vl", "mistral_large4",
+                                        "dots3_note"])
 def test_indexer_selects_what_hf_selects(registered, model_type, gap):
     """The patched indexer (indexer_topk) picks the same key sets as transformers' own indexer, also where the
     padding leaves a gap inside a row (its top-k taken among the allowed keys, not masked after)."""
@@ -229,6 +265,31 @@ def test_multimodal_tower_falls_back_in_a_real_model(registered):
         assert model.model.vision_tower.config._attn_implementation == impl
         with torch.no_grad():
             out[impl] = model(input_ids=ids, pixel_values=pixels, image_sizes=torch.tensor([[16, 16]])).logits
+    torch.testing.assert_close(out["dsa_tilelang"], out["eager"], rtol=1e-5, atol=2e-5)
+
+
+def test_hy_v4_vl_with_an_image_matches_eager(registered):
+    """Hy V4's vision-language model with one image (4 x 4 patches, merged 2 x 2, a newline token per row): the text
+    layers run the sparse ops, the vision tower (no indices) SDPA, and the logits are eager's."""
+    _require("hy_v4_vl")
+    from transformers import HYV4VLConfig, HYV4VLForConditionalGeneration
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=4,
+                  spatial_merge_size=2, out_hidden_size=64, max_image_size=64)
+    config = HYV4VLConfig(text_config=tiny.tiny_config("hy_v4_vl").to_dict(), vision_config=vision,
+                          image_token_id=10, video_token_id=11)
+    torch.manual_seed(0)
+    model = HYV4VLForConditionalGeneration(config).eval()
+    g = torch.Generator().manual_seed(4)
+    pixels = torch.randn(16, 3 * 4 * 4, generator=g)
+    ids = torch.cat([torch.tensor([[1]]), torch.full((1, 2 * 3), 10), torch.randint(12, 128, (1, 8), generator=g)], 1)
+    out = {}
+    for impl in ("eager", "dsa_tilelang"):
+        model.set_attn_implementation(impl)
+        assert model.model.vision_tower.config._attn_implementation == impl
+        with torch.no_grad():
+            out[impl] = model(input_ids=ids, pixel_values=pixels, image_grid_thw=torch.tensor([[1, 4, 4]]),
+                              mm_token_type_ids=(ids == 10).int()).logits
     torch.testing.assert_close(out["dsa_tilelang"], out["eager"], rtol=1e-5, atol=2e-5)
 
 

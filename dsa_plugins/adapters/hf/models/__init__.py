@@ -54,6 +54,9 @@ MODELS: dict[str, ModelEntry] = {
         ModelEntry("hy_v4", _modeling("hy_v4"), _ABSORBED + ", per-head sinks",
                    v32_family.patcher("hy_v4", "HYV4Attention", "HYV4Indexer",
                                       rope_first_projection("apply_rotary_pos_emb", rope_first=False))),
+        ModelEntry("hy_v4_vl", _modeling("hy_v4_vl"), _ABSORBED + ", per-head sinks (text; vision tower on SDPA)",
+                   v32_family.patcher("hy_v4_vl", "HYV4VLAttention", "HYV4VLIndexer",
+                                      rope_first_projection("apply_rotary_pos_emb", rope_first=False))),
         ModelEntry("mistral_large4", _modeling("mistral_large4"), _ABSORBED + " (text; Pixtral tower on SDPA)",
                    v32_family.patcher("mistral_large4", "MistralLarge4TextAttention", "MistralLarge4TextIndexer",
                                       mistral_large4_projection)),
@@ -66,6 +69,12 @@ MODELS: dict[str, ModelEntry] = {
                    glm5_next.patch),
     )
 }
+
+def absorbed_model_types() -> list[str]:
+    """The model types on the absorbed-MLA path (the V3.2 family), whose indexers the indexer loss and the fp8
+    index cache serve."""
+    return [t for t, entry in MODELS.items() if entry.path.startswith(_ABSORBED)]
+
 
 # Not supported (yet), with the reason; see the README.
 UNSUPPORTED: dict[str, str] = {}
@@ -114,5 +123,5 @@ def patch_model(model_type: str, module=None) -> None:
     entry.patch(importlib.import_module(entry.module) if module is None else module)
 
 
-__all__ = ["MODELS", "UNSUPPORTED", "ModelEntry", "available_models", "model_available", "patch_model",
-           "supported_models"]
+__all__ = ["MODELS", "UNSUPPORTED", "ModelEntry", "absorbed_model_types", "available_models", "model_available",
+           "patch_model", "supported_models"]

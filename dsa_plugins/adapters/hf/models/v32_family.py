@@ -1,5 +1,6 @@
 """The DeepSeek-V3.2 family under ``dsa_tilelang``: deepseek_v32, glm_moe_dsa (GLM-5), axk2,
-hy_v4 (with sinks), mistral_large4 (text) and dots3_note (text).
+hy_v4 (with sinks), hy_v4_vl (its vision-language release: the text model; the vision tower runs SDPA),
+mistral_large4 (text) and dots3_note (text).
 
 Two patches per model, both inert unless the model runs under dsa_tilelang:
 
