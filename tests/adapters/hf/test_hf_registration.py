@@ -112,8 +112,32 @@ def test_unknown_and_unsupported_models():
         patch_model("llama")
     status = supported_models()
     assert "glm_moe_dsa" in status and "glm5_next" in status
-    # every model type is supported now: none is reported with a reason
-    assert all(v == "not in this transformers" or v.startswith(("patched", "available")) for v in status.values())
+    from dsa_plugins.adapters.hf.models import UNSUPPORTED
+
+    # the block-sparse models with one selection per KV-head group are reported with their reason and refused
+    assert set(UNSUPPORTED) == {"minimax_m3_vl", "qwen4_exp"}
+    assert {k: status[k] for k in UNSUPPORTED} == UNSUPPORTED
+    assert all(v == "not in this transformers" or v.startswith(("patched", "available"))
+               for k, v in status.items() if k not in UNSUPPORTED)
+    with pytest.raises(NotImplementedError, match="qwen4_exp is not supported: its QSA indexer"):
+        patch_model("qwen4_exp")
+
+
+def test_an_unsupported_model_s_attention_says_it_runs_sdpa(registered, monkeypatch):
+    """A module of a model type that dsa_plugins does not serve runs SDPA under dsa_tilelang, and says so once."""
+    from dsa_plugins.adapters.hf import attention
+
+    said = []
+    monkeypatch.setattr(attention, "warn_once", lambda key, text: said.append((key, text)))
+    module_type = type("MiniMaxM3VLAttention", (torch.nn.Module,),
+                       {"__module__": "transformers.models.minimax_m3_vl.modeling_minimax_m3_vl"})
+    module = module_type()
+    module.is_causal = False
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    out, _ = attention.dsa_attention_forward(module, q, k, v, None, scaling=8**-0.5)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=8**-0.5).transpose(1, 2)
+    torch.testing.assert_close(out, ref)
+    assert [key for key, _ in said] == ["hf:unsupported:minimax_m3_vl"] and "runs SDPA" in said[0][1]
 
 
 def test_bad_backend_is_a_clear_error(registered, monkeypatch, make_batch):

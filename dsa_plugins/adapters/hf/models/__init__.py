@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ....patches.attributes import applied_keys
-from ..constants import PATCH_KEY
+from ..constants import PATCH_KEY, UNSUPPORTED  # UNSUPPORTED: not served, with the reason (see the README)
 from . import deepseek_v4, glm5_next, v32_family
 from .v32_family import mistral_large4_projection, rope_first_projection
 
@@ -70,14 +70,12 @@ MODELS: dict[str, ModelEntry] = {
     )
 }
 
+
 def absorbed_model_types() -> list[str]:
     """The model types on the absorbed-MLA path (the V3.2 family), whose indexers the indexer loss and the fp8
     index cache serve."""
     return [t for t, entry in MODELS.items() if entry.path.startswith(_ABSORBED)]
 
-
-# Not supported (yet), with the reason; see the README.
-UNSUPPORTED: dict[str, str] = {}
 
 
 def _models_dir() -> str | None:
