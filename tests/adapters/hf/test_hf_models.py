@@ -270,7 +270,8 @@ def test_multimodal_tower_falls_back_in_a_real_model(registered):
 
 def test_hy_v4_vl_with_an_image_matches_eager(registered):
     """Hy V4's vision-language model with one image (4 x 4 patches, merged 2 x 2, a newline token per row): the text
-    layers run the sparse ops, the vision tower (no indices) SDPA, and the logits are eager's."""
+    layers run the sparse ops, the vision tower (no indices) SDPA; the logits are eager's, and so are the greedy
+    tokens with the dynamic and the static cache."""
     _require("hy_v4_vl")
     from transformers import HYV4VLConfig, HYV4VLForConditionalGeneration
 
@@ -283,14 +284,20 @@ def test_hy_v4_vl_with_an_image_matches_eager(registered):
     g = torch.Generator().manual_seed(4)
     pixels = torch.randn(16, 3 * 4 * 4, generator=g)
     ids = torch.cat([torch.tensor([[1]]), torch.full((1, 2 * 3), 10), torch.randint(12, 128, (1, 8), generator=g)], 1)
-    out = {}
+    inputs = dict(pixel_values=pixels, image_grid_thw=torch.tensor([[1, 4, 4]]), mm_token_type_ids=(ids == 10).int())
+    out, tokens = {}, {}
     for impl in ("eager", "dsa_tilelang"):
         model.set_attn_implementation(impl)
         assert model.model.vision_tower.config._attn_implementation == impl
         with torch.no_grad():
-            out[impl] = model(input_ids=ids, pixel_values=pixels, image_grid_thw=torch.tensor([[1, 4, 4]]),
-                              mm_token_type_ids=(ids == 10).int()).logits
+            out[impl] = model(input_ids=ids, **inputs).logits
+            for cache in (None, "static"):  # greedy generation, transformers' dynamic cache and the fixed-size one
+                tokens[impl, cache] = model.generate(ids, cache_implementation=cache, max_new_tokens=5,
+                                                     min_new_tokens=5, do_sample=False, pad_token_id=2,
+                                                     **inputs)[0, ids.shape[1]:]
     torch.testing.assert_close(out["dsa_tilelang"], out["eager"], rtol=1e-5, atol=2e-5)
+    for cache in (None, "static"):
+        assert torch.equal(tokens["dsa_tilelang", cache], tokens["eager", None]), cache
 
 
 @pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v4"])
