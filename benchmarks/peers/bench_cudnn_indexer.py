@@ -9,7 +9,8 @@ same inputs; each peer's outputs are checked first (rel L2 <= AGREE from common.
 disagreement goes to the row's error column instead of a time. Rows are appended to
 benchmarks/results/kernels.csv (or DIR/kernels.csv); ours / peer speeds are printed at the end.
 
-op indexer_topk, mode fwd, shape "T{t} Hi64 Di128 k2048 causal", FLOPs 2*Hi*Di*T*(T+1)/2 for every row:
+op indexer_topk, mode fwd, shape "T{t} Hi64 Di128 k2048 causal", FLOPs 2*Hi*Di*T*(T+1)/2 for every row (effective:
+ours leaves the first k rows, which select their whole window, unscored):
   tilelang         dsa_plugins.ops.indexer_topk (scores and top-k in one op, -1 past the prefix); variant
                    return_lse: also each row's logsumexp of its selected scores (what the loss below takes);
                    variant score_whole_windows: the kernel call that also scores the first k rows (each

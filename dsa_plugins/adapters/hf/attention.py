@@ -22,7 +22,7 @@ import torch
 from ...common.settings import warn_once
 from ... import ops
 from .cache import fused_latent
-from .constants import ATTN_NAME, UNSUPPORTED
+from .constants import ATTN_NAME, refuse_unsupported
 from .indexer_loss import pending_loss
 from .masks import DenseMask, LazyMask, TopkSelection, as_mask, mask_indices
 
@@ -106,10 +106,9 @@ def dsa_attention_forward(
 
 
 def _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, **kwargs):
-    model_type = type(module).__module__.split(".")[2:3]  # transformers.models.<model_type>.modeling_<model_type>
-    if model_type and model_type[0] in UNSUPPORTED:
-        warn_once(f"hf:unsupported:{model_type[0]}", f"dsa_tilelang: {model_type[0]} is not served by dsa_plugins "
-                  f"({UNSUPPORTED[model_type[0]]}); its attention runs SDPA on the dense mask")
+    # a model that is not served never reaches SDPA without its selection (its mask creation refuses it first; this
+    # covers modules called with a prebuilt mask): transformers.models.<model_type>.modeling_<model_type>
+    refuse_unsupported(".".join(type(module).__module__.split(".")[2:3]))
     mask = attention_mask.dense() if isinstance(attention_mask, LazyMask) else attention_mask
     kwargs.pop("indices", None)
     if kwargs.get("s_aux") is not None:

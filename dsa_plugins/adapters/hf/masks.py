@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .constants import refuse_unsupported
+
 __all__ = [
     "DenseMask",
     "LazyMask",
@@ -337,7 +339,7 @@ def dsa_mask(batch_size: int, q_length: int, kv_length: int, **kwargs) -> LazyMa
     kwargs.pop("allow_is_causal_skip", None)
     kwargs.pop("allow_is_bidirectional_skip", None)
     kwargs.pop("dtype", None)
-    kwargs.pop("config", None)
+    refuse_unsupported(getattr(kwargs.pop("config", None), "model_type", None))
     return LazyMask(batch_size, q_length, kv_length, **kwargs)
 
 

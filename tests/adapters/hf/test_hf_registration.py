@@ -123,21 +123,35 @@ def test_unknown_and_unsupported_models():
         patch_model("qwen4_exp")
 
 
-def test_an_unsupported_model_s_attention_says_it_runs_sdpa(registered, monkeypatch):
-    """A module of a model type that dsa_plugins does not serve runs SDPA under dsa_tilelang, and says so once."""
-    from dsa_plugins.adapters.hf import attention
+@pytest.mark.parametrize("model_type", ["minimax_m3_vl", "qwen4_exp"])
+def test_a_model_that_is_not_served_is_refused_under_dsa_tilelang(registered, model_type):
+    """A tiny text model of each unserved sparse model type: eager runs, dsa_tilelang raises the reason (neither
+    attention without the model's selection nor a crash inside its own mask code)."""
+    import transformers
 
-    said = []
-    monkeypatch.setattr(attention, "warn_once", lambda key, text: said.append((key, text)))
-    module_type = type("MiniMaxM3VLAttention", (torch.nn.Module,),
-                       {"__module__": "transformers.models.minimax_m3_vl.modeling_minimax_m3_vl"})
-    module = module_type()
-    module.is_causal = False
-    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
-    out, _ = attention.dsa_attention_forward(module, q, k, v, None, scaling=8**-0.5)
-    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=8**-0.5).transpose(1, 2)
-    torch.testing.assert_close(out, ref)
-    assert [key for key, _ in said] == ["hf:unsupported:minimax_m3_vl"] and "runs SDPA" in said[0][1]
+    config_class = {"minimax_m3_vl": "MiniMaxM3VLTextConfig", "qwen4_exp": "Qwen4ExpTextConfig"}[model_type]
+    if not hasattr(transformers, config_class):
+        pytest.skip(f"{model_type} is not in transformers {transformers.__version__}")
+    common = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=8, intermediate_size=32, pad_token_id=None)
+    if model_type == "minimax_m3_vl":
+        config = transformers.MiniMaxM3VLTextConfig(
+            **common, moe_intermediate_size=16, num_local_experts=2, num_experts_per_tok=1, mlp_layer_types=["dense"],
+            index_n_heads=2, index_head_dim=8, index_block_size=2, index_topk_blocks=2, index_local_blocks=1)
+        model = transformers.MiniMaxM3VLTextModel(config)
+    else:
+        config = transformers.Qwen4ExpTextConfig(
+            **common, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=2,
+            num_experts_per_tok=1,
+            indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=2,
+            layer_types=["indexed_attention"])
+        model = transformers.Qwen4ExpTextModel(config)
+    ids = torch.randint(3, 64, (1, 10))
+    with torch.no_grad():
+        model(ids)
+        model.set_attn_implementation("dsa_tilelang")
+        with pytest.raises(NotImplementedError, match=f"{model_type} is not served by dsa_plugins: its .*indexer"):
+            model(ids)
 
 
 def test_bad_backend_is_a_clear_error(registered, monkeypatch, make_batch):
