@@ -32,7 +32,7 @@ PRESETS: dict[str, dict] = {
     "deepseek_v4": dict(heads=128, dim_qk=512, dim_v=512, sink=True, index_heads=64, index_dim=128, topk=1024),
 }
 # Model types whose attention has per-head sinks (the others have none).
-_SINK_MODEL_TYPES = ("hy_v4", "hy_v4_vl", "hy_v4_vl_text", "deepseek_v4")
+_SINK_MODEL_TYPES = ("hy_v4", "hy_v4_vl", "deepseek_v4")  # a text config's "<type>_text" too
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def _dims_of(cfg, model_type: str) -> ModelDims | None:
         dim_qk = dim_v = _attr(cfg, "head_dim")
     if None in (heads, index_heads, index_dim, dim_qk):
         return None
-    sink = model_type in _SINK_MODEL_TYPES or bool(getattr(cfg, "attention_sink", False))
+    sink = model_type.removesuffix("_text") in _SINK_MODEL_TYPES or bool(getattr(cfg, "attention_sink", False))
     topk = int(_attr(cfg, "index_topk", "indexer_topk", default=2048))
     return ModelDims(int(heads), int(dim_qk), int(dim_v), sink, int(index_heads), int(index_dim), topk)
 

@@ -22,7 +22,7 @@ import torch
 from ...common.settings import warn_once
 from ... import ops
 from .cache import fused_latent
-from .constants import ATTN_NAME, refuse_unsupported
+from .constants import ATTN_NAME
 from .indexer_loss import pending_loss
 from .masks import DenseMask, LazyMask, TopkSelection, as_mask, mask_indices
 
@@ -106,9 +106,6 @@ def dsa_attention_forward(
 
 
 def _dense_fallback(module, query, key, value, attention_mask, scaling, dropout, **kwargs):
-    # a model that is not served never reaches SDPA without its selection (its mask creation refuses it first; this
-    # covers modules called with a prebuilt mask): transformers.models.<model_type>.modeling_<model_type>
-    refuse_unsupported(".".join(type(module).__module__.split(".")[2:3]))
     mask = attention_mask.dense() if isinstance(attention_mask, LazyMask) else attention_mask
     kwargs.pop("indices", None)
     if kwargs.get("s_aux") is not None:

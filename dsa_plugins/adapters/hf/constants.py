@@ -3,8 +3,8 @@
 ATTN_NAME = "dsa_tilelang"  # the attn_implementation users pass
 PATCH_KEY = "hf"  # patch keys: "hf.<model_type>" (see dsa_plugins.patches.attributes)
 SUPPORTED_TRANSFORMERS = ("5.17.0", "6.0.0")  # [minimum, below)
-#: the model types on the absorbed-MLA path (models.MODELS says how each is patched): the indexers the indexer loss
-#: and the fp8 index cache serve
+#: the model types on the absorbed-MLA path (models.MODELS says how each is patched; a test keeps the two equal): the
+#: indexers the indexer loss and the fp8 index cache serve
 V32_FAMILY = ("glm_moe_dsa", "deepseek_v32", "axk2", "hy_v4", "hy_v4_vl", "mistral_large4", "dots3_note")
 #: sparse models in transformers that dsa_plugins does not serve, with the reason: under dsa_tilelang they are refused
 #: (``refuse_unsupported``) rather than run without their selection

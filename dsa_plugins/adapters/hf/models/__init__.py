@@ -71,13 +71,6 @@ MODELS: dict[str, ModelEntry] = {
 }
 
 
-def absorbed_model_types() -> list[str]:
-    """The model types on the absorbed-MLA path (the V3.2 family), whose indexers the indexer loss and the fp8
-    index cache serve."""
-    return [t for t, entry in MODELS.items() if entry.path.startswith(_ABSORBED)]
-
-
-
 def _models_dir() -> str | None:
     spec = importlib.util.find_spec("transformers")
     if spec is None or not spec.submodule_search_locations:
@@ -121,5 +114,5 @@ def patch_model(model_type: str, module=None) -> None:
     entry.patch(importlib.import_module(entry.module) if module is None else module)
 
 
-__all__ = ["MODELS", "UNSUPPORTED", "ModelEntry", "absorbed_model_types", "available_models", "model_available",
-           "patch_model", "supported_models"]
+__all__ = ["MODELS", "UNSUPPORTED", "ModelEntry", "available_models", "model_available", "patch_model",
+           "supported_models"]
