@@ -10,6 +10,8 @@ stage, read it and release it. Three modes, timed on the same indices:
 
 - ``alone``: every CTA gathers all 64 rows of each block (today's forward);
 - ``alone_cluster``: the same, launched as clusters of two (what cluster scheduling costs by itself);
+- ``tma_warp`` / ``tma_lanes``: as ``alone``, the rows gathered by TMA (one 128-byte piece of a row per copy, into
+  the 128-byte swizzled 64-column chunks the MMAs read), from one lane per producer warp or from all 128 lanes;
 - ``share``: the two CTAs of a cluster gather 32 rows each, wait for them, and forward them to the peer
   with bulk SM-to-SM copies (``T.copy_cluster``: 4 KB pieces, completing on the peer's barrier). A stage
   is ready when the CTA's own rows and the peer's bytes have landed, and free when both CTAs' consumers
@@ -36,6 +38,11 @@ import statistics
 import sys
 
 MODES = ("alone", "alone_cluster", "share")
+# the same pipeline with the rows gathered by TMA instead of cp.async (64 columns, one 128-byte swizzled row
+# piece per TMA; out-of-range rows, -1 among them, come back as zeros with their bytes counted): "tma_warp" as
+# TileLang's tma_copy issues it (one lane per producer warp, an expect_tx per piece), "tma_lanes" every producer
+# lane issuing its own pieces and one arrive.expect_tx of the whole block
+TMA_MODES = ("tma_warp", "tma_lanes")
 _BLOCK = 64  # rows per stage (the forward's block_k)
 _PIECE = 2048  # bf16 elements per forwarded piece (4 KB, a 32-row half of one 64-column chunk in the forward)
 
@@ -146,12 +153,134 @@ def probe_program(dim: int, mode: str, distinct: bool = False, stages: int = 2, 
 
     return probe
 
+# tma_lanes: TileLang names the kv tensor map KV_desc where one tma_copy of KV exists in the program; every lane
+# issues its own pieces through it. Included as a header by the compile flags (a prelude beside a tensor map fails
+# TileLang's codegen, and nvcc splits -D values at commas)
+_TMA_LANES_HEADER = """
+#define DSA_TMA_PIECE(st, base, row_off, col, row) \\
+  tl::tma_load(KV_desc, ready[st], (void*)((char*)(base) + (row_off) * 128), (col), (row))
+#define DSA_ARRIVE_TX(st, bytes) ready[st].arrive_and_expect_tx(bytes)
+"""
+
+
+def _tma_lanes_flags() -> list:
+    import os
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), "dsa_probe_tma_lanes.h")
+    with open(path, "w") as f:
+        f.write(_TMA_LANES_HEADER)
+    return ["-include", path]
+
+
+def tma_probe_program(dim: int, mode: str, distinct: bool = False, stages: int = 2, block: int = _BLOCK,
+                      hold_ns: int = 0):
+    """``alone``'s pipeline with TMA gathers (``TMA_MODES``); same arguments and grid as ``probe_program``, but
+    Out [2 R, 128]: consumer thread u of CTA b sums, over the blocks, elements 0 and dim - 63 of the block's row
+    u % block (``expected_tma_sums``). A stage is [dim / 64 * block, 64] bf16, chunk c of row r at row
+    c * block + r (the forward's layout)."""
+    assert mode in TMA_MODES and block % 16 == 0 and stages >= 2 and dim % 64 == 0
+    assert not hold_ns, "the TMA modes take no hold (its prelude and a tensor map do not compile together)"
+    import tilelang.language as T
+    from tilelang.layout import make_swizzled_layout
+
+    lanes = mode == "tma_lanes"
+    stage_ids = tuple(range(stages))
+    n_chunks = dim // 64
+    chunks = tuple(range(n_chunks))
+    pieces = block * n_chunks
+    per_lane = (pieces + 127) // 128
+    R, N, KP, RI = T.dynamic("R"), T.dynamic("N"), T.dynamic("KP"), T.dynamic("RI")
+    bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+
+    @T.prim_func
+    def probe(KV: T.Tensor([N, dim], bf16), Idx: T.Tensor([RI, KP], i32),
+              Out: T.Tensor([2 * R, 128], f32)):
+        with T.Kernel(2 * R, threads=256) as bx:
+            bufs = [T.alloc_shared([n_chunks * block, 64], bf16) for _ in stage_ids]
+            T.annotate_layout({b: make_swizzled_layout(b) for b in bufs})
+            # tma_warp: the 4 producer warps' leaders arrive once each (their expect_tx per piece);
+            # tma_lanes: one arrive.expect_tx of the block's bytes
+            ready = T.alloc_barrier([1 if lanes else 4] * stages)
+            free = T.alloc_barrier([1] * stages)
+            acc = T.alloc_local([1], f32)
+            tx = T.get_thread_binding()
+            idx_row = T.min(bx, RI - 1) if distinct else T.min(bx // 2, RI - 1)
+            n_trips = T.cast(KP // (stages * block), i32)  # (every name of the annotations appears in the body)
+            if tx < 128:
+                w = tx // 32
+                # never (no index is that low): only so that TileLang emits KV's tensor map, KV_desc (a condition
+                # it cannot decide, or it drops the copy and the map with it)
+                if Idx[idx_row, 0] < -(1 << 30):
+                    T.tma_copy(KV[N - 1 : N, dim - 64 : dim], bufs[0][0:1, 0:64], barrier=ready[0])
+                for t in T.serial(n_trips):
+                    for st in stage_ids:
+                        T.mbarrier_wait_parity(free[st], (t & 1) ^ 1)
+                        slot0 = (stages * t + st) * block
+                        if lanes:
+                            for j in T.serial(per_lane):
+                                p = tx + 128 * j
+                                if p < pieces:
+                                    r = p // n_chunks
+                                    c = p % n_chunks
+                                    T.evaluate(T.call_extern("handle", "DSA_TMA_PIECE", st,
+                                                             T.address_of(bufs[st][0, 0]), c * block + r,
+                                                             c * 64, Idx[idx_row, slot0 + r]))
+                            if tx == 0:
+                                T.evaluate(T.call_extern("handle", "DSA_ARRIVE_TX", st, pieces * 128))
+                        else:
+                            for r in T.serial(block // 4):
+                                row = w * (block // 4) + r
+                                src = Idx[idx_row, slot0 + row]
+                                for c in chunks:
+                                    T.tma_copy(KV[src : src + 1, c * 64 : c * 64 + 64],
+                                               bufs[st][c * block + row : c * block + row + 1, 0:64],
+                                               barrier=ready[st], leader_scope_threads=32)
+                            if T.shuffle_elect(32):
+                                T.barrier_arrive(ready[st])
+            else:
+                acc[0] = 0.0
+                for t in T.serial(n_trips):
+                    for st in stage_ids:
+                        T.mbarrier_wait_parity(ready[st], t & 1)
+                        # one element of every row piece of the first and last chunk
+                        acc[0] += T.cast(bufs[st][(tx - 128) % block, 0], f32) + T.cast(
+                            bufs[st][(n_chunks - 1) * block + (tx - 128) % block, 1], f32)
+                        if hold_ns:
+                            if tx == 128:
+                                T.evaluate(T.call_extern("int32", "dsa_hold", hold_ns))
+                        T.sync_threads(14, 128)
+                        if tx == 128:
+                            T.barrier_arrive(free[st])
+                Out[bx, tx - 128] = acc[0]  # every consumer thread's sum (rows of every swizzle phase)
+
+    return probe
+
+
+def expected_tma_sums(kv, idx, rows: int, block: int, distinct: bool):
+    """What ``tma_probe_program`` writes to Out [2 rows, 128], from torch (fp32 sums in the kernel's order)."""
+    import torch
+
+    n, dim = kv.shape
+    pair = torch.arange(2 * rows, device=idx.device)
+    rows_idx = idx[pair if distinct else pair // 2].long()  # [2 rows, KP]
+    ok = (rows_idx >= 0) & (rows_idx < n)
+    safe = rows_idx.clamp(0, n - 1)
+    vals = (kv[safe, 0].float() + kv[safe, dim - 63].float()) * ok  # out-of-range rows land as zeros
+    u = torch.arange(128, device=idx.device) % block
+    acc = torch.zeros(2 * rows, 128, device=idx.device)
+    for b in range(idx.shape[1] // block):
+        acc += vals[:, b * block + u]
+    return acc
+
 
 def build(dim: int, mode: str, target="auto", distinct: bool = False, stages: int = 2, block: int = _BLOCK,
           hold_ns: int = 0):
     import tilelang
 
-    return tilelang.jit(target=target, compile_flags=["-O3", "-DNDEBUG"])(probe_program)(
+    program = tma_probe_program if mode in TMA_MODES else probe_program
+    flags = ["-O3", "-DNDEBUG"] + (_tma_lanes_flags() if mode == "tma_lanes" else [])
+    return tilelang.jit(target=target, compile_flags=flags)(program)(
         dim, mode, distinct, stages, block, hold_ns)
 
 
@@ -161,7 +290,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=4096, help="query rows (clusters of two CTAs each)")
     ap.add_argument("--topk", type=int, default=2048, help="slots per row (a multiple of 128)")
     ap.add_argument("--keys", type=int, default=8192, help="kv rows to pick from")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=",".join(MODES), help=f"of {MODES + TMA_MODES}")
     ap.add_argument("--distinct", action="store_true", help="the CTAs of a pair gather different rows (alone modes)")
     ap.add_argument("--stages", type=int, default=2, help="stage buffers (alone modes)")
     ap.add_argument("--block", type=int, default=_BLOCK, help="rows per stage (a multiple of 16; alone modes)")
@@ -181,7 +310,8 @@ def main(argv=None) -> int:
     n_idx = args.rows * (2 if args.distinct else 1)
     idx = torch.rand(n_idx, args.keys, device="cuda", generator=g).topk(args.topk, dim=-1).indices.int()
     idx += (torch.arange(n_idx, device="cuda", dtype=torch.int32) % args.segments).mul(args.keys)[:, None]
-    out = torch.empty(args.rows, 2, device="cuda")
+    out2 = torch.empty(args.rows, 2, device="cuda")
+    out_tma = torch.empty(2 * args.rows, 128, device="cuda")
     delivered = 2 * args.rows * args.topk * args.dim * 2  # bytes landing in shared memory, both CTAs
     # distinct rows read (both CTAs of a pair read one set unless --distinct)
     distinct_bytes = n_idx * args.topk * args.dim * 2
@@ -200,6 +330,7 @@ def main(argv=None) -> int:
         if mode == "share" and (stages, block) != (2, _BLOCK):
             continue
         kernel = build(args.dim, mode, distinct=args.distinct, stages=stages, block=block, hold_ns=hold_ns)
+        out = out_tma if mode in TMA_MODES else out2
         for _ in range(3):
             kernel(kv, idx, out)
         torch.cuda.synchronize()
@@ -217,6 +348,9 @@ def main(argv=None) -> int:
         ms = statistics.median(times)
         alone = sums.get(("alone", stages, block, hold_ns))  # the same pipeline without clusters
         same = "" if mode == "alone" or alone is None else f", same sums as alone: {torch.equal(out, alone)}"
+        if mode in TMA_MODES:
+            want = expected_tma_sums(kv, idx, args.rows, block, args.distinct)
+            same = f", sums as torch's: {torch.allclose(out, want, rtol=1e-4, atol=1e-3)}"
         print(f"{mode:14s} D{args.dim}{' distinct' if args.distinct else ''} rows {args.rows} k {args.topk} "
               f"stages {stages}x{block} hold {hold_ns} ns segments {args.segments}x{args.keys}"
               f"{' flushed' if args.flush else ''}: "
