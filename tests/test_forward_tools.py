@@ -59,7 +59,7 @@ def test_ab_script_parses_and_lists_its_shapes(monkeypatch, capsys):
 def test_cluster_gather_probe_compiles_for_sm90a():
     """The probe of two CTAs sharing a gather compiles in its three modes; "share" forwards each half to
     the peer with bulk SM-to-SM copies and keeps the cluster together until both CTAs are done. Deeper
-    pipelines with a hold per stage compile too (the decode's gather floor)."""
+    pipelines with a hold per stage compile too (the decode's gather floor), and so do the TMA gathers."""
     pytest.importorskip("tilelang")
     probe = _load("probe_cluster_gather")
     sources = {mode: probe.build(576, mode, target={"kind": "cuda", "arch": "sm_90a"}).get_kernel_source()
@@ -72,6 +72,13 @@ def test_cluster_gather_probe_compiles_for_sm90a():
     deep = probe.build(576, "alone", target={"kind": "cuda", "arch": "sm_90a"}, distinct=True, stages=4, block=32,
                        hold_ns=800).get_kernel_source()
     assert "ready[3].init(256)" in deep and "ready[4]" not in deep and "dsa_hold(800)" in deep
+    # rows gathered by TMA: 9 pieces of 64 columns a row from one lane per warp (an expect_tx each), or every
+    # lane's pieces through the kv tensor map and one arrive.expect_tx of the block's 64 x 1152 bytes
+    tma = {mode: probe.build(576, mode, target={"kind": "cuda", "arch": "sm_90a"}).get_kernel_source()
+           for mode in probe.TMA_MODES}
+    assert tma["tma_warp"].count("tl::tma_load(KV_desc") == 2 * 9 + 1 and "ready[0].init(4)" in tma["tma_warp"]
+    assert "DSA_TMA_PIECE(0," in tma["tma_lanes"] and "DSA_ARRIVE_TX(1, 73728)" in tma["tma_lanes"]
+    assert "ready[0].init(1)" in tma["tma_lanes"] and "cp.async" not in tma["tma_lanes"]
 
 
 @pytest.mark.parametrize("fine", [False, True], ids=["phases", "fine"])
