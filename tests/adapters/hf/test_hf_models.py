@@ -161,6 +161,28 @@ def test_absorbed_models_run_the_sparse_ops(registered, model_type, make_batch, 
     assert calls == {"indexer_topk": len(full), "sparse_mla": len(layers)}, calls
 
 
+@pytest.mark.parametrize("model_type", V32_FAMILY)
+def test_bf16_models_give_the_sparse_ops_bf16(registered, model_type, make_batch, monkeypatch):
+    """In a bf16 model, q and k reach ops.indexer_topk and ops.sparse_mla in bf16, the kernels' dtype (dots3_note's
+    fp32 cos / sin promoted its indexer's rope slice, which the kernels refuse: found by the GPU test)."""
+    _require(model_type)
+    from dsa_plugins import ops
+
+    seen = {"indexer_topk": set(), "sparse_mla": set()}
+    for name in seen:
+        real = getattr(ops, name)
+        def spy(q, k, *a, _n=name, _f=real, **kw):
+            seen[_n].add((q.dtype, k.dtype))
+            return _f(q, k, *a, **kw)
+
+        monkeypatch.setattr(ops, name, spy)
+    model = tiny.tiny_model(model_type).to(torch.bfloat16)
+    ids, mask = make_batch()
+    with torch.no_grad():
+        _run(model, "dsa_tilelang", ids, mask)
+    assert seen == {name: {(torch.bfloat16, torch.bfloat16)} for name in seen}, seen
+
+
 def test_topk_matters_in_tiny_configs(registered, make_batch, output_of):
     """Sanity of the tests above: with the tiny index_topk, sparse attention differs from dense."""
     ids, mask = make_batch()

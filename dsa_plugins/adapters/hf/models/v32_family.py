@@ -60,7 +60,9 @@ def rope_first_projection(rope_name: str, rope_first: bool = True):
             q_a, k_a = rope(q_a, k_a, cos, sin, unsqueeze_dim=2)
         else:
             q_b, k_b = rope(q_b, k_b, cos, sin, unsqueeze_dim=2)
-        q = torch.cat([q_a, q_b], dim=-1)
+        # back to the projection's dtype: fp32 cos / sin (dots3_note's) promote the rope slice, and the kernels
+        # take bf16 / fp16 (the model's own indexer scores in fp32 after its rope either way)
+        q = torch.cat([q_a, q_b], dim=-1).to(q.dtype)
         k = torch.cat([k_a, k_b], dim=-1).squeeze(2)
         w = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
         w = w * (Hi**-0.5) * indexer.softmax_scale  # relu(c*x) = c*relu(x) for c > 0
@@ -80,7 +82,7 @@ def mistral_large4_projection(indexer, hidden_states, q_resid, position_embeddin
         q_rot, q_pass = torch.split(q, [R, Di - R], dim=-1)
         k_rot, k_pass = torch.split(k, [R, Di - R], dim=-1)
         q_rot, k_rot = _rope_fn(indexer, "apply_rotary_pos_emb_interleave")(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
-        q = torch.cat([q_rot, q_pass], dim=-1)
+        q = torch.cat([q_rot, q_pass], dim=-1).to(q_pass.dtype)  # as in rope_first_projection
         k = torch.cat([k_rot, k_pass], dim=-1)
     k = k.squeeze(2)
     w = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
