@@ -57,6 +57,30 @@ __device__ __forceinline__ int dsa_hold(int ns) {
 """
 
 
+def _consumer_macro():
+    """The consumers' loop of every mode (a TileLang macro): wait for each stage, add ``read(st)`` (an expression of
+    the stage) to ``acc[0]``, hold it ``hold_ns``, free it (and the peer's copy, rank ``peer``, in "share")."""
+    import tilelang.language as T
+
+    @T.macro
+    def consume(stage_ids, n_trips, ready, free, acc, tx, read, hold_ns, peer):
+        acc[0] = 0.0
+        for t in T.serial(n_trips):
+            for st in stage_ids:
+                T.mbarrier_wait_parity(ready[st], t & 1)
+                acc[0] += read(st)
+                if hold_ns:
+                    if tx == 128:
+                        T.evaluate(T.call_extern("int32", "dsa_hold", hold_ns))
+                T.sync_threads(14, 128)
+                if tx == 128:
+                    T.barrier_arrive(free[st])
+                    if peer is not None:
+                        T.ptx_arrive_cluster_barrier(free[st], peer)
+
+    return consume
+
+
 def probe_program(dim: int, mode: str, distinct: bool = False, stages: int = 2, block: int = _BLOCK,
                   hold_ns: int = 0):
     """The TileLang program of one mode: (KV [N, dim] bf16, Idx [R, KP] int32, Out [R, 2] fp32), grid 2 R.
@@ -70,6 +94,7 @@ def probe_program(dim: int, mode: str, distinct: bool = False, stages: int = 2, 
     import tilelang.cuda.language as TC
     import tilelang.language as T
 
+    consume = _consumer_macro()
     share = mode == "share"
     cluster = mode != "alone"
     own = _BLOCK // 2 if share else block  # rows each CTA gathers per block
@@ -132,20 +157,10 @@ def probe_program(dim: int, mode: str, distinct: bool = False, stages: int = 2, 
                             T.cp_async_barrier_noinc(ready[st])
                             T.barrier_arrive(ready[st])
             else:
-                acc[0] = 0.0
-                for t in T.serial(n_trips):
-                    for st in stage_ids:
-                        T.mbarrier_wait_parity(ready[st], t & 1)
-                        # read one element of every row (the forward's MMAs read them all)
-                        acc[0] += T.cast(bufs[st][((tx - 128) % block) * dim + (tx - 128) // block], f32)
-                        if hold_ns:
-                            if tx == 128:
-                                T.evaluate(T.call_extern("int32", "dsa_hold", hold_ns))
-                        T.sync_threads(14, 128)
-                        if tx == 128:
-                            T.barrier_arrive(free[st])
-                            if share:
-                                T.ptx_arrive_cluster_barrier(free[st], 1 - rank)
+                # read one element of every row (the forward's MMAs read them all)
+                consume(stage_ids, n_trips, ready, free, acc, tx,
+                        lambda st: T.cast(bufs[st][((tx - 128) % block) * dim + (tx - 128) // block], f32),
+                        hold_ns, 1 - rank if share else None)
                 if tx == 128:
                     Out[row, rank] = acc[0]
             if cluster:
@@ -184,6 +199,7 @@ def tma_probe_program(dim: int, mode: str, distinct: bool = False, stages: int =
     import tilelang.language as T
     from tilelang.layout import make_swizzled_layout
 
+    consume = _consumer_macro()
     lanes = mode == "tma_lanes"
     stage_ids = tuple(range(stages))
     n_chunks = dim // 64
@@ -239,19 +255,10 @@ def tma_probe_program(dim: int, mode: str, distinct: bool = False, stages: int =
                             if T.shuffle_elect(32):
                                 T.barrier_arrive(ready[st])
             else:
-                acc[0] = 0.0
-                for t in T.serial(n_trips):
-                    for st in stage_ids:
-                        T.mbarrier_wait_parity(ready[st], t & 1)
-                        # one element of every row piece of the first and last chunk
-                        acc[0] += T.cast(bufs[st][(tx - 128) % block, 0], f32) + T.cast(
-                            bufs[st][(n_chunks - 1) * block + (tx - 128) % block, 1], f32)
-                        if hold_ns:
-                            if tx == 128:
-                                T.evaluate(T.call_extern("int32", "dsa_hold", hold_ns))
-                        T.sync_threads(14, 128)
-                        if tx == 128:
-                            T.barrier_arrive(free[st])
+                # one element of every row piece of the first and last chunk
+                consume(stage_ids, n_trips, ready, free, acc, tx,
+                        lambda st: T.cast(bufs[st][(tx - 128) % block, 0], f32)
+                        + T.cast(bufs[st][(n_chunks - 1) * block + (tx - 128) % block, 1], f32), 0, None)
                 Out[bx, tx - 128] = acc[0]  # every consumer thread's sum (rows of every swizzle phase)
 
     return probe
