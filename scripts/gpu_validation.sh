@@ -5,6 +5,11 @@
 #  the tests each);
 #  hf: the HF and ops GPU tests, then generation steps per layer, eager and compiled, and the eager host profile)
 # Logs and results go to $OUT (or ./gpu_out).
+# A newer transformers than the lent machine's (5.17): download its wheel and the few it needs newer (here:
+#   python -m pip download --no-deps -d .peers/tf524min transformers==5.24.0 regex typer click rich shellingham \
+#     markdown-it-py mdurl pygments annotated-doc --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux2014_x86_64), carry it beside .devbundle (16 + 38 MB fit one carry), and before the tests
+#   python3 -m pip install -q --no-deps --target /tmp/tf .peers/tf524min/*.whl; export PYTHONPATH=/tmp/tf:$PYTHONPATH
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
