@@ -163,8 +163,9 @@ def test_absorbed_models_run_the_sparse_ops(registered, model_type, make_batch, 
 
 @pytest.mark.parametrize("model_type", V32_FAMILY)
 def test_bf16_models_give_the_sparse_ops_bf16(registered, model_type, make_batch, monkeypatch):
-    """In a bf16 model, q and k reach ops.indexer_topk and ops.sparse_mla in bf16, the kernels' dtype (dots3_note's
-    fp32 cos / sin promoted its indexer's rope slice, which the kernels refuse: found by the GPU test)."""
+    """In a bf16 model, q and k reach ops.indexer_topk and ops.sparse_mla in bf16, the kernels' dtype, and the index
+    keys are cached so (dots3_note's fp32 cos / sin promoted its indexer's rope slice, which the kernels refuse:
+    found by the GPU test; its own eager path caches them in fp32)."""
     _require(model_type)
     from dsa_plugins import ops
 
@@ -177,10 +178,14 @@ def test_bf16_models_give_the_sparse_ops_bf16(registered, model_type, make_batch
 
         monkeypatch.setattr(ops, name, spy)
     model = tiny.tiny_model(model_type).to(torch.bfloat16)
+    model.set_attn_implementation("dsa_tilelang")
     ids, mask = make_batch()
     with torch.no_grad():
-        _run(model, "dsa_tilelang", ids, mask)
+        cache = model(ids, attention_mask=mask, use_cache=True).past_key_values
     assert seen == {name: {(torch.bfloat16, torch.bfloat16)} for name in seen}, seen
+    # the index keys are cached in the dtype the kernel reads (not cast whole at every step)
+    keys = [layer.indexer_keys for layer in cache.layers if getattr(layer, "indexer_keys", None) is not None]
+    assert keys and {k.dtype for k in keys} == {torch.bfloat16}
 
 
 def test_topk_matters_in_tiny_configs(registered, make_batch, output_of):

@@ -61,9 +61,11 @@ def rope_first_projection(rope_name: str, rope_first: bool = True):
         else:
             q_b, k_b = rope(q_b, k_b, cos, sin, unsqueeze_dim=2)
         # back to the projection's dtype: fp32 cos / sin (dots3_note's) promote the rope slice, and the kernels
-        # take bf16 / fp16 (the model's own indexer scores in fp32 after its rope either way)
+        # take bf16 / fp16 (the model's own indexer scores in fp32 after its rope either way). k too, before the
+        # cache: the kernels read it in that dtype, so an fp32 index cache would only double its memory and be
+        # cast whole at every step
         q = torch.cat([q_a, q_b], dim=-1).to(q.dtype)
-        k = torch.cat([k_a, k_b], dim=-1).squeeze(2)
+        k = torch.cat([k_a, k_b], dim=-1).squeeze(2).to(q.dtype)
         w = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
         w = w * (Hi**-0.5) * indexer.softmax_scale  # relu(c*x) = c*relu(x) for c > 0
         return q, k, w
@@ -84,7 +86,7 @@ def mistral_large4_projection(indexer, hidden_states, q_resid, position_embeddin
         q_rot, k_rot = _rope_fn(indexer, "apply_rotary_pos_emb_interleave")(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
         q = torch.cat([q_rot, q_pass], dim=-1).to(q_pass.dtype)  # as in rope_first_projection
         k = torch.cat([k_rot, k_pass], dim=-1)
-    k = k.squeeze(2)
+    k = k.squeeze(2).to(q.dtype)
     w = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
     return q, k, w * (Hi**-0.5) * indexer.softmax_scale
 
