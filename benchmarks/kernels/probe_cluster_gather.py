@@ -6,7 +6,7 @@ The forward's main loop is bound by L2-to-SM bandwidth (``benchmarks/results/fwd
 64-slot block moves 64 gathered rows into the CTA. At H 128 the two head blocks of a query gather the same
 rows. This probe moves rows only, with no math, in the forward's pattern: 128 producer threads gather one
 block into a double-buffered stage with predicated 16-byte cp.async, and 128 consumer threads wait for the
-stage, read it and release it. Three modes, timed on the same indices:
+stage, read it and release it. The modes, timed on the same indices:
 
 - ``alone``: every CTA gathers all 64 rows of each block (today's forward);
 - ``alone_cluster``: the same, launched as clusters of two (what cluster scheduling costs by itself);
@@ -167,6 +167,7 @@ def probe_program(dim: int, mode: str, distinct: bool = False, stages: int = 2, 
                 TC.cluster_sync()  # no CTA leaves while its peer may still write to it or arrive on it
 
     return probe
+
 
 # tma_lanes: TileLang names the kv tensor map KV_desc where one tma_copy of KV exists in the program; every lane
 # issues its own pieces through it. Included as a header by the compile flags (a prelude beside a tensor map fails

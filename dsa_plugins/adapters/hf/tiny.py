@@ -147,6 +147,30 @@ def _installed_layer_types(layer_types: list) -> list:
     return ["deepseek_sparse_attention" if t == "indexed_attention" else t for t in layer_types]
 
 
+# the released models' attention and indexer head sizes (64 heads; latent 512 + rope 64 and 32 index heads of 128 in
+# the V3.2 family, GLM-5's), so that a tiny model runs the GPU kernels
+_KERNEL_MLA = dict(num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=512, qk_rope_head_dim=64,
+                   qk_nope_head_dim=128, v_head_dim=128, index_n_heads=32, index_head_dim=128, index_topk=64)
+_KERNEL_V4 = dict(num_attention_heads=64, head_dim=512, q_lora_rank=64, o_lora_rank=32, index_n_heads=64,
+                  index_head_dim=128, partial_rotary_factor=0.125, sliding_window=64, index_topk=16,
+                  compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 32})
+
+
+def kernel_sizes(model_type: str) -> dict:
+    """``tiny_config`` overrides with the released models' head sizes, which the GPU kernels serve: 576/512 (the
+    V3.2 family), 512/512 without rope (glm5_next), D512 with sinks (deepseek_v4)."""
+    if model_type == "deepseek_v4":
+        return dict(_KERNEL_V4)
+    sizes = dict(_KERNEL_MLA)
+    if model_type == "glm5_next":
+        sizes["qk_rope_head_dim"] = 0
+    if "head_dim" in SPECS[model_type][2]:  # the configs that also take the per-head width
+        sizes["head_dim"] = sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"]
+    if model_type == "hy_v4_vl":  # its mrope sections sum to half the rope width
+        sizes["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [16, 8, 8]}
+    return sizes
+
+
 def tiny_config(model_type: str, **overrides):
     """A tiny config of ``model_type`` (random-weight models only)."""
     if model_type not in SPECS:

@@ -106,9 +106,7 @@ def gpu_generation_case(model_type: str, seq_len: int = 200, pad: int = 17):
 
     if not tiny.available(model_type):
         pytest.skip(f"{model_type} is not in this transformers")
-    overrides = dict(num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=512, qk_rope_head_dim=64,
-                     qk_nope_head_dim=128, v_head_dim=128, index_n_heads=32, index_head_dim=128, index_topk=64)
-    model = tiny.tiny_model(model_type, **overrides).to("cuda", torch.bfloat16).eval()
+    model = tiny.tiny_model(model_type, **tiny.kernel_sizes(model_type)).to("cuda", torch.bfloat16).eval()
     model.set_attn_implementation("dsa_tilelang")
     ids, mask = batch(seq_len=seq_len, pad=pad)
     kw = dict(attention_mask=mask.cuda(), max_new_tokens=8, do_sample=False, pad_token_id=2, output_logits=True,

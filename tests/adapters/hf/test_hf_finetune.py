@@ -124,12 +124,10 @@ def test_gpu_bf16_indexer_loss_through_the_kernels(registered, make_batch, monke
     """GLM-5 head sizes in bf16 with the kernels forced: the fused loss program runs in the attention
     backward, the indexers get finite gradients, and training them lowers the KL against measuring it."""
     monkeypatch.setenv("DSA_PLUGINS_BACKEND", "tilelang")
-    overrides = dict(num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=512, qk_rope_head_dim=64,
-                     qk_nope_head_dim=128, v_head_dim=128, index_n_heads=32, index_head_dim=128, index_topk=64)
     kls = {}
     for weight in (1.0, 1e-12):
         torch.manual_seed(0)
-        model = tiny.tiny_model("glm_moe_dsa", **overrides).to("cuda", torch.bfloat16)
+        model = tiny.tiny_model("glm_moe_dsa", **tiny.kernel_sizes("glm_moe_dsa")).to("cuda", torch.bfloat16)
         model.set_attn_implementation("dsa_tilelang")
         model.train()
         handle = dsa_plugins.hf.enable_indexer_loss(model, weight=weight)
@@ -156,14 +154,12 @@ def test_gpu_autocast_mixed_precision_runs_the_kernels(registered, make_batch, m
     with the kernels forced (an fp32 input would raise), the attention, indexer and fused loss run in bf16; the
     loss is eager attention's under the same autocast, the fp32 parameters get finite gradients."""
     monkeypatch.setenv("DSA_PLUGINS_BACKEND", "tilelang")
-    overrides = dict(num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=512, qk_rope_head_dim=64,
-                     qk_nope_head_dim=128, v_head_dim=128, index_n_heads=32, index_head_dim=128, index_topk=64)
     ids, mask = make_batch(seq_len=512, pad=40)
     ids, mask = ids.cuda(), mask.cuda()
     losses = {}
     for attn in ("dsa_tilelang", "eager"):
         torch.manual_seed(0)
-        model = tiny.tiny_model("glm_moe_dsa", **overrides).to("cuda")
+        model = tiny.tiny_model("glm_moe_dsa", **tiny.kernel_sizes("glm_moe_dsa")).to("cuda")
         model.set_attn_implementation(attn)
         model.train()
         handle = dsa_plugins.hf.enable_indexer_loss(model, weight=0.1) if attn == "dsa_tilelang" else None

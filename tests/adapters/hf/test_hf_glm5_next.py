@@ -300,9 +300,7 @@ def _gpu_case(device: str, dtype: torch.dtype):
     """A glm5_next text model with 64 heads over a 512-wide NoPE latent (the kernels' 512/512 without sink), 32
     index heads of 128, top-k 64 in pools of 2, and a batch of distinct tokens (NoPE keys depend on the token
     alone: a repeated token would tie two pools' scores exactly, and the paths may break the tie differently)."""
-    overrides = dict(vocab_size=512, num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=512,
-                     qk_nope_head_dim=128, v_head_dim=128, index_n_heads=32, index_head_dim=128, index_topk=64)
-    model = _model(**overrides).to(device, dtype)
+    model = _model(vocab_size=512, **tiny.kernel_sizes(MODEL)).to(device, dtype)
     g = torch.Generator().manual_seed(0)
     ids = torch.stack([torch.randperm(509, generator=g)[:256] + 3 for _ in range(2)])
     mask = torch.ones_like(ids)

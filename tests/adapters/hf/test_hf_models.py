@@ -134,26 +134,35 @@ def test_the_v32_family_list_is_the_absorbed_entries():
     assert list(V32_FAMILY) == absorbed_model_types
 
 
+_SPARSE_OPS = ("indexer_topk", "sparse_mla")
+
+
+def _spy_sparse_ops(monkeypatch) -> list:
+    """Wraps ops.indexer_topk and ops.sparse_mla; returns the list their calls append (op name, q dtype, k dtype) to."""
+    from dsa_plugins import ops
+
+    calls = []
+    for name in _SPARSE_OPS:
+        def spy(q, k, *a, _n=name, _f=getattr(ops, name), **kw):
+            calls.append((_n, q.dtype, k.dtype))
+            return _f(q, k, *a, **kw)
+
+        monkeypatch.setattr(ops, name, spy)
+    return calls
+
+
 @pytest.mark.parametrize("model_type", [m for m in MODELS if m not in ("deepseek_v4", "glm5_next")])
 def test_absorbed_models_run_the_sparse_ops(registered, model_type, make_batch, monkeypatch):
     """Each absorbed-MLA model's dsa_tilelang forward goes through ops.indexer_topk and ops.sparse_mla once per
     attention layer that selects / attends (so a model whose patches were not applied, and which would match eager
     through a dense fallback, fails here)."""
     _require(model_type)
-    from dsa_plugins import ops
-
-    calls = {"indexer_topk": 0, "sparse_mla": 0}
-    for name in calls:
-        real = getattr(ops, name)
-        def counted(*a, _n=name, _f=real, **k):
-            calls[_n] += 1
-            return _f(*a, **k)
-
-        monkeypatch.setattr(ops, name, counted)
+    seen = _spy_sparse_ops(monkeypatch)
     model = tiny.tiny_model(model_type)
     ids, mask = make_batch()
     with torch.no_grad():
         _run(model, "dsa_tilelang", ids, mask)
+    calls = {name: sum(1 for op, *_ in seen if op == name) for name in _SPARSE_OPS}
     config = model.config
     layers = [t for t in getattr(config, "layer_types", None) or ["indexed_attention"] * config.num_hidden_layers
               if "sliding" not in t]
@@ -167,21 +176,13 @@ def test_bf16_models_give_the_sparse_ops_bf16(registered, model_type, make_batch
     keys are cached so (dots3_note's fp32 cos / sin promoted its indexer's rope slice, which the kernels refuse:
     found by the GPU test; its own eager path caches them in fp32)."""
     _require(model_type)
-    from dsa_plugins import ops
-
-    seen = {"indexer_topk": set(), "sparse_mla": set()}
-    for name in seen:
-        real = getattr(ops, name)
-        def spy(q, k, *a, _n=name, _f=real, **kw):
-            seen[_n].add((q.dtype, k.dtype))
-            return _f(q, k, *a, **kw)
-
-        monkeypatch.setattr(ops, name, spy)
+    calls = _spy_sparse_ops(monkeypatch)
     model = tiny.tiny_model(model_type).to(torch.bfloat16)
     model.set_attn_implementation("dsa_tilelang")
     ids, mask = make_batch()
     with torch.no_grad():
         cache = model(ids, attention_mask=mask, use_cache=True).past_key_values
+    seen = {name: {(q, k) for op, q, k in calls if op == name} for name in _SPARSE_OPS}
     assert seen == {name: {(torch.bfloat16, torch.bfloat16)} for name in seen}, seen
     # the index keys are cached in the dtype the kernel reads (not cast whole at every step)
     keys = [layer.indexer_keys for layer in cache.layers if getattr(layer, "indexer_keys", None) is not None]
@@ -216,8 +217,7 @@ def test_prefill_builds_no_dense_mask(registered, model_type, make_batch, monkey
 
 
 @pytest.mark.parametrize("gap", [False, True], ids=["left_padding", "padding_gap"])
-@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32", "axk2", "hy_v4", "hy_v4_vl", "mistral_large4",
-                                        "dots3_note"])
+@pytest.mark.parametrize("model_type", V32_FAMILY)
 def test_indexer_selects_what_hf_selects(registered, model_type, gap):
     """The patched indexer (indexer_topk) picks the same key sets as transformers' own indexer, also where the
     padding leaves a gap inside a row (its top-k taken among the allowed keys, not masked after)."""
@@ -351,22 +351,6 @@ def test_model_built_before_and_after_registration(model_type, make_batch, outpu
         hf.unregister()
 
 
-def _released_head_sizes(model_type: str) -> dict:
-    """Tiny-config overrides with the released models' attention sizes: 64 heads, latent 512 + rope 64 (V3.2
-    family, 576/512 on the kernels) or head_dim 512 (V4, with sink)."""
-    if model_type == "deepseek_v4":
-        return dict(num_attention_heads=64, head_dim=512, q_lora_rank=64, o_lora_rank=32, index_n_heads=64,
-                    index_head_dim=128, partial_rotary_factor=0.125, sliding_window=64, index_topk=16,
-                    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 32})
-    sizes = dict(num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=512, qk_rope_head_dim=64,
-                 qk_nope_head_dim=128, v_head_dim=128, index_n_heads=32, index_head_dim=128, index_topk=64)
-    if "head_dim" in tiny.SPECS[model_type][2]:  # the configs that also take the per-head width
-        sizes["head_dim"] = 128 + 64
-    if model_type == "hy_v4_vl":  # its mrope sections sum to half the rope width
-        sizes["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [16, 8, 8]}
-    return sizes
-
-
 # every served model with rotary keys (glm5_next's NoPE keys depend on the token alone, so repeated tokens tie its
 # pools' scores exactly and the two paths may pick different pools: its own file tests it)
 @pytest.mark.gpu
@@ -379,8 +363,7 @@ def test_gpu_bf16_kernels_match_eager(registered, model_type, make_batch, output
 
     monkeypatch.setenv("DSA_PLUGINS_BACKEND", "tilelang")
     cls = tiny.model_class(model_type)
-    overrides = _released_head_sizes(model_type)
-    model = tiny.tiny_model(model_type, **overrides)
+    model = tiny.tiny_model(model_type, **tiny.kernel_sizes(model_type))
     with tempfile.TemporaryDirectory() as d:
         model.save_pretrained(d)
         ref = cls.from_pretrained(d, dtype=torch.bfloat16, device_map="auto", attn_implementation="eager")

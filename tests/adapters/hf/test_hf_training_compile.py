@@ -123,19 +123,13 @@ def test_the_sliding_mask_function_is_transformers_own_mask_under_a_code_of_its_
     registered.register()
 
 
-#: the released models' attention and indexer head sizes, so the TileLang kernels run (V3.2 family / V4)
-_GPU_HEAD_SIZES = {
-    "glm_moe_dsa": dict(num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=512, qk_rope_head_dim=64,
-                        qk_nope_head_dim=128, v_head_dim=128, index_n_heads=32, index_head_dim=128, index_topk=64),
-    "deepseek_v4": dict(num_attention_heads=64, head_dim=512, q_lora_rank=64, o_lora_rank=32, index_n_heads=64,
-                        index_head_dim=128, partial_rotary_factor=0.125, sliding_window=64, index_topk=16,
-                        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 32}),
-}
+#: the models whose compiled training step runs on the GPU kernels (at tiny.kernel_sizes)
+_GPU_MODELS = ("deepseek_v4", "glm_moe_dsa")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("model_type", sorted(_GPU_HEAD_SIZES))
+@pytest.mark.parametrize("model_type", _GPU_MODELS)
 def test_gpu_compiled_training_step_runs_the_kernels(registered, model_type, make_batch, monkeypatch):
     """bf16 on the GPU with the kernels forced: inductor compiles the whole training step (fullgraph) around our
     custom ops, and its loss and gradients are those of the same model run uncompiled (same precision: the
@@ -151,7 +145,7 @@ def test_gpu_compiled_training_step_runs_the_kernels(registered, model_type, mak
     monkeypatch.setattr(engine, "load_kernel", lambda name: launched.append(name) or real_load(name))
     ids, mask = make_batch(seed=4, seq_len=256, pad=17)
     ids, mask = ids.cuda(), mask.cuda()
-    model = tiny.tiny_model(model_type, attn_implementation="dsa_tilelang", seed=1, **_GPU_HEAD_SIZES[model_type])
+    model = tiny.tiny_model(model_type, attn_implementation="dsa_tilelang", seed=1, **tiny.kernel_sizes(model_type))
     model = model.to("cuda", torch.bfloat16)
     model.config.use_cache = False
     loss, grads = _loss_and_grads(model, model, ids, mask)
